@@ -1,0 +1,84 @@
+"""The contract between the backbone and the action modules.
+
+* :class:`CompatKey` says which samples can share one backbone forward: same backbone, image
+  size, number of views and token budget. Samples normalised under one key have identical
+  tensor shapes (text padded to the token budget, images resized), so a group is just a
+  concatenation along the batch dimension.
+* :class:`ModelInputs` is a normalised batch under one key.
+* :class:`VLAFeature` is what heads consume: the prefix hidden states of a configured layer,
+  its mask, and the proprio state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CompatKey:
+    """Samples with equal keys normalise to identical model-facing shapes and can be grouped."""
+
+    backbone_id: str
+    image_size: int
+    num_views: int
+    token_budget: int
+
+
+@dataclass
+class ModelInputs:
+    """A normalised batch: backbone input tensors (batch-first, shapes fixed by ``key``).
+
+    ``tensors`` holds what the backbone's forward takes (``input_ids``, ``attention_mask``,
+    ``pixel_values``, ...). ``proprio_B_P`` is the tenant's proprio state (not a backbone input).
+    """
+
+    key: CompatKey
+    tensors: dict[str, torch.Tensor]
+    proprio_B_P: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.tensors["input_ids"].shape[0])
+
+    @staticmethod
+    def concat(parts: Sequence[ModelInputs]) -> ModelInputs:
+        """Concatenate batches of the same key along dim 0 (proprio dims must match)."""
+        if not parts:
+            raise ValueError("cannot concatenate zero ModelInputs")
+        key = parts[0].key
+        for p in parts[1:]:
+            if p.key != key:
+                raise ValueError(f"incompatible keys in one group: {key} vs {p.key}")
+        names = parts[0].tensors.keys()
+        tensors = {n: torch.cat([p.tensors[n] for p in parts], dim=0) for n in names}
+        return ModelInputs(key, tensors, torch.cat([p.proprio_B_P for p in parts], dim=0))
+
+
+@dataclass
+class VLAFeature:
+    """Backbone output for a batch: prefix hidden states and mask, plus proprio.
+
+    ``prefix_B_T_D``: hidden states of the configured layer over the prefix tokens (detached;
+    the backbone is frozen). ``mask_B_T``: 1 for real tokens, 0 for padding. ``proprio_B_P``:
+    the tenant's proprio vector (P may differ between tenants; grouped features carry
+    per-tenant proprio after :meth:`split`).
+    """
+
+    prefix_B_T_D: torch.Tensor
+    mask_B_T: torch.Tensor
+    proprio_B_P: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.prefix_B_T_D.shape[0])
+
+    def split(self, sizes: Sequence[int], proprios: Sequence[torch.Tensor]) -> list[VLAFeature]:
+        """Partition a grouped feature back into per-tenant views (no copies of the prefix)."""
+        if sum(sizes) != self.batch_size:
+            raise ValueError(f"split sizes {list(sizes)} do not sum to batch {self.batch_size}")
+        prefixes = torch.split(self.prefix_B_T_D, list(sizes), dim=0)
+        masks = torch.split(self.mask_B_T, list(sizes), dim=0)
+        return [VLAFeature(f, m, p) for f, m, p in zip(prefixes, masks, proprios, strict=True)]
