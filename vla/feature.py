@@ -52,9 +52,29 @@ class ModelInputs:
         for p in parts[1:]:
             if p.key != key:
                 raise ValueError(f"incompatible keys in one group: {key} vs {p.key}")
-        names = parts[0].tensors.keys()
-        tensors = {n: torch.cat([p.tensors[n] for p in parts], dim=0) for n in names}
+        tensors = ModelInputs.concat_tensors(parts)
         return ModelInputs(key, tensors, torch.cat([p.proprio_B_P for p in parts], dim=0))
+
+    @staticmethod
+    def concat_tensors(parts: Sequence[ModelInputs]) -> dict[str, torch.Tensor]:
+        """Concatenate only the backbone ``tensors`` of same-key batches along dim 0.
+
+        For a grouped backbone forward over tenants whose proprio dims differ: proprio is not a
+        backbone input, so each tenant keeps its own and passes it to :meth:`VLAFeature.split`.
+        """
+        if not parts:
+            raise ValueError("cannot concatenate zero ModelInputs")
+        key = parts[0].key
+        names = parts[0].tensors.keys()
+        for p in parts[1:]:
+            if p.key != key:
+                raise ValueError(f"incompatible keys in one group: {key} vs {p.key}")
+            if p.tensors.keys() != names:
+                raise ValueError(
+                    f"backbone input names differ in one group: {sorted(names)} vs "
+                    f"{sorted(p.tensors.keys())}"
+                )
+        return {n: torch.cat([p.tensors[n] for p in parts], dim=0) for n in names}
 
 
 @dataclass
