@@ -38,7 +38,14 @@ class HeadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     value_head: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("action_dim", "chunk_len", "hidden_dim", "num_layers", "num_bins", "flow_steps"):
+        for name in (
+            "action_dim",
+            "chunk_len",
+            "hidden_dim",
+            "num_layers",
+            "num_bins",
+            "flow_steps",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"HeadConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.proprio_dim < 0:

@@ -1,0 +1,98 @@
+"""One typed config per entry point, from CLI flags and ``JOYNEXUS_*`` environment variables.
+
+Each service declares a pydantic model (extending :class:`BusConfig`); :func:`load_config`
+derives ``--flag-name`` options and ``JOYNEXUS_FLAG_NAME`` variables from its fields.
+Precedence: flag > environment > default. Unknown flags and invalid values exit with a
+message naming the field and where its value came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ENV_PREFIX = "JOYNEXUS_"
+C = TypeVar("C", bound=BaseModel)
+
+
+class BusConfig(BaseModel):
+    """Settings every role shares: where the bus is and how to authenticate."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str = Field("nats://127.0.0.1:4222", description="NATS server URL.")
+    creds: str | None = Field(None, description="NATS .creds file (JWT + nkey).")
+    user: str | None = Field(None, description="NATS user (plain auth).")
+    password: str | None = Field(None, description="NATS password (plain auth).")
+    tls_ca: str | None = Field(None, description="CA bundle; enables TLS.")
+    instance: str | None = Field(None, description="Instance id (default: role-host-pid).")
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="Heartbeat period.")
+    replicas: int = Field(1, ge=1, le=5, description="Stream replicas when declaring.")
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads.")
+    log_level: str = Field("INFO", description="Python logging level.")
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def _is_bool(annotation: Any) -> bool:
+    if annotation is bool:
+        return True
+    return (
+        get_origin(annotation) is not None
+        and bool in get_args(annotation)
+        and all(a in (bool, type(None)) for a in get_args(annotation))
+    )
+
+
+def build_parser(cls: type[BaseModel], prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
+    for name, field in cls.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{field.description or ''} [env {env_name(name)}]"
+        if _is_bool(field.annotation):
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        else:
+            parser.add_argument(flag, dest=name, default=None, help=help_text)
+    return parser
+
+
+def load_config(
+    cls: type[C],
+    argv: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    prog: str | None = None,
+) -> C:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and ``env`` (default ``os.environ``) into
+    ``cls``; on invalid input print which field was wrong and exit 2."""
+    env = os.environ if env is None else env
+    parser = build_parser(cls, prog)
+    args = vars(parser.parse_args(argv))
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name in cls.model_fields:
+        if args.get(name) is not None:
+            values[name], sources[name] = args[name], "--" + name.replace("_", "-")
+        elif env_name(name) in env:
+            values[name], sources[name] = env[env_name(name)], env_name(name)
+    try:
+        return cls.model_validate(values, strict=False)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            field = str(err["loc"][0]) if err["loc"] else "?"
+            problems.append(f"{sources.get(field, field)}: {err['msg']}")
+        parser.exit(2, f"{parser.prog}: invalid configuration: {'; '.join(problems)}\n")
+    raise AssertionError("unreachable")  # parser.exit raises SystemExit
+
+
+def main_config(cls: type[C], prog: str) -> C:
+    return load_config(cls, sys.argv[1:], prog=prog)

@@ -1,0 +1,39 @@
+"""The local stack's home directory: where ``joynexus up`` keeps its store, logs and the
+connection file that other commands on this machine read to find the bus."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+
+DEFAULT_HOME = Path(".joynexus")
+STACK_FILE = "stack.json"
+
+
+class StackInfo(msgspec.Struct, frozen=True):
+    """Written by ``joynexus up`` (mode 0600): how to reach the running local stack."""
+
+    url: str
+    user: str
+    password: str
+    pid: int
+
+
+def write_stack_info(home: Path, info: StackInfo) -> Path:
+    path = Path(home) / STACK_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(msgspec.json.encode(info))
+    tmp.chmod(0o600)
+    os.replace(tmp, path)
+    return path
+
+
+def read_stack_info(home: Path) -> StackInfo | None:
+    """The stack file under ``home``, or None when no local stack was started there."""
+    path = Path(home) / STACK_FILE
+    if not path.exists():
+        return None
+    return msgspec.json.decode(path.read_bytes(), type=StackInfo)

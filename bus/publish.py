@@ -1,0 +1,69 @@
+"""Publishing to JetStream: ``Nats-Msg-Id`` for idempotent retries, trace headers, and
+batched in-flight publishes for hot paths (one awaited publish at a time caps at ~3.5k/s)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+
+from bus import tracing
+from bus.codec import encode
+
+MSG_ID = "Nats-Msg-Id"
+
+
+def msg_id(*parts: object) -> str:
+    """A ``Nats-Msg-Id`` from the identity of the content (tenant, job, episode, step...)."""
+    return ":".join(str(p) for p in parts)
+
+
+def headers_for(message_id: str | None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Trace context + msg id + ``extra``."""
+    headers = tracing.inject(extra)
+    if message_id is not None:
+        headers[MSG_ID] = message_id
+    return headers
+
+
+async def publish(
+    js: JetStreamContext,
+    subject: str,
+    message: Any,
+    *,
+    message_id: str | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 5.0,
+) -> PubAck:
+    """Encode ``message`` (msgspec Struct) and publish it; returns the stream's ack (its
+    ``duplicate`` flag is set when the id was already stored)."""
+    return await js.publish(
+        subject, encode(message), timeout=timeout, headers=headers_for(message_id, headers)
+    )
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One message of a batch publish."""
+
+    subject: str
+    message: Any
+    message_id: str | None = None
+
+
+async def publish_all(
+    js: JetStreamContext, items: Sequence[Outgoing], *, max_in_flight: int = 256
+) -> list[PubAck]:
+    """Publish many with up to ``max_in_flight`` awaiting their acks at once; order of the
+    returned acks matches ``items``. Raises the first failure after all settle."""
+    gate = asyncio.Semaphore(max_in_flight)
+
+    async def one(item: Outgoing) -> PubAck:
+        async with gate:
+            return await publish(js, item.subject, item.message, message_id=item.message_id)
+
+    return list(await asyncio.gather(*(one(i) for i in items)))

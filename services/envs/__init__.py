@@ -1,0 +1,1 @@
+"""Env workers: simulator sessions (RL rollouts, evaluation) and offline datasets (SFT)."""

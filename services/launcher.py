@@ -1,0 +1,216 @@
+"""The local stack: an embedded NATS server and every role as a supervised child process.
+
+``joynexus up`` runs :func:`run_stack`; ``joynexus up --check`` runs :func:`check_stack`.
+Children get the bus URL and credentials through ``JOYNEXUS_*`` variables (their typed
+config reads them); their logs go to ``<home>/logs/<role>.log``. A child that exits
+unexpectedly is restarted in place with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nats.errors import Error as NatsError
+
+from bus.codec import DecodeError, decode
+from bus.connect import connect
+from bus.local import StackInfo, write_stack_info
+from bus.server import EmbeddedServer
+from schemas import subjects
+from schemas.health import HEARTBEAT_DECODER, ROLES
+
+log = logging.getLogger("joynexus.up")
+
+
+@dataclass
+class Child:
+    """One supervised role process."""
+
+    role: str
+    name: str
+    args: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    last_start: float = 0.0
+
+
+@dataclass
+class LocalStack:
+    """Embedded NATS + role processes under ``home``."""
+
+    home: Path
+    roles: dict[str, int] = field(default_factory=lambda: {r: 1 for r in ROLES})
+    extra_env: dict[str, str] = field(default_factory=dict)
+    role_args: dict[str, list[str]] = field(default_factory=dict)
+    server: EmbeddedServer | None = None
+    children: list[Child] = field(default_factory=list)
+    info: StackInfo | None = None
+
+    def start_server(self) -> StackInfo:
+        self.home.mkdir(parents=True, exist_ok=True)
+        user, password = "joynexus", secrets.token_urlsafe(18)
+        self.server = EmbeddedServer(
+            self.home / "nats",
+            log_file=self.home / "logs" / "nats-server.log",
+            user=user,
+            password=password,
+        ).start()
+        self.info = StackInfo(self.server.url, user, password, os.getpid())
+        write_stack_info(self.home, self.info)
+        return self.info
+
+    def child_env(self) -> dict[str, str]:
+        assert self.info is not None
+        env = dict(os.environ)
+        env.update(
+            JOYNEXUS_URL=self.info.url,
+            JOYNEXUS_USER=self.info.user,
+            JOYNEXUS_PASSWORD=self.info.password,
+            JOYNEXUS_HOME=str(self.home.resolve()),
+            HF_HUB_OFFLINE="1",
+            PYTHONUNBUFFERED="1",
+        )
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.update(self.extra_env)
+        return env
+
+    def spawn(self, child: Child) -> None:
+        logs = self.home / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        with open(logs / f"{child.name}.log", "ab") as out:
+            child.proc = subprocess.Popen(
+                [sys.executable, "-m", f"services.{child.role}", *child.args],
+                env=self.child_env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        child.last_start = time.monotonic()
+
+    def start_roles(self) -> None:
+        for role, count in self.roles.items():
+            for i in range(count):
+                name = role if count == 1 else f"{role}-{i}"
+                child = Child(role, name, list(self.role_args.get(role, [])))
+                self.spawn(child)
+                self.children.append(child)
+
+    def supervise_once(self) -> list[str]:
+        """Restart children that exited; return the names restarted."""
+        restarted = []
+        for child in self.children:
+            if child.proc is not None and child.proc.poll() is not None:
+                backoff = min(10.0, 0.5 * 2**child.restarts)
+                if time.monotonic() - child.last_start < backoff:
+                    continue
+                log.warning("%s exited with %s; restarting", child.name, child.proc.returncode)
+                child.restarts += 1
+                self.spawn(child)
+                restarted.append(child.name)
+        return restarted
+
+    def stop(self, timeout: float = 15.0) -> dict[str, int | None]:
+        """SIGTERM every child, wait, SIGKILL stragglers, then stop the server."""
+        for child in self.children:
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        codes: dict[str, int | None] = {}
+        for child in self.children:
+            if child.proc is None:
+                continue
+            try:
+                codes[child.name] = child.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                codes[child.name] = child.proc.wait()
+        if self.server is not None:
+            self.server.stop()
+        return codes
+
+
+async def wait_healthy(
+    info: StackInfo, roles: list[str], timeout: float
+) -> tuple[dict[str, str], list[str]]:
+    """Wait (bounded) until each role has a fresh heartbeat; return (role → instance, missing)."""
+    nc = await connect(info.url, user=info.user, password=info.password, name="joynexus-check")
+    try:
+        js = nc.jetstream()
+        seen: dict[str, str] = {}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and len(seen) < len(roles):
+            try:
+                kv = await js.key_value(subjects.KV_HEARTBEATS)
+                for key in await kv.keys():
+                    entry = await kv.get(key)
+                    if not entry.value:
+                        continue
+                    with contextlib.suppress(DecodeError):
+                        beat = decode(HEARTBEAT_DECODER, entry.value)
+                        if beat.role in roles and time.time() - beat.at < 5.0:
+                            seen[beat.role] = f"{beat.instance} pid={beat.pid}"
+            except NatsError as exc:  # bucket not declared yet, or no keys yet: keep polling
+                log.debug("waiting for heartbeats: %s", exc)
+            if len(seen) < len(roles):
+                await asyncio.sleep(0.2)
+        return seen, [r for r in roles if r not in seen]
+    finally:
+        await nc.close()
+
+
+def check_stack(home: Path, timeout: float = 60.0) -> int:
+    """Start the stack, wait for five heartbeating roles, print them and a JSON summary line,
+    stop everything; exit code 0 only if all are healthy."""
+    stack = LocalStack(home)
+    try:
+        info = stack.start_server()
+        print(f"bus: {info.url}", flush=True)
+        stack.start_roles()
+        seen, missing = asyncio.run(wait_healthy(info, list(ROLES), timeout))
+        for role in ROLES:
+            print(f"{role:<11} {'healthy  ' + seen[role] if role in seen else 'MISSING'}")
+        print(json.dumps({"healthy": [r for r in ROLES if r in seen], "missing": missing}))
+    finally:
+        codes = stack.stop()
+    bad_exits = {n: c for n, c in codes.items() if c not in (0, None)}
+    if bad_exits:
+        print(f"roles that did not stop cleanly: {bad_exits}", file=sys.stderr)
+    return 0 if not missing and not bad_exits else 1
+
+
+def run_stack(home: Path, roles: dict[str, int] | None = None) -> int:
+    """Run the stack until Ctrl-C / SIGTERM; supervise children meanwhile."""
+    stack = LocalStack(home, roles=roles or {r: 1 for r in ROLES})
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        info = stack.start_server()
+        stack.start_roles()
+        print(f"JoyNexus local stack up. bus: {info.url}  (credentials in {home}/stack.json)")
+        print(f"logs: {home}/logs/   stop with Ctrl-C", flush=True)
+        while not stopping:
+            stack.supervise_once()
+            time.sleep(0.2)
+    finally:
+        print("stopping...", flush=True)
+        stack.stop()
+        (home / "stack.json").unlink(missing_ok=True)
+    return 0

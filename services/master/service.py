@@ -1,0 +1,183 @@
+"""Master service: ``nexus.job.<tenant>.<verb>`` → validated, recorded, announced.
+
+A submit is validated against :mod:`schemas.specs`; an accepted job is written to the
+``jobs`` KV (status ``accepted``) and an ``accepted`` event is published; a bad one is
+dead-lettered and the tenant gets a ``rejected`` event naming the bad field. A malformed
+message never stops the master: its fate is decided by :func:`bus.consume.settle`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
+from pydantic import Field
+
+from bus.codec import DecodeError, decode, encode
+from bus.config import BusConfig
+from bus.consume import PullConsumer
+from bus.errors import PoisonError
+from bus.publish import msg_id, publish
+from bus.service import Runtime, serve
+from schemas import subjects
+from schemas.events import Accepted, Event, Rejected, StateChanged, event_kind
+from schemas.ids import InvalidIdError, validate_id
+from schemas.jobs import (
+    JOB_COMMAND_DECODER,
+    JOB_RECORD_DECODER,
+    TERMINAL_STATUSES,
+    JobCancel,
+    JobCommand,
+    JobRecord,
+    JobSubmit,
+    job_key,
+)
+from schemas.specs import JobSpecError, parse_job_spec
+
+log = logging.getLogger(__name__)
+
+#: Header a client sets so even an undecodable command can be answered on its job's events.
+JOB_ID_HEADER = "Joynexus-Job-Id"
+
+
+class MasterConfig(BusConfig):
+    """Master settings."""
+
+    max_deliver: int = Field(5, ge=1, description="Deliveries before a job command is dead.")
+
+
+async def publish_event(js: JetStreamContext, event: Event) -> None:
+    """Publish a tenant event on its subject, idempotent for the same content identity."""
+    kind = event_kind(event)
+    await publish(
+        js,
+        subjects.event(event.tenant, event.job_id, kind),
+        event,
+        message_id=msg_id("ev", event.tenant, event.job_id, kind, f"{event.at:.6f}"),
+    )
+
+
+class Master:
+    """Handlers of the master; state lives in the bus (KV), not in this object."""
+
+    def __init__(self, js: JetStreamContext, jobs: KeyValue) -> None:
+        self.js = js
+        self.jobs = jobs
+
+    async def handle(self, msg: Msg) -> None:
+        verb = msg.subject.rsplit(".", 1)[-1]
+        subject_tenant = subjects.tenant_of(msg.subject)
+        try:
+            command = decode(JOB_COMMAND_DECODER, msg.data)
+        except DecodeError as exc:
+            raise PoisonError(f"malformed job command on {msg.subject}: {exc}") from exc
+        tag = type(command).__struct_config__.tag
+        if tag != verb:
+            raise PoisonError(f"a {tag!r} command was sent on the {verb!r} subject")
+        if command.tenant != subject_tenant:
+            raise PoisonError(
+                f"command for tenant {command.tenant!r} sent on tenant {subject_tenant!r}'s subject"
+            )
+        try:
+            validate_id(command.job_id, "job id")
+        except InvalidIdError as exc:
+            raise PoisonError(str(exc)) from exc
+        await self.apply(command)
+
+    async def apply(self, command: JobCommand) -> None:
+        match command:
+            case JobSubmit():
+                await self.submit(command)
+            case JobCancel():
+                await self.cancel(command)
+            case _:
+                raise PoisonError(f"{type(command).__name__} is not supported yet")
+
+    async def record(self, tenant: str, job_id: str) -> tuple[JobRecord, int] | None:
+        try:
+            entry = await self.jobs.get(job_key(tenant, job_id))
+        except KeyNotFoundError:
+            return None
+        if entry.value is None or entry.revision is None:
+            return None
+        return decode(JOB_RECORD_DECODER, entry.value), entry.revision
+
+    async def submit(self, command: JobSubmit) -> None:
+        existing = await self.record(command.tenant, command.job_id)
+        if existing is not None:
+            if existing[0].spec_json == command.spec_json:
+                return  # a replayed or retried submit: already accepted, nothing to do
+            raise PoisonError(f"job id {command.job_id!r} is already used by another job")
+        try:
+            spec = parse_job_spec(command.spec_json)
+        except JobSpecError as exc:
+            raise PoisonError(f"invalid job spec: {exc}") from exc
+        if spec.tenant != command.tenant:
+            raise PoisonError(
+                f"tenant: spec says {spec.tenant!r} but it was submitted as {command.tenant!r}"
+            )
+        now = time.time()
+        record = JobRecord(
+            tenant=command.tenant,
+            job_id=command.job_id,
+            kind=spec.kind,
+            status="accepted",
+            spec_json=command.spec_json,
+            created_at=now,
+            updated_at=now,
+        )
+        await self.jobs.create(job_key(command.tenant, command.job_id), encode(record))
+        await publish_event(self.js, Accepted(command.tenant, command.job_id, spec.kind, now))
+        log.info("accepted %s job %s/%s", spec.kind, command.tenant, command.job_id)
+
+    async def cancel(self, command: JobCancel) -> None:
+        found = await self.record(command.tenant, command.job_id)
+        if found is None:
+            raise PoisonError(f"unknown job {command.tenant}/{command.job_id}")
+        record, revision = found
+        if record.status in TERMINAL_STATUSES:
+            return
+        now = time.time()
+        reason = command.reason or "cancelled by tenant"
+        updated = msgspec.structs.replace(record, status="cancelled", updated_at=now, reason=reason)
+        await self.jobs.update(job_key(command.tenant, command.job_id), encode(updated), revision)
+        await publish_event(
+            self.js, StateChanged(command.tenant, command.job_id, "cancelled", now, reason)
+        )
+
+    async def on_dead(self, msg: Msg, reason: str, error: BaseException) -> None:
+        """Tell the tenant why its command was refused (on its job's ``rejected`` subject)."""
+        tenant = subjects.tenant_of(msg.subject) or ""
+        job_id = (msg.headers or {}).get(JOB_ID_HEADER, "")
+        try:
+            validate_id(tenant, "tenant")
+            validate_id(job_id, "job id")
+        except InvalidIdError:
+            log.warning("rejected unattributable job command on %s: %s", msg.subject, reason)
+            return
+        await publish_event(self.js, Rejected(tenant, job_id, reason, time.time()))
+
+
+async def run(config: MasterConfig) -> None:
+    """Entry point: serve the master until SIGTERM/SIGINT."""
+
+    async def body(rt: Runtime) -> None:
+        master = Master(rt.js, await rt.js.key_value(subjects.KV_JOBS))
+        consumer = PullConsumer(
+            rt.js,
+            stream=subjects.STREAM_JOBS,
+            durable="master",
+            filter_subject=f"{subjects.PREFIX}.job.>",
+            handler=master.handle,
+            max_deliver=config.max_deliver,
+            on_dead=master.on_dead,
+        )
+        rt.in_flight = lambda: consumer.in_flight
+        await consumer.run(rt.stop)
+
+    await serve("master", config, body)

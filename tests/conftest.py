@@ -1,0 +1,76 @@
+"""Fixtures: a real ``nats-server -js`` per session (and per test where a clean store is
+needed), a connected client, and service subprocesses that are always reaped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from bus.connect import connect
+from bus.declare import declare
+from bus.server import EmbeddedServer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
+    """One JetStream server for the session; tests isolate by uuid tenant/job names."""
+    server = EmbeddedServer(tmp_path_factory.mktemp("nats-session")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fresh_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
+    """A JetStream server with an empty store, for tests that kill or inspect the server."""
+    server = EmbeddedServer(tmp_path / "nats").start()
+    yield server
+    server.kill()
+
+
+@pytest_asyncio.fixture
+async def nc(nats_server: EmbeddedServer) -> AsyncIterator[NATS]:
+    client = await connect(nats_server.url, name="pytest")
+    yield client
+    await client.close()
+
+
+@pytest_asyncio.fixture
+async def js(nc: NATS) -> JetStreamContext:
+    ctx = nc.jetstream()
+    await declare(ctx)
+    return ctx
+
+
+class Procs:
+    """Child processes started by a test; SIGKILLed at teardown if still running."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def add(self, proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> int:
+        proc.send_signal(signal.SIGTERM)
+        return proc.wait(timeout)
+
+
+@pytest.fixture
+def procs() -> Iterator[Procs]:
+    p = Procs()
+    yield p
+    for proc in p.procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,64 @@
+"""Test helpers: eventually(), unique names, service subprocesses."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def uid(prefix: str = "t") -> str:
+    """A unique, subject-safe id for one test."""
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+async def eventually(
+    probe: Callable[[], Awaitable[T | None]] | Callable[[], T | None],
+    timeout: float = 10.0,
+    interval: float = 0.05,
+    what: str = "condition",
+) -> T:
+    """Poll ``probe`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while True:
+        result = probe()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return result  # type: ignore[return-value]
+        last = result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not met within {timeout}s (last: {last!r})")
+        await asyncio.sleep(interval)
+
+
+def service_env(url: str, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(JOYNEXUS_URL=url, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.update(extra)
+    return env
+
+
+def start_service(
+    role: str, url: str, log_path: Path, *args: str, **env: str
+) -> subprocess.Popen[bytes]:
+    """``python -m services.<role>`` as a child process logging to ``log_path``."""
+    with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", f"services.{role}", *args],
+            cwd=ROOT,
+            env=service_env(url, **env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )

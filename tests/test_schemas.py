@@ -1,0 +1,182 @@
+"""Schemas: tensors, ids, subjects, tagged unions, specs and golden encodings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bus.codec import DecodeError, decode, encode
+from schemas import subjects
+from schemas.dead import DEAD_LETTER_DECODER
+from schemas.events import EVENT_DECODER, Accepted, Rejected, event_kind
+from schemas.health import HEARTBEAT_DECODER
+from schemas.ids import InvalidIdError, validate_id
+from schemas.jobs import JOB_COMMAND_DECODER, JOB_RECORD_DECODER, JobCancel, JobSubmit
+from schemas.model import HeadConfig, Observation
+from schemas.specs import JobSpecError, parse_job_spec
+from schemas.tensor import Tensor, TensorError
+from tests.golden.regen import SAMPLES
+
+GOLDEN = Path(__file__).parent / "golden"
+DECODERS = {
+    "job_submit": JOB_COMMAND_DECODER,
+    "job_cancel": JOB_COMMAND_DECODER,
+    "job_record": JOB_RECORD_DECODER,
+    "event_accepted": EVENT_DECODER,
+    "event_rejected": EVENT_DECODER,
+    "event_state": EVENT_DECODER,
+    "event_progress": EVENT_DECODER,
+    "event_policy": EVENT_DECODER,
+    "heartbeat": HEARTBEAT_DECODER,
+    "dead_letter": DEAD_LETTER_DECODER,
+    "tensor_f32": msgspec.msgpack.Decoder(Tensor),
+    "head_config": msgspec.msgpack.Decoder(HeadConfig),
+    "observation": msgspec.msgpack.Decoder(Observation),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_golden_sample_decodes_and_reencodes_identically(name: str) -> None:
+    data = (GOLDEN / f"{name}.msgpack").read_bytes()
+    assert decode(DECODERS[name], data) == SAMPLES[name]
+    assert encode(SAMPLES[name]) == data, f"encoding of {name} changed: schema evolution broke"
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(24, dtype=np.float32).reshape(2, 3, 4),
+        np.array([[1, 2], [3, 4]], dtype=np.int64),
+        np.zeros((0, 5), dtype=np.float16),
+        np.array([True, False]),
+        np.arange(12, dtype=np.uint8).reshape(2, 2, 3)[:, :, ::-1],  # non-contiguous
+    ],
+)
+def test_tensor_round_trips_numpy_and_torch(array: np.ndarray) -> None:
+    wire = decode(msgspec.msgpack.Decoder(Tensor), encode(Tensor.from_numpy(array)))
+    np.testing.assert_array_equal(wire.to_numpy(), array)
+    np.testing.assert_array_equal(wire.to_torch().numpy(), array)
+
+
+def test_tensor_to_numpy_is_zero_copy() -> None:
+    t = Tensor.from_numpy(np.arange(4, dtype=np.float32))
+    view = t.to_numpy()
+    assert np.shares_memory(view, np.frombuffer(t.data, dtype=np.uint8))
+
+
+def test_bfloat16_is_bit_exact() -> None:
+    x = torch.randn(3, 5).to(torch.bfloat16)
+    back = Tensor.from_torch(x).to_torch()
+    assert back.dtype == torch.bfloat16
+    assert torch.equal(back, x)
+
+
+def test_tensor_rejects_size_mismatch_and_bad_dtype() -> None:
+    with pytest.raises(TensorError, match=r"needs 24 bytes, got 20"):
+        Tensor("float32", (2, 3), b"\x00" * 20).to_numpy()
+    with pytest.raises(TensorError, match="unsupported dtype 'complex64'"):
+        Tensor("complex64", (1,), b"\x00" * 8).validate()
+    with pytest.raises(TensorError, match="unsupported dtype"):
+        Tensor.from_numpy(np.zeros(2, dtype=np.complex64))
+    with pytest.raises(TensorError, match="invalid shape"):
+        Tensor("float32", (-1, 2), b"").validate()
+
+
+@pytest.mark.parametrize("good", ["a", "acme", "tenant-1", "0", "a" * 64])
+def test_valid_ids(good: str) -> None:
+    assert validate_id(good) == good
+
+
+@pytest.mark.parametrize("bad", ["", "-a", "A", "a.b", "a*", "a>", "a b", "a" * 65, "é"])
+def test_invalid_ids_are_rejected(bad: str) -> None:
+    with pytest.raises(InvalidIdError, match="invalid tenant"):
+        validate_id(bad, "tenant")
+
+
+@given(st.text(min_size=1, max_size=80))
+def test_no_id_can_inject_subject_tokens(text: str) -> None:
+    try:
+        subject = subjects.train("tiny", text)
+    except InvalidIdError:
+        return
+    assert subject.count(".") == 3 and "*" not in subject and ">" not in subject
+
+
+def test_subject_builders() -> None:
+    assert subjects.job("acme", "submit") == "nexus.job.acme.submit"
+    assert subjects.train("tiny", "acme") == "nexus.train.tiny.acme"
+    assert subjects.infer("tiny", "acme") == "nexus.infer.tiny.acme"
+    assert subjects.env("acme", "j1") == "nexus.env.acme.j1"
+    assert subjects.event("acme", "j1", "progress") == "nexus.event.acme.j1.progress"
+    assert subjects.dead("JOBS", "acme") == "nexus.dead.jobs.acme"
+    assert subjects.tenant_of("nexus.train.tiny.acme") == "acme"
+    with pytest.raises(ValueError, match="unknown job verb"):
+        subjects.job("acme", "explode")
+
+
+def test_job_command_union_dispatches_on_tag() -> None:
+    submit = decode(JOB_COMMAND_DECODER, encode(JobSubmit("a", "j", b"{}", 1.0)))
+    cancel = decode(JOB_COMMAND_DECODER, encode(JobCancel("a", "j")))
+    assert isinstance(submit, JobSubmit) and isinstance(cancel, JobCancel)
+    assert event_kind(Accepted("a", "j", "sft", 1.0)) == "accepted"
+    assert isinstance(decode(EVENT_DECODER, encode(Rejected("a", "j", "r", 1.0))), Rejected)
+
+
+def test_wrong_types_and_unknown_fields_are_rejected() -> None:
+    with pytest.raises(DecodeError, match="Expected `str`"):
+        decode(
+            JOB_COMMAND_DECODER,
+            msgspec.msgpack.encode(
+                {"type": "submit", "tenant": 5, "job_id": "j", "spec_json": b"", "submitted_at": 1}
+            ),
+        )
+    with pytest.raises(DecodeError, match="unknown field"):
+        decode(
+            JOB_COMMAND_DECODER,
+            msgspec.msgpack.encode(
+                {"type": "cancel", "tenant": "a", "job_id": "j", "colour": "red"}
+            ),
+        )
+    with pytest.raises(DecodeError):
+        decode(JOB_COMMAND_DECODER, b"\xc1 not msgpack")
+
+
+def _spec(**overrides: object) -> dict[str, object]:
+    spec: dict[str, object] = {
+        "kind": "sft",
+        "tenant": "acme",
+        "dataset": "/data/x",
+        "steps": 10,
+        "head": {"kind": "oft", "action_dim": 7, "chunk_len": 4},
+    }
+    spec.update(overrides)
+    return spec
+
+
+def test_spec_errors_name_the_field() -> None:
+    assert parse_job_spec(_spec()).head.action_dim == 7
+    with pytest.raises(JobSpecError, match=r"optimiser: unknown field"):
+        parse_job_spec(_spec(optimiser={"lr": 1}))
+    with pytest.raises(JobSpecError, match=r"head\.action_dim: Input should be greater"):
+        parse_job_spec(_spec(head={"kind": "oft", "action_dim": 0}))
+    with pytest.raises(JobSpecError, match=r"head\.kind: Input should be 'oft'"):
+        parse_job_spec(_spec(head={"kind": "lstm", "action_dim": 2}))
+    with pytest.raises(JobSpecError, match="exactly one of 'steps' or 'epochs'"):
+        parse_job_spec(_spec(epochs=2))
+    with pytest.raises(JobSpecError, match="tenant: String should match pattern"):
+        parse_job_spec(_spec(tenant="Acme.*"))
+    with pytest.raises(JobSpecError, match="kind: unknown job kind 'dance'"):
+        parse_job_spec(_spec(kind="dance"))
+    with pytest.raises(JobSpecError, match="not valid JSON"):
+        parse_job_spec(b"{nope")
+
+
+def test_head_config_validates() -> None:
+    with pytest.raises(ValueError, match=r"HeadConfig\.action_dim must be >= 1"):
+        HeadConfig("oft", action_dim=0)
