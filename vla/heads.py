@@ -30,6 +30,7 @@ tenant's numbers do not depend on what other tenants do.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -70,49 +71,75 @@ def _autograd_ready(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _Attention(nn.Module):
-    """Multi-head attention from queries to a memory, with a boolean key mask (True = attend)."""
+    """Multi-head attention from width-``dim`` queries to a width-``mem_dim`` memory, with a
+    boolean key mask (True = attend)."""
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, mem_dim: int) -> None:
         super().__init__()
         self.num_heads = max(1, dim // _HEAD_DIM)
         if dim % self.num_heads:
             raise ValueError(f"hidden_dim {dim} is not divisible into {self.num_heads} heads")
         self.q_proj = nn.Linear(dim, dim)
-        self.kv_proj = nn.Linear(dim, 2 * dim)
+        self.kv_proj = nn.Linear(mem_dim, 2 * dim)
         self.out_proj = nn.Linear(dim, dim)
 
     def forward(
-        self, x_B_Q_H: torch.Tensor, mem_B_M_H: torch.Tensor, attend_B_M: torch.Tensor | None
+        self,
+        x_B_Q_H: torch.Tensor,
+        mem_parts: Sequence[torch.Tensor],
+        attend_B_M: torch.Tensor | None,
     ) -> torch.Tensor:
+        """Attend from ``x_B_Q_H`` to the memory ``cat(mem_parts, dim=1)`` (width ``mem_dim``).
+
+        The memory comes in parts so that keys/values are projected per part: a part that
+        needs no gradient (the frozen prefix) then costs no input-gradient matmul.
+        """
         B, Q, H = x_B_Q_H.shape
-        M = mem_B_M_H.shape[1]
         nh = self.num_heads
         q_B_h_Q_d = self.q_proj(x_B_Q_H).view(B, Q, nh, H // nh).transpose(1, 2)
-        kv = self.kv_proj(mem_B_M_H).view(B, M, 2, nh, H // nh).permute(2, 0, 3, 1, 4)
+        kv_B_M_2H = torch.cat([self.kv_proj(part) for part in mem_parts], dim=1)
+        M = kv_B_M_2H.shape[1]
+        kv = kv_B_M_2H.view(B, M, 2, nh, H // nh).permute(2, 0, 3, 1, 4)
         mask = None if attend_B_M is None else attend_B_M[:, None, None, :]
         o_B_h_Q_d = F.scaled_dot_product_attention(q_B_h_Q_d, kv[0], kv[1], attn_mask=mask)
         return self.out_proj(o_B_h_Q_d.transpose(1, 2).reshape(B, Q, H))
 
 
-class _Block(nn.Module):
-    """Pre-norm transformer block: self-attention over the action tokens, cross-attention to
-    the conditioning memory (prefix + state token), MLP."""
+@dataclass
+class _Memory:
+    """The conditioning memory: layer-normalised prefix tokens (no grad: the backbone is
+    frozen), the state token (learned + proprio, has grad), and which of the ``T + 1``
+    positions may be attended (the state token always may)."""
 
-    def __init__(self, dim: int) -> None:
+    tokens_B_T_D: torch.Tensor
+    state_B_1_D: torch.Tensor
+    attend_B_M: torch.Tensor
+
+
+class _Block(nn.Module):
+    """Pre-norm transformer block over the action tokens: self-attention among them,
+    cross-attention to the conditioning memory (normalised prefix + state token, width ``D``),
+    MLP (2x: the action tokens are few; see the module docstring on proportions).
+
+    Keys and values are projected straight from the width-``D`` memory: one ``D -> 2H``
+    matmul per memory token, the head's only per-prefix-token cost besides its gradient.
+    """
+
+    def __init__(self, dim: int, mem_dim: int) -> None:
         super().__init__()
         self.norm_self = nn.LayerNorm(dim)
-        self.self_attn = _Attention(dim)
+        self.self_attn = _Attention(dim, dim)
         self.norm_cross = nn.LayerNorm(dim)
-        self.cross_attn = _Attention(dim)
+        self.cross_attn = _Attention(dim, mem_dim)
         self.norm_mlp = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
 
-    def forward(
-        self, x_B_Q_H: torch.Tensor, mem_B_M_H: torch.Tensor, attend_B_M: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x_B_Q_H: torch.Tensor, memory: _Memory) -> torch.Tensor:
         h = self.norm_self(x_B_Q_H)
-        x_B_Q_H = x_B_Q_H + self.self_attn(h, h, None)
-        x_B_Q_H = x_B_Q_H + self.cross_attn(self.norm_cross(x_B_Q_H), mem_B_M_H, attend_B_M)
+        x_B_Q_H = x_B_Q_H + self.self_attn(h, (h,), None)
+        x_B_Q_H = x_B_Q_H + self.cross_attn(
+            self.norm_cross(x_B_Q_H), (memory.tokens_B_T_D, memory.state_B_1_D), memory.attend_B_M
+        )
         return x_B_Q_H + self.mlp(self.norm_mlp(x_B_Q_H))
 
 
@@ -121,7 +148,9 @@ class ValueHead(nn.Module):
 
     def __init__(self, hidden_size: int, proprio_dim: int, hidden_dim: int) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(hidden_size)
+        # No affine: the MLP's first layer absorbs it, and without LN weights no gradient has
+        # to flow back through the prefix-sized input.
+        self.norm = nn.LayerNorm(hidden_size, elementwise_affine=False)
         self.mlp = nn.Sequential(
             nn.Linear(hidden_size + proprio_dim, hidden_dim), nn.GELU(), nn.Linear(hidden_dim, 1)
         )
@@ -142,9 +171,16 @@ def _masked_mean(x_B_T_H: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
 class ActionHead(nn.Module):
     """What every action module shares: shape checks, conditioning memory and the value head.
 
-    The conditioning memory is the prefix projected to ``hidden_dim`` plus one *state token*
-    (a learned vector plus the projected proprio). The state token is always attendable, so a
-    sample whose prefix is all padding still has something to attend to (no NaN softmax).
+    The conditioning memory is the prefix plus one *state token* (a learned vector plus the
+    projected proprio), at the backbone's width ``D``, layer-normalised without affine weights.
+    The state token is always attendable, so a sample whose prefix is all padding still has
+    something to attend to (no NaN softmax).
+
+    Proportions: the prefix has tens to hundreds of tokens, the action chunk a few, so the
+    cost that matters is per prefix token. It is kept to one ``D -> 2H`` key/value matmul per
+    block and its weight gradient: no affine LN and no separate ``D -> H`` projection in front
+    of it, either of which would add a gradient matmul of the prefix's size for nothing a
+    linear layer cannot absorb.
     """
 
     def __init__(self, config: HeadConfig, hidden_size: int) -> None:
@@ -157,10 +193,10 @@ class ActionHead(nn.Module):
         self.chunk_len = config.chunk_len
         self.proprio_dim = config.proprio_dim
         H = config.hidden_dim
-        self.prefix_norm = nn.LayerNorm(hidden_size)
-        self.prefix_proj = nn.Linear(hidden_size, H)
-        self.state_token_H = nn.Parameter(torch.zeros(H))
-        self.proprio_proj = nn.Linear(config.proprio_dim, H) if config.proprio_dim else None
+        self.state_token_D = nn.Parameter(torch.zeros(hidden_size))
+        self.proprio_proj = (
+            nn.Linear(config.proprio_dim, hidden_size) if config.proprio_dim else None
+        )
         self.value_head = (
             ValueHead(hidden_size, config.proprio_dim, H) if config.value_head else None
         )
@@ -168,7 +204,7 @@ class ActionHead(nn.Module):
     # -- validation -------------------------------------------------------------------------
     @property
     def _dtype(self) -> torch.dtype:
-        return self.prefix_proj.weight.dtype
+        return self.state_token_D.dtype
 
     def check_feature(self, feature: VLAFeature) -> None:
         """Raise ``ValueError`` if ``feature`` does not fit this head (hidden size, proprio)."""
@@ -208,17 +244,20 @@ class ActionHead(nn.Module):
         proprio_B_P = _autograd_ready(feature.proprio_B_P, self._dtype)
         return prefix_B_T_D, feature.mask_B_T.bool(), proprio_B_P
 
-    def _memory(self, feature: VLAFeature) -> tuple[torch.Tensor, torch.Tensor]:
-        """Conditioning memory ``(mem_B_M_H, attend_B_M)`` with M = T + 1 (the state token)."""
+    def _memory(self, feature: VLAFeature) -> _Memory:
+        """The conditioning memory: ``T`` prefix tokens plus the state token."""
         prefix_B_T_D, mask_B_T, proprio_B_P = self._inputs(feature)
-        B = prefix_B_T_D.shape[0]
-        tokens_B_T_H = self.prefix_proj(self.prefix_norm(prefix_B_T_D))
-        state_B_H = self.state_token_H.expand(B, -1)
+        B, _, D = prefix_B_T_D.shape
+        state_B_D = self.state_token_D.expand(B, -1)
         if self.proprio_proj is not None:
-            state_B_H = state_B_H + self.proprio_proj(proprio_B_P)
-        mem_B_M_H = torch.cat([tokens_B_T_H, state_B_H.unsqueeze(1)], dim=1)
-        attend_B_M = torch.cat([mask_B_T, mask_B_T.new_ones(B, 1)], dim=1)
-        return mem_B_M_H, attend_B_M
+            state_B_D = state_B_D + self.proprio_proj(proprio_B_P)
+        # LayerNorm is per token, so normalising the two parts apart equals normalising the
+        # concatenation; keeping them apart keeps the prefix part out of autograd.
+        return _Memory(
+            tokens_B_T_D=F.layer_norm(prefix_B_T_D, (D,)),
+            state_B_1_D=F.layer_norm(state_B_D, (D,)).unsqueeze(1),
+            attend_B_M=torch.cat([mask_B_T, mask_B_T.new_ones(B, 1)], dim=1),
+        )
 
     def value(self, feature: VLAFeature) -> torch.Tensor:
         """Per-sample state value ``value_B``; needs ``config.value_head``."""
@@ -296,7 +335,7 @@ class OFTHead(ActionHead):
         super().__init__(config, hidden_size)
         H = config.hidden_dim
         self.queries_C_H = nn.Parameter(torch.randn(config.chunk_len, H) * 0.02)
-        self.blocks = nn.ModuleList(_Block(H) for _ in range(config.num_layers))
+        self.blocks = nn.ModuleList(_Block(H, hidden_size) for _ in range(config.num_layers))
         self.out_norm = nn.LayerNorm(H)
         self.out_proj = nn.Linear(H, config.action_dim)
         self.policy = _GaussianPolicy(config.action_dim, init_log_std=-1.0)
@@ -304,10 +343,10 @@ class OFTHead(ActionHead):
     def mean(self, feature: VLAFeature) -> torch.Tensor:
         """The regressed action chunk ``mean_B_C_A``."""
         self.check_feature(feature)
-        mem_B_M_H, attend_B_M = self._memory(feature)
+        memory = self._memory(feature)
         x_B_C_H = self.queries_C_H.expand(feature.batch_size, -1, -1)
         for block in self.blocks:
-            x_B_C_H = block(x_B_C_H, mem_B_M_H, attend_B_M)
+            x_B_C_H = block(x_B_C_H, memory)
         return self.out_proj(self.out_norm(x_B_C_H))
 
     def loss(
@@ -344,7 +383,7 @@ class OFTHead(ActionHead):
 class DiscreteHead(ActionHead):
     """Discretised-token head: ``num_bins`` uniform bins per action dimension over [-1, 1].
 
-    The prefix (masked mean-pooled after projection) and the state token feed an MLP of
+    The normalised prefix (masked mean-pooled) and the state token feed an MLP of
     ``num_layers`` hidden layers that outputs logits for every (chunk step, action dim, bin).
     Trained with cross-entropy against the bin containing each target; targets outside
     [-1, 1] fall into the edge bins. Sampled actions are bin centres, so ``log_prob`` of an
@@ -356,7 +395,7 @@ class DiscreteHead(ActionHead):
         H = config.hidden_dim
         layers: list[nn.Module] = []
         for _ in range(config.num_layers):
-            layers += [nn.Linear(2 * H if not layers else H, H), nn.GELU()]
+            layers += [nn.Linear(2 * hidden_size if not layers else H, H), nn.GELU()]
         self.mlp = nn.Sequential(*layers)
         self.out_proj = nn.Linear(H, config.chunk_len * config.action_dim * config.num_bins)
         self.num_bins = config.num_bins
@@ -364,10 +403,10 @@ class DiscreteHead(ActionHead):
     def logits(self, feature: VLAFeature) -> torch.Tensor:
         """Bin logits ``logits_B_C_A_K``."""
         self.check_feature(feature)
-        mem_B_M_H, attend_B_M = self._memory(feature)
+        memory = self._memory(feature)
         # Pool the prefix tokens and keep the state token apart, so proprio is not diluted.
-        pooled_B_H = _masked_mean(mem_B_M_H[:, :-1], attend_B_M[:, :-1])
-        h_B_H = self.mlp(torch.cat([pooled_B_H, mem_B_M_H[:, -1]], dim=-1))
+        pooled_B_D = _masked_mean(memory.tokens_B_T_D, memory.attend_B_M[:, :-1])
+        h_B_H = self.mlp(torch.cat([pooled_B_D, memory.state_B_1_D[:, 0]], dim=-1))
         B = feature.batch_size
         return self.out_proj(h_B_H).view(B, self.chunk_len, self.action_dim, self.num_bins)
 
@@ -448,7 +487,7 @@ class FlowHead(ActionHead):
         self.action_in = nn.Linear(config.action_dim, H)
         self.pos_C_H = nn.Parameter(torch.randn(config.chunk_len, H) * 0.02)
         self.time_mlp = nn.Sequential(nn.Linear(H, H), nn.GELU(), nn.Linear(H, H))
-        self.blocks = nn.ModuleList(_Block(H) for _ in range(config.num_layers))
+        self.blocks = nn.ModuleList(_Block(H, hidden_size) for _ in range(config.num_layers))
         self.out_norm = nn.LayerNorm(H)
         self.out_proj = nn.Linear(H, config.action_dim)
         self.policy = _GaussianPolicy(config.action_dim, init_log_std=-1.0)
@@ -468,13 +507,12 @@ class FlowHead(ActionHead):
         self,
         x_B_C_A: torch.Tensor,
         t_B: torch.Tensor,
-        mem_B_M_H: torch.Tensor,
-        attend_B_M: torch.Tensor,
+        memory: _Memory,
     ) -> torch.Tensor:
         """Predicted velocity ``v_B_C_A`` at noisy chunk ``x_B_C_A`` and time ``t_B``."""
         h_B_C_H = self.action_in(x_B_C_A) + self.pos_C_H + self._time_embedding(t_B)[:, None]
         for block in self.blocks:
-            h_B_C_H = block(h_B_C_H, mem_B_M_H, attend_B_M)
+            h_B_C_H = block(h_B_C_H, memory)
         return self.out_proj(self.out_norm(h_B_C_H))
 
     def loss(
@@ -485,27 +523,31 @@ class FlowHead(ActionHead):
     ) -> torch.Tensor:
         """Rectified-flow velocity MSE; noise and ``t`` come from ``generator``."""
         self.check_actions(feature, actions_B_C_A)
-        mem_B_M_H, attend_B_M = self._memory(feature)
+        memory = self._memory(feature)
         target_B_C_A = actions_B_C_A.to(self._dtype)
         B, dev, dt = feature.batch_size, target_B_C_A.device, self._dtype
         t_B = torch.rand(B, generator=generator, device=dev, dtype=dt)
         noise_B_C_A = torch.randn(target_B_C_A.shape, generator=generator, device=dev, dtype=dt)
         t_B_1_1 = t_B[:, None, None]
         x_t = (1.0 - t_B_1_1) * noise_B_C_A + t_B_1_1 * target_B_C_A
-        v_B_C_A = self.velocity(x_t, t_B, mem_B_M_H, attend_B_M)
+        v_B_C_A = self.velocity(x_t, t_B, memory)
         return F.mse_loss(v_B_C_A, target_B_C_A - noise_B_C_A)
 
     def sample(self, feature: VLAFeature, x0_B_C_A: torch.Tensor | None = None) -> torch.Tensor:
         """Euler-integrate the learned flow from ``x0_B_C_A`` (zeros by default) to ``t = 1``."""
         self.check_feature(feature)
-        mem_B_M_H, attend_B_M = self._memory(feature)
+        memory = self._memory(feature)
         B = feature.batch_size
         shape = (B, self.chunk_len, self.action_dim)
-        x_B_C_A = x0_B_C_A.to(self._dtype) if x0_B_C_A is not None else mem_B_M_H.new_zeros(shape)
+        x_B_C_A = (
+            x0_B_C_A.to(self._dtype)
+            if x0_B_C_A is not None
+            else memory.state_B_1_D.new_zeros(shape)
+        )
         dt = 1.0 / self.flow_steps
         for i in range(self.flow_steps):
-            t_B = mem_B_M_H.new_full((B,), i * dt)
-            x_B_C_A = x_B_C_A + dt * self.velocity(x_B_C_A, t_B, mem_B_M_H, attend_B_M)
+            t_B = memory.state_B_1_D.new_full((B,), i * dt)
+            x_B_C_A = x_B_C_A + dt * self.velocity(x_B_C_A, t_B, memory)
         return x_B_C_A
 
     def act(
