@@ -212,7 +212,14 @@ class Backbone:
         checkpoint's layout, e.g. SmolVLM's wrapper tokens, is reproduced exactly)."""
         blank = np.zeros((self.image_size, self.image_size, 3), dtype=np.uint8)
         image_token: str = getattr(self.processor, "image_token", "<image>")
-        out = self.processor(text=[image_token], images=[[blank]], add_special_tokens=False)
+        extra: dict[str, bool] = {}
+        if self.model_type == "idefics3":
+            # Real SmolVLM processors split large images into tiles; we always feed one global
+            # image per view at the vision tower's size, so ask for exactly that layout.
+            extra["do_image_splitting"] = False
+        out = self.processor(
+            text=[image_token], images=[[blank]], add_special_tokens=False, **extra
+        )
         ids = out["input_ids"][0]
         return tuple(int(i) for i in ids)
 

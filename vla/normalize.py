@@ -8,7 +8,8 @@ backbone forward (:meth:`vla.feature.ModelInputs.concat`):
     [bos] [image block] x num_views [instruction tokens, right-padded to token_budget]
 
 * Views are resized (stretched, aspect ratio not kept) to the backbone's square image size with
-  the processor's PIL filter, then scaled and normalised with the processor's mean/std.
+  the processor's PIL filter, then scaled and normalised with the processor's mean/std. Views
+  already at that size are not resampled, and then match the HF processor's pixels exactly.
 * A sample with fewer than ``num_views`` views **repeats its last view** to fill the slots. We do
   not pad with black: Idefics3 silently drops all-zero images (its "padding images"), which would
   desynchronise image tokens and features; a repeated real view also carries information.
@@ -43,7 +44,8 @@ class Normaliser:
     """Normalises samples for one :class:`CompatKey`: (backbone, image size, views, budget).
 
     Cheap to build (one per key); keep it around, since it caches the tokenisation of repeated
-    instructions (robot tasks repeat the same few instructions for many steps).
+    instructions (robot tasks repeat the same few instructions for many steps). Not thread-safe
+    (the cache is a plain LRU): use one per thread or event loop.
     """
 
     def __init__(
@@ -184,7 +186,13 @@ class Normaliser:
         if image_H_W_3.shape[0] == size and image_H_W_3.shape[1] == size:
             return image_H_W_3
         pil = Image.fromarray(np.ascontiguousarray(image_H_W_3))
-        return np.asarray(pil.resize((size, size), resample=Image.Resampling(self._spec.resample)))
+        # reducing_gap: box-reduce by an integer factor first, then the processor's filter on a
+        # <= 3x larger image. PIL documents the result as indistinguishable from full resampling
+        # in most cases; measured here 480x640 -> 64x64 Lanczos goes from ~6 to ~2.5 ms.
+        resized = pil.resize(
+            (size, size), resample=Image.Resampling(self._spec.resample), reducing_gap=3.0
+        )
+        return np.asarray(resized)
 
     def _text_ids(self, instruction: str) -> tuple[list[int], int]:
         """Token ids padded/truncated to the budget, and the count of real tokens (cached)."""
