@@ -122,6 +122,9 @@ class TenantSlot:
             lr=optim.lr,
             betas=optim.betas,
             weight_decay=optim.weight_decay,
+            # One fused pass over all parameter tensors instead of a Python loop per tensor:
+            # the head's tensors are many and small, so per-tensor overhead dominates on CPU.
+            foreach=True,
         )
         self.step = 0
         self.version = 0

@@ -1,0 +1,287 @@
+"""Group-batching benchmark: one grouped backbone forward vs one forward per tenant.
+
+For every (tenants, local batch) cell and stage:
+
+* ``forward`` — *serial*: one ``backbone.encode`` per tenant on its already-normalised inputs;
+  *grouped*: :func:`vla.grouping.encode_group` (concatenation, one forward, partition by tenant).
+* ``train_step`` — the same forwards plus, per tenant, head loss, backward and AdamW step
+  (:func:`vla.grouping.serial_train_step` vs :func:`vla.grouping.group_train_step`). Tenants
+  cycle through the oft / discrete / flow heads with different action and proprio dims.
+
+Serial and grouped runs are interleaved (serial, grouped, serial, grouped, ...) after warm-up,
+so slow drift of a shared machine hits both alike; each cell reports the median times and
+the median of the per-pair speedups. Normalisation (image decode/resize, tokenisation) is
+outside the timed region: both sides need it equally. On CUDA the backbone runs in bfloat16
+and timings synchronise the device.
+
+``python -m vla.bench --backbone tiny`` (also ``joynexus bench grouping``) prints the tables
+shaped like the paper's group-batching figure: rows = tenants, columns = local batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from schemas.model import HeadConfig, OptimizerConfig
+from vla.backbone import Backbone
+from vla.feature import ModelInputs
+from vla.grouping import TrainRequest, encode_group, group_train_step, serial_train_step
+from vla.normalize import Normaliser
+from vla.slot import StepResult, TenantSlot
+
+STAGES = ("forward", "train_step")
+#: Repeats per cell that keep the default sweep (4 x 4 cells, both stages) well under five
+#: minutes on two shared CPU cores; other backbones (real checkpoints) get the fallback.
+DEFAULT_REPEATS = {"tiny": 9, "tiny-224": 5}
+FALLBACK_REPEATS = 3
+_INSTRUCTIONS = ("pick up the red block", "open the top drawer", "push the cube to the left")
+#: Tenant i's head: kinds and action schemas cycle, so a group mixes them like a real service.
+_HEADS = (
+    HeadConfig(kind="oft", action_dim=7, chunk_len=4, proprio_dim=7),
+    HeadConfig(kind="discrete", action_dim=3, chunk_len=4, proprio_dim=0),
+    HeadConfig(kind="flow", action_dim=14, chunk_len=4, proprio_dim=14),
+)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_ms(fn: Callable[[], object], device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _inputs(norm: Normaliser, batch: int, proprio_dim: int, seed: int) -> ModelInputs:
+    rng = np.random.default_rng(seed)
+    size = norm.key.image_size
+    images = rng.integers(0, 256, (batch, norm.num_views, size, size, 3), dtype=np.uint8)
+    instructions = [_INSTRUCTIONS[(seed + i) % len(_INSTRUCTIONS)] for i in range(batch)]
+    proprio = rng.standard_normal((batch, proprio_dim)).astype(np.float32)
+    return norm.normalise_arrays(images, instructions, proprio)
+
+
+def _requests(
+    bb: Backbone, norm: Normaliser, num_tenants: int, local_batch: int
+) -> list[TrainRequest]:
+    reqs = []
+    for i in range(num_tenants):
+        head = _HEADS[i % len(_HEADS)]
+        slot = TenantSlot(
+            f"t{i}", head, OptimizerConfig(lr=1e-3), bb.hidden_size, seed=i, device=bb.device
+        )
+        g = torch.Generator().manual_seed(i)
+        actions = torch.rand(local_batch, head.chunk_len, head.action_dim, generator=g) * 2 - 1
+        inputs = _inputs(norm, local_batch, head.proprio_dim, seed=1000 * num_tenants + i)
+        reqs.append(TrainRequest(slot.tenant, slot, inputs, actions.to(bb.device)))
+    return reqs
+
+
+def _check(results: dict[str, StepResult | Exception]) -> None:
+    """A benchmark that timed failed steps would be meaningless: fail loudly instead."""
+    for tenant, r in results.items():
+        if isinstance(r, Exception):
+            raise RuntimeError(f"benchmark step failed for tenant {tenant}: {r!r}") from r
+
+
+def _cell_fns(
+    bb: Backbone, norm: Normaliser, stage: str, num_tenants: int, local_batch: int
+) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(serial, grouped) callables for one cell. Train cells get separate slot sets so each
+    side does the same work on its own optimizer state."""
+    if stage == "forward":
+        parts = [r.inputs for r in _requests(bb, norm, num_tenants, local_batch)]
+
+        def serial_fwd() -> object:
+            return [bb.encode(p) for p in parts]
+
+        def grouped_fwd() -> object:
+            return encode_group(bb, parts)
+
+        return serial_fwd, grouped_fwd
+    if stage == "train_step":
+        serial_reqs = _requests(bb, norm, num_tenants, local_batch)
+        grouped_reqs = _requests(bb, norm, num_tenants, local_batch)
+        return (
+            lambda: _check(serial_train_step(bb, serial_reqs)),
+            lambda: _check(group_train_step(bb, grouped_reqs)),
+        )
+    raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
+
+
+def run_grouping_bench(
+    backbone: str,
+    tenants: Sequence[int],
+    local_batches: Sequence[int],
+    stages: Sequence[str] = STAGES,
+    repeats: int = 5,
+    warmup: int = 1,
+    threads: int = 2,
+    num_views: int = 1,
+    token_budget: int = 16,
+) -> dict[str, Any]:
+    """Time serial vs grouped backbone work for every (tenants, local batch, stage) cell.
+
+    ``backbone``: a checkpoint directory or a tiny name (``tiny``, ``tiny-224``). ``repeats``
+    interleaved serial/grouped pairs are timed per cell after ``warmup`` untimed pairs.
+    ``threads``: torch intra-op threads. Returns ``{"backbone", "device", "threads", "cells":
+    [{"tenants", "local_batch", "stage", "serial_ms", "grouped_ms", "speedup"}], ...}`` with
+    median milliseconds; ``speedup`` is the median over the interleaved pairs of
+    ``serial / grouped`` (robust to load drift on a shared machine; close to, not exactly,
+    the ratio of the two medians).
+    """
+    for name, v in (("repeats", repeats), ("threads", threads)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    if not tenants or not local_batches or min(*tenants, *local_batches) < 1:
+        raise ValueError(f"tenants and local batches must be >= 1: {tenants}, {local_batches}")
+    for stage in stages:
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
+    torch.set_num_threads(threads)
+    cuda = torch.cuda.is_available()
+    bb = Backbone.load(
+        backbone, dtype="bfloat16" if cuda else "float32", device="cuda" if cuda else "cpu"
+    )
+    norm = Normaliser(bb, num_views=num_views, token_budget=token_budget)
+    device = torch.device(bb.device)
+    cells = []
+    for stage in stages:
+        for n in tenants:
+            for b in local_batches:
+                serial_fn, grouped_fn = _cell_fns(bb, norm, stage, n, b)
+                serial_ms: list[float] = []
+                grouped_ms: list[float] = []
+                for i in range(warmup + repeats):
+                    s = _time_ms(serial_fn, device)
+                    g = _time_ms(grouped_fn, device)
+                    if i >= warmup:
+                        serial_ms.append(s)
+                        grouped_ms.append(g)
+                ratios = [s / g for s, g in zip(serial_ms, grouped_ms, strict=True)]
+                cells.append(
+                    {
+                        "tenants": n,
+                        "local_batch": b,
+                        "stage": stage,
+                        "serial_ms": round(statistics.median(serial_ms), 3),
+                        "grouped_ms": round(statistics.median(grouped_ms), 3),
+                        "speedup": round(statistics.median(ratios), 3),
+                    }
+                )
+    return {
+        "backbone": backbone,
+        "backbone_id": bb.backbone_id,
+        "device": torch.cuda.get_device_name(device) if cuda else f"cpu ({platform.machine()})",
+        "dtype": str(bb.dtype).removeprefix("torch."),
+        "threads": threads,
+        "repeats": repeats,
+        "warmup": warmup,
+        "num_views": num_views,
+        "token_budget": token_budget,
+        "prefix_tokens": norm.seq_len,
+        "torch": torch.__version__,
+        "cells": cells,
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """One table per stage: rows = tenants, columns = local batch, cells = speedup with the
+    median serial and grouped ms, like the paper's group-batching figure."""
+    lines = [
+        f"group batching: backbone {result['backbone']} on {result['device']}, "
+        f"{result['threads']} threads, median of {result.get('repeats', '?')} interleaved runs"
+    ]
+    stages = list(dict.fromkeys(c["stage"] for c in result["cells"]))
+    for stage in stages:
+        cells = [c for c in result["cells"] if c["stage"] == stage]
+        tenants = sorted({c["tenants"] for c in cells})
+        batches = sorted({c["local_batch"] for c in cells})
+        by_key = {(c["tenants"], c["local_batch"]): c for c in cells}
+        texts = {
+            k: f"{c['speedup']:.2f}x ({c['serial_ms']:.1f}/{c['grouped_ms']:.1f})"
+            for k, c in by_key.items()
+        }
+        width = max(len("local batch 8"), *(len(t) for t in texts.values()))
+        lines.append("")
+        lines.append(f"stage {stage}: speedup (serial ms / grouped ms)")
+        header = "tenants | " + " | ".join(f"local batch {b}".rjust(width) for b in batches)
+        lines.append(header)
+        lines.append("-" * len(header))
+        for n in tenants:
+            row = [texts.get((n, b), "-").rjust(width) for b in batches]
+            lines.append(f"{n:>7} | " + " | ".join(row))
+    return "\n".join(lines)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``joynexus bench grouping``: run the sweep, print the tables, optionally write JSON."""
+    p = argparse.ArgumentParser(
+        prog="joynexus bench grouping",
+        description="Grouped vs per-tenant backbone forwards (and train steps).",
+    )
+    p.add_argument("--backbone", default="tiny", help="checkpoint DIR, tiny or tiny-224")
+    p.add_argument("--tenants", type=_int_list, default=[1, 2, 4, 8], help="e.g. 1,2,4,8")
+    p.add_argument("--local-batch", type=_int_list, default=[1, 2, 4, 8], help="e.g. 1,2,4,8")
+    p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {STAGES}")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help=f"timed pairs per cell (default {DEFAULT_REPEATS}, else {FALLBACK_REPEATS})",
+    )
+    p.add_argument("--warmup", type=int, default=1, help="untimed pairs per cell")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--views", type=int, default=1, help="camera views per sample")
+    p.add_argument("--token-budget", type=int, default=16, help="text tokens per sample")
+    p.add_argument("--json", metavar="FILE", help="also write the result as JSON")
+    args = p.parse_args(argv)
+    repeats = args.repeats or DEFAULT_REPEATS.get(args.backbone, FALLBACK_REPEATS)
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    result = run_grouping_bench(
+        args.backbone,
+        args.tenants,
+        args.local_batch,
+        stages=stages,
+        repeats=repeats,
+        warmup=args.warmup,
+        threads=args.threads,
+        num_views=args.views,
+        token_budget=args.token_budget,
+    )
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
