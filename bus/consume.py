@@ -54,6 +54,9 @@ class Fate(enum.Enum):
 
 
 def error_reason(error: BaseException) -> str:
+    """What the sender is told: our own errors speak for themselves; others name their type."""
+    if isinstance(error, HandlerError | DecodeError):
+        return str(error)
     return f"{type(error).__name__}: {error}"
 
 
@@ -150,6 +153,8 @@ class PullConsumer:
     fetch_timeout_s: float = 0.5
     max_ack_pending: int = 1000
     on_dead: DeadHook | None = None
+    #: Messages handled at once (long-running tasks such as dataset streams need > 1).
+    concurrency: int = 1
     #: Messages currently being handled (reported in heartbeats).
     in_flight: int = 0
 
@@ -173,6 +178,9 @@ class PullConsumer:
 
     async def run(self, stop: asyncio.Event) -> None:
         sub = await self.subscribe()
+        if self.concurrency > 1:
+            await self._run_concurrent(sub, stop)
+            return
         try:
             while not stop.is_set():
                 try:
@@ -186,6 +194,34 @@ class PullConsumer:
                         break
                     await self.handle(msg)
         finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _run_concurrent(
+        self, sub: JetStreamContext.PullSubscription, stop: asyncio.Event
+    ) -> None:
+        """Up to ``concurrency`` handlers at once; only fetch what can start now. On stop,
+        running handlers are cancelled, which hands their messages back (nak)."""
+        running: set[asyncio.Task[Fate]] = set()
+        try:
+            while not stop.is_set():
+                running = {t for t in running if not t.done()}
+                free = self.concurrency - len(running)
+                if free <= 0:
+                    stop_wait = asyncio.create_task(stop.wait())
+                    await asyncio.wait({*running, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                    stop_wait.cancel()
+                    continue
+                try:
+                    msgs = await sub.fetch(min(free, self.batch), timeout=self.fetch_timeout_s)
+                except (TimeoutError, FetchTimeoutError, NatsTimeoutError):
+                    continue
+                for msg in msgs:
+                    running.add(asyncio.create_task(self.handle(msg)))
+        finally:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 

@@ -58,6 +58,8 @@ class PolicyPublished(msgspec.Struct, frozen=True, tag="policy"):
     object_name: str
     step: int
     at: float
+    #: The job's last step is in this version (the trainer is done with the job).
+    final: bool = False
 
 
 class ErrorEvent(msgspec.Struct, frozen=True, tag="error"):

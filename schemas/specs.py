@@ -83,6 +83,7 @@ class SFTJobSpec(_Strict):
     token_budget: int = Field(48, ge=8, le=4096, description="Text+image tokens per sample.")
     #: Commit a checkpoint (policy version) every this many steps (the last step always).
     checkpoint_every: int = Field(10, ge=1)
+    priority: int = Field(1, ge=1, le=16, description="Fair-share weight on the trainer.")
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> SFTJobSpec:

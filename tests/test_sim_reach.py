@@ -153,3 +153,25 @@ def test_step_is_cheap() -> None:
                 env.reset()
         best = min(best, (time.perf_counter() - start) / len(actions))
     assert best < 0.2e-3, f"{best * 1e6:.0f} us/step"
+
+
+def test_grasp_variant_has_a_gripper_dimension_the_expert_uses() -> None:
+    from services.envs.sims import REACH_GRASP_ID, make_env
+
+    env = make_env(REACH_GRASP_ID)
+    assert env.action_space.shape == (3,)
+    successes = 0
+    for seed in range(10):
+        env.reset(seed=seed)
+        for _ in range(50):
+            _, _, terminated, truncated, info = env.step(env.unwrapped.expert_action())
+            if terminated or truncated:
+                successes += int(info["is_success"])
+                break
+    assert successes == 10
+    env.reset(seed=0)
+    for _ in range(50):  # never closing the gripper never succeeds
+        action = env.unwrapped.expert_action()
+        action[2] = -1.0
+        _, _, terminated, _, _ = env.step(action)
+        assert not terminated

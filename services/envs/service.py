@@ -1,38 +1,188 @@
-"""Env worker service (foundation stage): joins the bus, declares the shared durable consumer
-on ``ENV`` and heartbeats. Dataset streaming and simulator sessions land with the SFT and RL
-issues."""
+"""Env workers: pull tasks from ``ENV`` and produce training data.
+
+Offline half (SFT): a :class:`~schemas.env.StreamDataset` task streams a tenant's dataset into
+its Training Queue as shuffled micro-batches, one per optimizer step, with backpressure (at
+most ``max_in_flight`` unconsumed batches of the tenant in ``TRAIN``) and
+``Nats-Msg-Id`` = (tenant, job, epoch, batch). Batch ``s`` is a pure function of the dataset,
+seed and ``s``, so a restarted worker resumes from the trainer's committed progress and
+re-publishes nothing twice (the trainer also skips any step it has consumed).
+"""
 
 from __future__ import annotations
 
-from nats.js.api import AckPolicy, ConsumerConfig
-from nats.js.errors import NotFoundError
+import asyncio
+import logging
+import time
+from typing import Any
 
+import numpy as np
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, NotFoundError
+from pydantic import Field
+
+from bus.codec import DecodeError, decode
 from bus.config import BusConfig
+from bus.consume import PullConsumer
+from bus.errors import PoisonError, RetryableError
+from bus.publish import msg_id, publish
 from bus.service import Runtime, serve
 from schemas import subjects
+from schemas.env import ENV_DECODER, StreamDataset
+from schemas.events import ErrorEvent
+from schemas.jobs import JOB_RECORD_DECODER, TERMINAL_STATUSES, job_key
+from schemas.tensor import Tensor
+from schemas.train import POLICY_RECORD_DECODER, SFTBatch
+from services.envs.datasets import Dataset, DatasetError, load_dataset
 
+log = logging.getLogger(__name__)
 DURABLE = "envs"
 
 
 class EnvsConfig(BusConfig):
     """Env worker settings."""
 
+    concurrency: int = Field(8, ge=1, description="Tasks (streams, sessions) run at once.")
+    max_deliver: int = Field(5, ge=1, description="Deliveries before a task is dead.")
+
+
+class DatasetStreamer:
+    """Runs :class:`StreamDataset` tasks."""
+
+    def __init__(self, js: JetStreamContext) -> None:
+        self.js = js
+        self.datasets: dict[str, Dataset] = {}
+
+    async def handle(self, msg: Msg) -> None:
+        try:
+            task = decode(ENV_DECODER, msg.data)
+        except DecodeError as exc:
+            raise PoisonError(f"malformed env task: {exc}") from exc
+        await self.stream(task)
+
+    async def dataset(self, path: str) -> Dataset:
+        if path not in self.datasets:
+            try:
+                self.datasets[path] = await asyncio.to_thread(load_dataset, path)
+            except DatasetError as exc:
+                raise PoisonError(f"dataset {path}: {exc}") from exc
+        return self.datasets[path]
+
+    async def consumed(self, task: StreamDataset) -> int:
+        """Batches of the job the trainer has committed (where a restarted stream resumes)."""
+        kv = await self.js.key_value(subjects.KV_POLICIES)
+        try:
+            entry = await kv.get(f"{task.tenant}.{task.job_id}")
+        except KeyNotFoundError:
+            return 0
+        if not entry.value:
+            return 0
+        return decode(POLICY_RECORD_DECODER, entry.value).batches_done
+
+    async def job_ended(self, task: StreamDataset) -> bool:
+        kv = await self.js.key_value(subjects.KV_JOBS)
+        try:
+            entry = await kv.get(job_key(task.tenant, task.job_id))
+        except KeyNotFoundError:
+            return False
+        if not entry.value:
+            return False
+        return decode(JOB_RECORD_DECODER, entry.value).status in TERMINAL_STATUSES
+
+    async def unconsumed(self, subject: str) -> int:
+        try:
+            info = await self.js.stream_info(subjects.STREAM_TRAIN, subjects_filter=subject)
+        except NotFoundError as exc:
+            raise RetryableError("TRAIN stream not declared yet") from exc
+        return int((info.state.subjects or {}).get(subject, 0))
+
+    async def stream(self, task: StreamDataset) -> None:
+        ds = await self.dataset(task.dataset)
+        train_episodes, _ = ds.split(task.val_fraction, task.seed)
+        per_epoch = ds.num_batches(task.batch_size, train_episodes, drop_last=True)
+        if per_epoch == 0:
+            raise PoisonError(
+                f"dataset {task.dataset}: fewer training frames than batch_size {task.batch_size}"
+            )
+        subject = subjects.train(task.backbone, task.tenant)
+        step = await self.consumed(task)
+        log.info(
+            "streaming %s/%s from step %d of %d", task.tenant, task.job_id, step, task.total_steps
+        )
+        batches: Any = None
+        epoch = -1
+        while step < task.total_steps:
+            if await self.job_ended(task):
+                log.info("job %s/%s ended; stream stops at step %d", task.tenant, task.job_id, step)
+                return
+            if await self.unconsumed(subject) >= task.max_in_flight:
+                await asyncio.sleep(0.02)
+                continue
+            want_epoch, index = divmod(step, per_epoch)
+            if want_epoch != epoch:
+                epoch = want_epoch
+                batches = ds.iter_batches(
+                    task.batch_size,
+                    task.chunk_len,
+                    seed=task.seed,
+                    epoch=epoch,
+                    episodes=train_episodes,
+                    drop_last=True,
+                    start_batch=index,
+                )
+            batch = await asyncio.to_thread(next, batches)
+            message = SFTBatch(
+                tenant=task.tenant,
+                job_id=task.job_id,
+                step=step,
+                epoch=epoch,
+                batch_index=batch.batch_index,
+                images=Tensor.from_numpy(batch.images_B_V_H_W_3[:, : task.num_views]),
+                instructions=list(batch.instructions),
+                proprio=Tensor.from_numpy(
+                    np.ascontiguousarray(batch.state_B_S[:, : task.proprio_dim], np.float32)
+                ),
+                actions=Tensor.from_numpy(batch.actions_B_C_A.astype(np.float32)),
+                action_pad=Tensor.from_numpy(batch.action_pad_B_C),
+            )
+            await publish(
+                self.js,
+                subject,
+                message,
+                message_id=msg_id("sft", task.tenant, task.job_id, epoch, batch.batch_index),
+            )
+            step += 1
+
+    async def on_dead(self, msg: Msg, reason: str, error: BaseException) -> None:
+        try:
+            task = decode(ENV_DECODER, msg.data)
+        except DecodeError:
+            return
+        await publish(
+            self.js,
+            subjects.event(task.tenant, task.job_id, "error"),
+            ErrorEvent(task.tenant, task.job_id, reason, False, True, time.time()),
+            message_id=msg_id("ev", task.tenant, task.job_id, "error", "env"),
+        )
+
 
 async def run(config: EnvsConfig) -> None:
     """Entry point: serve an env worker until SIGTERM/SIGINT."""
 
     async def body(rt: Runtime) -> None:
-        try:
-            await rt.js.consumer_info(subjects.STREAM_ENV, DURABLE)
-        except NotFoundError:
-            await rt.js.add_consumer(
-                subjects.STREAM_ENV,
-                ConsumerConfig(
-                    durable_name=DURABLE,
-                    filter_subject=f"{subjects.PREFIX}.env.>",
-                    ack_policy=AckPolicy.EXPLICIT,
-                ),
-            )
-        await rt.stop.wait()
+        streamer = DatasetStreamer(rt.js)
+        consumer = PullConsumer(
+            rt.js,
+            stream=subjects.STREAM_ENV,
+            durable=DURABLE,
+            filter_subject=f"{subjects.PREFIX}.env.>",
+            handler=streamer.handle,
+            max_deliver=config.max_deliver,
+            on_dead=streamer.on_dead,
+            concurrency=config.concurrency,
+            ack_wait_s=30.0,
+        )
+        rt.in_flight = lambda: consumer.in_flight
+        await consumer.run(rt.stop)
 
     await serve("envs", config, body)

@@ -8,6 +8,7 @@ message never stops the master: its fate is decided by :func:`bus.consume.settle
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -25,7 +26,16 @@ from bus.errors import PoisonError
 from bus.publish import msg_id, publish
 from bus.service import Runtime, serve
 from schemas import subjects
-from schemas.events import Accepted, Event, Rejected, StateChanged, event_kind
+from schemas.events import (
+    EVENT_DECODER,
+    Accepted,
+    ErrorEvent,
+    Event,
+    PolicyPublished,
+    Rejected,
+    StateChanged,
+    event_kind,
+)
 from schemas.ids import InvalidIdError, validate_id
 from schemas.jobs import (
     JOB_COMMAND_DECODER,
@@ -34,10 +44,13 @@ from schemas.jobs import (
     JobCancel,
     JobCommand,
     JobRecord,
+    JobStatus,
     JobSubmit,
     job_key,
 )
 from schemas.specs import JobSpecError, parse_job_spec
+from schemas.train import POLICY_RECORD_DECODER, CloseSlot
+from services.master.plans import Plan, compile_plan
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +78,10 @@ async def publish_event(js: JetStreamContext, event: Event) -> None:
 class Master:
     """Handlers of the master; state lives in the bus (KV), not in this object."""
 
-    def __init__(self, js: JetStreamContext, jobs: KeyValue) -> None:
+    def __init__(self, js: JetStreamContext, jobs: KeyValue, policies: KeyValue) -> None:
         self.js = js
         self.jobs = jobs
+        self.policies = policies
 
     async def handle(self, msg: Msg) -> None:
         verb = msg.subject.rsplit(".", 1)[-1]
@@ -131,24 +145,120 @@ class Master:
             created_at=now,
             updated_at=now,
         )
+        plan = await compile_plan(command.job_id, spec)
         await self.jobs.create(job_key(command.tenant, command.job_id), encode(record))
         await publish_event(self.js, Accepted(command.tenant, command.job_id, spec.kind, now))
         log.info("accepted %s job %s/%s", spec.kind, command.tenant, command.job_id)
+        await self.start(plan)
 
-    async def cancel(self, command: JobCancel) -> None:
-        found = await self.record(command.tenant, command.job_id)
+    async def start(self, plan: Plan) -> None:
+        """Create the slot, start the data stream, mark the job running. Every publish has a
+        content-derived msg id, so a replayed submit repeats nothing."""
+        tenant, job_id = plan.open_slot.tenant, plan.open_slot.job_id
+        await publish(
+            self.js,
+            subjects.train(plan.backbone, tenant),
+            plan.open_slot,
+            message_id=msg_id("open", tenant, job_id),
+        )
+        await publish(
+            self.js,
+            subjects.env(tenant, job_id),
+            plan.env_task,
+            message_id=msg_id("env", tenant, job_id),
+        )
+        await self.transition(tenant, job_id, "running")
+
+    async def transition(
+        self,
+        tenant: str,
+        job_id: str,
+        status: JobStatus,
+        reason: str = "",
+        metrics: dict[str, float] | None = None,
+        policy_version: int | None = None,
+    ) -> JobRecord | None:
+        """Move a job's state (compare-and-set on its KV revision); terminal states stick."""
+        found = await self.record(tenant, job_id)
         if found is None:
-            raise PoisonError(f"unknown job {command.tenant}/{command.job_id}")
+            raise PoisonError(f"unknown job {tenant}/{job_id}")
         record, revision = found
         if record.status in TERMINAL_STATUSES:
-            return
-        now = time.time()
-        reason = command.reason or "cancelled by tenant"
-        updated = msgspec.structs.replace(record, status="cancelled", updated_at=now, reason=reason)
-        await self.jobs.update(job_key(command.tenant, command.job_id), encode(updated), revision)
-        await publish_event(
-            self.js, StateChanged(command.tenant, command.job_id, "cancelled", now, reason)
+            return None
+        updated = msgspec.structs.replace(
+            record,
+            status=status,
+            updated_at=time.time(),
+            reason=reason or record.reason,
+            metrics=metrics if metrics is not None else record.metrics,
+            policy_version=record.policy_version if policy_version is None else policy_version,
         )
+        await self.jobs.update(job_key(tenant, job_id), encode(updated), revision)
+        if status != record.status:
+            await publish_event(
+                self.js, StateChanged(tenant, job_id, status, updated.updated_at, reason)
+            )
+        return updated
+
+    async def close_slot(self, tenant: str, job_id: str, reason: str) -> None:
+        record = await self.record(tenant, job_id)
+        if record is None:
+            return
+        spec = parse_job_spec(record[0].spec_json)
+        await publish(
+            self.js,
+            subjects.train(spec.backbone, tenant),
+            CloseSlot(tenant, job_id, reason),
+            message_id=msg_id("close", tenant, job_id),
+        )
+
+    async def handle_event(self, msg: Msg) -> None:
+        """Follow the trainer's policy and error events of running jobs."""
+        try:
+            event = decode(EVENT_DECODER, msg.data)
+        except DecodeError as exc:
+            raise PoisonError(f"malformed event on {msg.subject}: {exc}") from exc
+        match event:
+            case PolicyPublished():
+                metrics = await self.policy_metrics(event.tenant, event.job_id)
+                if event.final:
+                    done = await self.transition(
+                        event.tenant,
+                        event.job_id,
+                        "succeeded",
+                        metrics=metrics,
+                        policy_version=event.version,
+                    )
+                    if done is not None:
+                        await self.close_slot(event.tenant, event.job_id, "succeeded")
+                else:
+                    await self.transition(
+                        event.tenant,
+                        event.job_id,
+                        "running",
+                        metrics=metrics,
+                        policy_version=event.version,
+                    )
+            case ErrorEvent(fatal=True):
+                failed = await self.transition(
+                    event.tenant, event.job_id, "failed", reason=event.message
+                )
+                if failed is not None:
+                    await self.close_slot(event.tenant, event.job_id, "failed")
+            case _:
+                return
+
+    async def policy_metrics(self, tenant: str, job_id: str) -> dict[str, float] | None:
+        try:
+            entry = await self.policies.get(f"{tenant}.{job_id}")
+        except KeyNotFoundError:
+            return None
+        return dict(decode(POLICY_RECORD_DECODER, entry.value).metrics) if entry.value else None
+
+    async def cancel(self, command: JobCancel) -> None:
+        reason = command.reason or "cancelled by tenant"
+        if await self.transition(command.tenant, command.job_id, "cancelled", reason=reason):
+            await self.close_slot(command.tenant, command.job_id, "cancelled")
 
     async def on_dead(self, msg: Msg, reason: str, error: BaseException) -> None:
         """Tell the tenant why its command was refused (on its job's ``rejected`` subject)."""
@@ -167,8 +277,12 @@ async def run(config: MasterConfig) -> None:
     """Entry point: serve the master until SIGTERM/SIGINT."""
 
     async def body(rt: Runtime) -> None:
-        master = Master(rt.js, await rt.js.key_value(subjects.KV_JOBS))
-        consumer = PullConsumer(
+        master = Master(
+            rt.js,
+            await rt.js.key_value(subjects.KV_JOBS),
+            await rt.js.key_value(subjects.KV_POLICIES),
+        )
+        commands = PullConsumer(
             rt.js,
             stream=subjects.STREAM_JOBS,
             durable="master",
@@ -177,7 +291,15 @@ async def run(config: MasterConfig) -> None:
             max_deliver=config.max_deliver,
             on_dead=master.on_dead,
         )
-        rt.in_flight = lambda: consumer.in_flight
-        await consumer.run(rt.stop)
+        events = PullConsumer(
+            rt.js,
+            stream=subjects.STREAM_EVENTS,
+            durable="master-events",
+            filter_subject=f"{subjects.PREFIX}.event.*.*.>",
+            handler=master.handle_event,
+            max_deliver=config.max_deliver,
+        )
+        rt.in_flight = lambda: commands.in_flight + events.in_flight
+        await asyncio.gather(commands.run(rt.stop), events.run(rt.stop))
 
     await serve("master", config, body)

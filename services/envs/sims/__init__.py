@@ -11,6 +11,8 @@ from typing import Any
 import gymnasium as gym
 
 REACH2D_ID = "JoyNexus/Reach2D-v0"
+#: Reach2D with a gripper command as a third action dimension ("reach and grasp").
+REACH_GRASP_ID = "JoyNexus/ReachGrasp2D-v0"
 #: Reach2D's time limit; ``make_env(REACH2D_ID, max_episode_steps=n)`` overrides it.
 REACH2D_MAX_STEPS = 50
 
@@ -22,6 +24,13 @@ def register_envs() -> None:
             id=REACH2D_ID,
             entry_point="services.envs.sims.reach:Reach2DEnv",
             max_episode_steps=REACH2D_MAX_STEPS,
+        )
+    if REACH_GRASP_ID not in gym.registry:
+        gym.register(
+            id=REACH_GRASP_ID,
+            entry_point="services.envs.sims.reach:Reach2DEnv",
+            max_episode_steps=REACH2D_MAX_STEPS,
+            kwargs={"gripper": True},
         )
 
 
@@ -37,4 +46,4 @@ def make_env(env_id: str, **kwargs: Any) -> gym.Env[Any, Any]:
 
 register_envs()
 
-__all__ = ["REACH2D_ID", "REACH2D_MAX_STEPS", "make_env", "register_envs"]
+__all__ = ["REACH2D_ID", "REACH2D_MAX_STEPS", "REACH_GRASP_ID", "make_env", "register_envs"]

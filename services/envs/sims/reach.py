@@ -61,6 +61,8 @@ class Reach2DEnv(gym.Env[dict[str, Any], np.ndarray]):
         success_bonus: reward added on the step that reaches the target.
         progress_scale: weight of the distance-progress reward.
         min_start_distance: minimum agent-target distance at reset.
+        gripper: add a third action dimension, a gripper command (> 0 closes); success then
+            also requires the gripper closed within ``success_radius`` ("reach and grasp").
         render_mode: ``None`` or ``"rgb_array"`` (``render()`` returns the current image).
     """
 
@@ -77,6 +79,7 @@ class Reach2DEnv(gym.Env[dict[str, Any], np.ndarray]):
         success_bonus: float = 1.0,
         progress_scale: float = 1.0,
         min_start_distance: float = 0.4,
+        gripper: bool = False,
         render_mode: str | None = None,
     ) -> None:
         height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
@@ -114,7 +117,8 @@ class Reach2DEnv(gym.Env[dict[str, Any], np.ndarray]):
                 "instruction": spaces.Text(max_length=64, charset=_INSTRUCTION_CHARSET),
             }
         )
-        self.action_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.gripper = bool(gripper)
+        self.action_space = spaces.Box(-1.0, 1.0, (3 if self.gripper else 2,), np.float32)
 
         # Arena coordinates of pixel centres: column j -> x, row i -> y (row 0 is the top).
         self._pixel_x_W = (np.arange(self.width) + 0.5) * (2.0 / self.width) - 1.0
@@ -163,9 +167,10 @@ class Reach2DEnv(gym.Env[dict[str, Any], np.ndarray]):
     def step(self, action: np.ndarray) -> tuple[dict[str, Any], float, bool, bool, dict[str, Any]]:
         if not self._has_reset:
             raise RuntimeError("call reset() before step()")
-        ax, ay = (float(v) for v in np.asarray(action, dtype=np.float64).reshape(2))
-        if not (math.isfinite(ax) and math.isfinite(ay)):
-            raise ValueError(f"action must be finite, got {(ax, ay)}")
+        flat = np.asarray(action, dtype=np.float64).reshape(self.action_space.shape)
+        if not np.isfinite(flat).all():
+            raise ValueError(f"action must be finite, got {tuple(flat)}")
+        ax, ay = float(flat[0]), float(flat[1])
         ax, ay = min(max(ax, -1.0), 1.0), min(max(ay, -1.0), 1.0)
         before = self._distance()
         old_x, old_y = self._agent
@@ -175,7 +180,7 @@ class Reach2DEnv(gym.Env[dict[str, Any], np.ndarray]):
         # The velocity actually realised (zero into a wall), in action units.
         self._velocity = ((x - old_x) / self.max_speed, (y - old_y) / self.max_speed)
         after = self._distance()
-        success = after <= self.success_radius
+        success = after <= self.success_radius and (not self.gripper or float(flat[2]) > 0.0)
         reward = self.progress_scale * (before - after) + (self.success_bonus if success else 0.0)
         self._render_frame()
         return (
@@ -192,8 +197,13 @@ class Reach2DEnv(gym.Env[dict[str, Any], np.ndarray]):
     # -- expert and introspection ----------------------------------------------------------
 
     def expert_action(self) -> np.ndarray:
-        """The scripted expert's action from the true state: straight at the target."""
-        return _straight_to(self._agent, self._target, self.max_speed)
+        """The scripted expert's action from the true state: straight at the target (and, with
+        a gripper, close it once within twice the success radius)."""
+        move = _straight_to(self._agent, self._target, self.max_speed)
+        if not self.gripper:
+            return move
+        close = 1.0 if self._distance() <= 2 * self.success_radius else -1.0
+        return np.array([move[0], move[1], close], np.float32)
 
     @property
     def target_colour(self) -> str:

@@ -1,0 +1,65 @@
+"""Checkpoints in the ``checkpoints`` object store: content-hashed names, retention pruning.
+
+Object names are ``<tenant>/<job>/v<version>-<sha256[:16]>``; the full digest is in the
+``policies`` record and verified on load, so a torn or foreign object is never restored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+
+from nats.js.errors import NotFoundError, ObjectNotFoundError
+from nats.js.object_store import ObjectStore
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint object is missing or does not match its recorded digest."""
+
+
+def object_name(tenant: str, job_id: str, version: int, sha256: str) -> str:
+    return f"{tenant}/{job_id}/v{version:06d}-{sha256[:16]}"
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+async def put_checkpoint(store: ObjectStore, name: str, data: bytes) -> None:
+    await store.put(name, data)
+
+
+async def get_checkpoint(store: ObjectStore, name: str, sha256: str) -> bytes:
+    """Read a checkpoint (streamed into one buffer, avoiding nats.py's quadratic
+    concatenation) and verify its digest."""
+    buffer = io.BytesIO()
+    try:
+        await store.get(name, writeinto=buffer)
+    except (ObjectNotFoundError, NotFoundError) as exc:
+        raise CheckpointError(f"checkpoint {name} not found") from exc
+    data = buffer.getvalue()
+    if digest(data) != sha256:
+        raise CheckpointError(f"checkpoint {name} does not match its recorded sha256")
+    return data
+
+
+async def prune(store: ObjectStore, tenant: str, job_id: str, keep_from_version: int) -> int:
+    """Delete this job's checkpoint objects older than ``keep_from_version``; return how many."""
+    prefix = f"{tenant}/{job_id}/v"
+    removed = 0
+    try:
+        infos = await store.list()
+    except NotFoundError:
+        return 0
+    for info in infos:
+        name = info.name or ""
+        if info.deleted or not name.startswith(prefix):
+            continue
+        try:
+            version = int(name[len(prefix) :].split("-", 1)[0])
+        except ValueError:
+            continue
+        if version < keep_from_version:
+            await store.delete(name)
+            removed += 1
+    return removed

@@ -1,0 +1,109 @@
+"""SFT end to end on a real stack: master, env worker and trainer as processes."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from nats.js import JetStreamContext
+
+from bus.server import EmbeddedServer
+from clients.sdk import Client, JobFailed
+from tests.conftest import Procs
+from tests.helpers import uid
+from tests.sft_helpers import (
+    DISCRETE_3D,
+    OFT_2D,
+    final_policy,
+    follow,
+    record_datasets,
+    sft_spec,
+    start_stack,
+)
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return record_datasets(tmp_path_factory.mktemp("datasets"))
+
+
+@pytest.mark.timeout(400)
+async def test_two_tenants_sft_concurrently_match_their_solo_runs(
+    nats_server: EmbeddedServer,
+    js: JetStreamContext,
+    datasets: dict[str, Path],
+    procs: Procs,
+    tmp_path: Path,
+) -> None:
+    start_stack(nats_server.url, tmp_path / "logs", procs)
+    steps = 30
+    a, b = uid("arm"), uid("gripper")
+    spec_a = sft_spec(a, datasets["reach"], OFT_2D, steps)
+    spec_b = sft_spec(b, datasets["grasp"], DISCRETE_3D, steps)
+    async with await Client.connect(nats_server.url) as client:
+        job_a, job_b = await client.train_sft(spec_a), await client.train_sft(spec_b)
+        trace_a, trace_b = await asyncio.gather(follow(job_a), follow(job_b))
+        result_a, result_b = await job_a.wait(60), await job_b.wait(60)
+        assert result_a.status == result_b.status == "succeeded"
+        for trace in (trace_a, trace_b):
+            assert sorted(trace.losses) == list(range(1, steps + 1))
+            first = sum(trace.losses[s] for s in range(1, 6)) / 5
+            last = sum(trace.losses[s] for s in range(steps - 4, steps + 1)) / 5
+            assert last < 0.8 * first, f"loss did not fall: {first:.4f} -> {last:.4f}"
+        rec_a, params_a = await final_policy(client.js, a, job_a.job_id)
+        assert rec_a.step == steps and rec_a.batches_done == steps
+
+        # The same job alone (same seeds, same data; only the tenant id differs).
+        solo = uid("solo")
+        job_solo = await client.train_sft(sft_spec(solo, datasets["reach"], OFT_2D, steps))
+        trace_solo = await follow(job_solo)
+        await job_solo.wait(60)
+        _, params_solo = await final_policy(client.js, solo, job_solo.job_id)
+    grouped = [trace_a.losses[s] for s in range(1, steps + 1)]
+    alone = [trace_solo.losses[s] for s in range(1, steps + 1)]
+    assert grouped == pytest.approx(alone, rel=1e-6, abs=1e-7)
+    for name, value in params_a.items():
+        torch.testing.assert_close(value, params_solo[name], rtol=1e-6, atol=1e-7)
+
+
+async def test_bad_dataset_is_rejected_at_submit_with_a_specific_error(
+    nats_server: EmbeddedServer,
+    js: JetStreamContext,
+    datasets: dict[str, Path],
+    procs: Procs,
+    tmp_path: Path,
+) -> None:
+    start_stack(nats_server.url, tmp_path / "logs", procs)
+    tenant = uid("bad")
+    async with await Client.connect(nats_server.url) as client:
+        missing = await client.train_sft(sft_spec(tenant, tmp_path / "nope", OFT_2D, 5))
+        with pytest.raises(JobFailed, match=r"dataset: .*nope: not a dataset directory"):
+            await missing.wait(60)
+        wrong_dim = await client.train_sft(sft_spec(tenant, datasets["reach"], DISCRETE_3D, 5))
+        with pytest.raises(
+            JobFailed, match=r"head\.action_dim: 3 does not match the dataset's action dimension 2"
+        ):
+            await wrong_dim.wait(60)
+
+
+async def test_cancel_mid_run_frees_the_slot(
+    nats_server: EmbeddedServer,
+    js: JetStreamContext,
+    datasets: dict[str, Path],
+    procs: Procs,
+    tmp_path: Path,
+) -> None:
+    start_stack(nats_server.url, tmp_path / "logs", procs)
+    tenant = uid("cancel")
+    async with await Client.connect(nats_server.url) as client:
+        job = await client.train_sft(sft_spec(tenant, datasets["reach"], OFT_2D, 10_000))
+        async for ev in job.events(idle_timeout=120):
+            if type(ev).__name__ == "Progress":
+                break
+        await job.cancel("enough")
+        with pytest.raises(JobFailed, match="cancelled: enough"):
+            await job.wait(60)
+        record = await client.status(tenant, job.job_id)
+        assert record is not None and record.status == "cancelled"
