@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,6 +33,7 @@ from vla.slot import NonFiniteLossError, StepResult, TenantSlot
 
 torch.set_num_threads(1)
 
+REPO = Path(__file__).resolve().parents[1]
 STEPS = 5
 INSTRUCTIONS = ["pick up the red block", "open the drawer", "push the cube to the left"]
 
@@ -356,3 +362,25 @@ def test_default_head_training_costs_under_a_tenth_of_the_backbone_forward(
         slot.train_step(feature, torch.rand(B, 1, 7) * 2 - 1)
     ratio = head_flops.get_total_flops() / backbone_flops.get_total_flops()
     assert ratio < 0.1, f"{kind} head step costs {ratio:.3f} of the backbone forward"
+
+
+# -- benchmark entry point -------------------------------------------------------------------
+
+
+def test_bench_main_runs_as_a_subprocess_and_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "vla.bench", "--backbone", "tiny", "--tenants", "1,2"]
+    cmd += ["--local-batch", "1", "--repeats", "1", "--warmup", "0", "--threads", "1"]
+    cmd += ["--json", str(out)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=60, env=env, cwd=REPO, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "stage forward" in proc.stdout and "stage train_step" in proc.stdout
+    result = json.loads(out.read_text())
+    assert (result["backbone"], result["threads"]) == ("tiny", 1)
+    cells = {(c["tenants"], c["local_batch"], c["stage"]): c for c in result["cells"]}
+    assert set(cells) == {(n, 1, s) for n in (1, 2) for s in ("forward", "train_step")}
+    for c in cells.values():
+        assert c["serial_ms"] > 0 and c["grouped_ms"] > 0 and c["speedup"] > 0

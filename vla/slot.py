@@ -19,7 +19,6 @@ from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import torch
 
 from schemas.model import HeadConfig, OptimizerConfig
@@ -77,6 +76,12 @@ def lr_at(config: OptimizerConfig, step: int) -> float:
     progress = min(1.0, (step - config.warmup_steps) / span)
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
     return config.lr * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
+
+
+def _fields(config: HeadConfig | OptimizerConfig) -> dict[str, Any]:
+    """A config Struct as a dict of primitives (str, int, float, bool, tuple), which
+    ``torch.load(weights_only=True)`` reads back; ``Config(**d)`` rebuilds and re-validates."""
+    return {name: getattr(config, name) for name in config.__struct_fields__}
 
 
 def _generator_for(device: torch.device) -> torch.Generator:
@@ -204,8 +209,8 @@ class TenantSlot:
         return {
             "format": _STATE_FORMAT,
             "tenant": self.tenant,
-            "head": msgspec.to_builtins(self.head_config),
-            "optim": msgspec.to_builtins(self.optim_config),
+            "head": _fields(self.head_config),
+            "optim": _fields(self.optim_config),
             "hidden_size": self.hidden_size,
             "seed": self.seed,
             "module": self.module.state_dict(),
@@ -219,7 +224,7 @@ class TenantSlot:
         """Restore module, optimizer, RNG, step and version from :meth:`state_dict`."""
         if state.get("format") != _STATE_FORMAT:
             raise ValueError(f"unsupported slot state format {state.get('format')!r}")
-        head = msgspec.convert(state["head"], HeadConfig)
+        head = HeadConfig(**state["head"])
         if head != self.head_config or state["hidden_size"] != self.hidden_size:
             raise ValueError(
                 f"slot state for {head} on hidden size {state['hidden_size']} does not fit "
@@ -243,8 +248,8 @@ class TenantSlot:
         state = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
         slot = cls(
             tenant=state["tenant"],
-            head=msgspec.convert(state["head"], HeadConfig),
-            optim=msgspec.convert(state["optim"], OptimizerConfig),
+            head=HeadConfig(**state["head"]),
+            optim=OptimizerConfig(**state["optim"]),
             hidden_size=int(state["hidden_size"]),
             seed=int(state["seed"]),
             device=device,
