@@ -76,9 +76,8 @@ class _Attention(nn.Module):
 
     def __init__(self, dim: int, mem_dim: int) -> None:
         super().__init__()
-        self.num_heads = max(1, dim // _HEAD_DIM)
-        if dim % self.num_heads:
-            raise ValueError(f"hidden_dim {dim} is not divisible into {self.num_heads} heads")
+        # About _HEAD_DIM wide heads; the largest head count that divides dim (1 at worst).
+        self.num_heads = next(n for n in range(max(1, dim // _HEAD_DIM), 0, -1) if dim % n == 0)
         self.q_proj = nn.Linear(dim, dim)
         self.kv_proj = nn.Linear(mem_dim, 2 * dim)
         self.out_proj = nn.Linear(dim, dim)
