@@ -63,6 +63,8 @@ from vla.normalize import Normaliser
 from vla.slot import NonFiniteLossError, SlotManager, TenantSlot
 
 log = logging.getLogger(__name__)
+#: Most messages buffered per tenant, waiting ones included.
+MAX_BUFFER = 256
 
 
 class TrainerConfig(BusConfig):
@@ -78,7 +80,9 @@ class TrainerConfig(BusConfig):
     quantum: int = Field(8, ge=1, description="DRR quantum in samples per round.")
     commit_every_s: float = Field(10.0, gt=0, description="Commit at least this often.")
     keep_versions: int = Field(3, ge=1, description="Checkpoints kept per job.")
-    ack_wait_s: float = Field(30.0, gt=1, description="Consumer ack wait.")
+    ack_wait_s: float = Field(
+        5.0, gt=1, description="Consumer ack wait; held messages get in-progress acks."
+    )
     max_deliver: int = Field(10, ge=1, description="Deliveries before dead-lettering.")
     discover_every_s: float = Field(0.5, gt=0, description="New-tenant discovery period.")
     crash_after_commits: int = Field(
@@ -99,14 +103,23 @@ class Pending:
         return int(self.msg.metadata.sequence.stream)
 
 
+class _Wait:
+    """Marker: the message must wait in the buffer (see :meth:`Trainer.job_for`)."""
+
+
+WAIT = _Wait()
+
+
 @dataclass
 class TenantQueue:
     """One tenant's pull consumer, prefetch buffer and DRR deficit."""
 
     tenant: str
     sub: JetStreamContext.PullSubscription
-    buffer: deque[Pending] = field(default_factory=deque)
+    buffer: list[Pending] = field(default_factory=list)
     deficit: float = 0.0
+    #: Buffered batches that cannot be applied yet (waiting for an earlier step or a slot).
+    waiting: int = 0
 
 
 class Trainer:
@@ -217,7 +230,11 @@ class Trainer:
         wait_s = 0.001 if any(q.buffer for q in self.queues.values()) else 0.05
 
         async def top_up(q: TenantQueue) -> None:
-            want = self.config.prefetch - len(q.buffer)
+            # Batches waiting for an earlier step do not use up the prefetch: the earlier
+            # step must still be fetched. MAX_BUFFER bounds memory all the same.
+            want = min(
+                self.config.prefetch - (len(q.buffer) - q.waiting), MAX_BUFFER - len(q.buffer)
+            )
             if want <= 0:
                 return
             try:
@@ -257,7 +274,7 @@ class Trainer:
             q.deficit += self.config.quantum * max(1, job.spec.priority)
             if q.deficit >= samples:
                 q.deficit -= samples
-                q.buffer.popleft()
+                q.buffer.remove(pending)
                 chosen.append((q, pending, job))
         if chosen:
             await self.step(chosen)
@@ -265,49 +282,55 @@ class Trainer:
             await asyncio.sleep(0)  # fetch() already waited; stay responsive
 
     async def head_batch(self, q: TenantQueue) -> tuple[Pending, JobSlot] | None:
-        """Settle everything at the head of ``q`` that is not a batch to train on now."""
-        while q.buffer:
-            pending = q.buffer[0]
-            if pending.error is not None:
-                q.buffer.popleft()
-                await self.reject(pending, pending.error)
-                continue
+        """Settle what needs no training (control, poison, already-consumed) and return the
+        first batch that is its job's next step, if any.
+
+        A job's batches are applied strictly in ``step`` order. After a crash, batches that
+        were never delivered arrive at once while the dead instance's unacked ones come back
+        only after the ack wait, so a later step can be buffered before an earlier one: it
+        waits in the buffer until the gap is filled.
+        """
+        ready: tuple[Pending, JobSlot] | None = None
+        q.waiting = 0
+        for pending in list(q.buffer):
             body = pending.body
             try:
+                if pending.error is not None:
+                    raise pending.error
                 if isinstance(body, OpenSlot):
-                    q.buffer.popleft()
+                    q.buffer.remove(pending)
                     await self.open_slot(pending, body)
                     continue
                 if isinstance(body, CloseSlot):
-                    q.buffer.popleft()
+                    q.buffer.remove(pending)
                     await self.close_slot(body)
-                    await settle(
-                        self.js,
-                        pending.msg,
-                        None,
-                        consumer=self.durable(q.tenant),
-                        max_deliver=self.config.max_deliver,
-                    )
+                    await self.settle_ok(pending.msg)
                     continue
                 assert isinstance(body, SFTBatch)
                 job = await self.job_for(body.tenant, body.job_id)
+                if isinstance(job, _Wait):
+                    q.waiting += 1  # its OpenSlot is being redelivered
+                    continue
                 if (
                     job is None
                     or job.closed
                     or pending.seq <= job.applied_seq
-                    or (body.step < job.batches_done)
+                    or body.step < job.batches_done
                 ):
                     # Ended job, or already consumed (by sequence: replay after a crash; by
                     # step: a re-publish after the duplicate window): never apply twice.
-                    q.buffer.popleft()
+                    q.buffer.remove(pending)
                     await self.settle_ok(pending.msg)
                     continue
-                return pending, job
+                if body.step == job.batches_done and ready is None:
+                    ready = (pending, job)
+                else:
+                    q.waiting += 1
             except PoisonError as exc:
-                if q.buffer and q.buffer[0] is pending:
-                    q.buffer.popleft()
+                if pending in q.buffer:
+                    q.buffer.remove(pending)
                 await self.reject(pending, exc)
-        return None
+        return ready
 
     # -- slots -------------------------------------------------------------------------------
     def normaliser(self, num_views: int, token_budget: int) -> Normaliser:
@@ -316,9 +339,22 @@ class Trainer:
             self.normalisers[key] = Normaliser(self.backbone, num_views, token_budget)
         return self.normalisers[key]
 
-    async def job_for(self, tenant: str, job_id: str) -> JobSlot | None:
+    async def status_of(self, tenant: str, job_id: str) -> str | None:
+        """The job's status (mirror of the ``jobs`` KV, read through on a miss)."""
+        key = f"{tenant}/{job_id}"
+        if key not in self.job_status:
+            try:
+                entry = await self.jobs_kv.get(f"{tenant}.{job_id}")
+            except KeyNotFoundError:
+                return None
+            if entry.value:
+                self.job_status[key] = decode(JOB_RECORD_DECODER, entry.value).status
+        return self.job_status.get(key)
+
+    async def job_for(self, tenant: str, job_id: str) -> JobSlot | _Wait | None:
         """The job's slot: resident, or restored from its latest checkpoint; None if the job
-        has ended. Raises PoisonError for a job no slot was ever opened for."""
+        has ended; WAIT if the job is live but its slot's OpenSlot has not been applied yet
+        (a redelivery in flight). Raises PoisonError for a job nobody submitted."""
         key = f"{tenant}/{job_id}"
         if key in self.jobs:
             return self.jobs[key]
@@ -326,6 +362,11 @@ class Trainer:
             return None
         record, revision = await self.policy_record(tenant, job_id)
         if record is None:
+            status = await self.status_of(tenant, job_id)
+            if status in ("accepted", "running"):
+                return WAIT
+            if status in TERMINAL_STATUSES:
+                return None
             raise PoisonError(f"no slot is open for job {job_id!r} of tenant {tenant!r}")
         data = await ckpt.get_checkpoint(self.store, record.object_name, record.sha256)
         slot = TenantSlot.from_bytes(data, device=self.config.device)
@@ -590,9 +631,10 @@ class Trainer:
                 with contextlib.suppress(Exception):
                     await self.commit(job)
         for q in self.queues.values():
-            while q.buffer:
+            for pending in q.buffer:
                 with contextlib.suppress(Exception):
-                    await q.buffer.popleft().msg.nak()
+                    await pending.msg.nak()
+            q.buffer.clear()
             with contextlib.suppress(Exception):
                 await q.sub.unsubscribe()
 

@@ -1,0 +1,91 @@
+"""Exactly-once steps under trainer crashes: SIGKILL at random points (and between a
+checkpoint's commit and its acks) never loses or repeats a step."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from nats.js import JetStreamContext
+
+from bus.server import EmbeddedServer
+from clients.sdk import Client
+from tests.conftest import Procs
+from tests.helpers import eventually, start_service, uid
+from tests.sft_helpers import DISCRETE_3D, FLOW_2D, final_policy, record_datasets, sft_spec
+
+STEPS = 60
+
+
+async def _progress(client: Client, tenant: str, job_id: str) -> int:
+    record = await client.status(tenant, job_id)
+    return record.policy_version if record else 0
+
+
+@pytest.mark.timeout(600)
+async def test_trainer_sigkilled_ten_times_ends_with_the_uninterrupted_parameters(
+    nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs, tmp_path: Path
+) -> None:
+    data = record_datasets(tmp_path / "data")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    procs.add(start_service("master", nats_server.url, logs / "master.log"))
+    procs.add(start_service("envs", nats_server.url, logs / "envs.log"))
+
+    def trainer(*args: str) -> object:
+        return procs.add(start_service("trainer", nats_server.url, logs / "trainer.log",
+                                       "--deterministic", "--commit-every-s", "60", *args))
+
+    def specs(prefix: str) -> list[dict[str, object]]:
+        return [
+            sft_spec(uid(f"{prefix}a"), data["reach"], FLOW_2D, STEPS, checkpoint_every=4),
+            sft_spec(uid(f"{prefix}b"), data["grasp"], DISCRETE_3D, STEPS, checkpoint_every=3),
+        ]
+
+    async with await Client.connect(nats_server.url) as client:
+        # Reference: the same two jobs, uninterrupted.
+        ref_trainer = trainer()
+        ref_jobs = [await client.train_sft(s) for s in specs("ref")]
+        for job in ref_jobs:
+            await job.wait(300)
+        procs.stop(ref_trainer)  # type: ignore[arg-type]
+
+        jobs = [await client.train_sft(s) for s in specs("crash")]
+        rng = random.Random(1234)
+        kills = 0
+        for life in range(10):
+            if life % 2 == 0:
+                # Dies by its own hand right after a commit, before acking what it covers.
+                proc = trainer("--crash-after-commits", str(rng.randint(1, 3)))
+                proc.wait(120)  # type: ignore[attr-defined]
+                assert proc.returncode == -signal.SIGKILL  # type: ignore[attr-defined]
+            else:
+                proc = trainer()
+                await asyncio.sleep(rng.uniform(2.0, 5.0))  # start-up is ~2 s of it
+                proc.send_signal(signal.SIGKILL)  # type: ignore[attr-defined]
+                proc.wait(30)  # type: ignore[attr-defined]
+            kills += 1
+            versions = [await _progress(client, j.tenant, j.job_id) for j in jobs]
+            statuses = [(await client.status(j.tenant, j.job_id)) for j in jobs]
+            assert all(s is not None and s.status != "succeeded" for s in statuses), (
+                f"job finished before kill {kills}; raise STEPS"
+            )
+            print(f"kill {kills}: policy versions {versions}")
+        assert kills == 10
+        trainer()
+        for job in jobs:
+            result = await job.wait(300)
+            assert result.status == "succeeded"
+
+        for ref, job in zip(ref_jobs, jobs, strict=True):
+            ref_rec, ref_params = await final_policy(js, ref.tenant, ref.job_id)
+            rec, params = await final_policy(js, job.tenant, job.job_id)
+            assert rec.step == ref_rec.step == STEPS, "a step was lost or applied twice"
+            assert rec.batches_done == STEPS
+            for name, value in ref_params.items():
+                assert torch.equal(params[name], value), f"{job.tenant}: {name} differs"
+        await eventually(lambda: True)
