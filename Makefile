@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/joynexus up --check
+	HF_HUB_OFFLINE=1 $(BIN)/joynexus demo
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow" -q

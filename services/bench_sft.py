@@ -1,0 +1,217 @@
+"""``joynexus bench sft``: N tenants' SFT jobs sharing one trainer vs the same jobs run one
+after another on it, through the real bus (embedded NATS, master, env worker, trainer).
+
+Reports samples/s for both, their ratio, and the bus overhead per step: the fraction of the
+trainer's wall time spent outside forward/backward/optimizer (fetching, decoding,
+normalising, committing checkpoints, publishing events, acking), from the trainer's own
+gauges in its heartbeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bus.codec import decode
+from bus.connect import connect
+from bus.local import StackInfo
+from schemas import subjects
+from schemas.health import HEARTBEAT_DECODER
+from services.envs.datasets import record
+from services.envs.sims import REACH2D_ID, REACH_GRASP_ID
+from services.launcher import LocalStack, wait_healthy
+
+HEADS: list[dict[str, Any]] = [
+    {"kind": "oft", "action_dim": 2, "chunk_len": 4, "proprio_dim": 4},
+    {"kind": "discrete", "action_dim": 3, "chunk_len": 1, "proprio_dim": 4},
+    {"kind": "flow", "action_dim": 2, "chunk_len": 4, "proprio_dim": 4},
+    {"kind": "oft", "action_dim": 3, "chunk_len": 2, "proprio_dim": 0},
+]
+
+
+def job_specs(
+    prefix: str,
+    tenants: int,
+    steps: int,
+    batch: int,
+    data: dict[int, Path],
+    backbone: str,
+    token_budget: int,
+) -> list[dict[str, Any]]:
+    specs = []
+    for i in range(tenants):
+        head = HEADS[i % len(HEADS)]
+        specs.append(
+            {
+                "kind": "sft",
+                "tenant": f"{prefix}-{i}",
+                "backbone": backbone,
+                "dataset": str(data[head["action_dim"]]),
+                "head": head,
+                "steps": steps,
+                "batch_size": batch,
+                "seed": i,
+                "checkpoint_every": 10,
+                "token_budget": token_budget,
+            }
+        )
+    return specs
+
+
+async def trainer_gauges(info: StackInfo) -> dict[str, float]:
+    nc = await connect(info.url, user=info.user, password=info.password)
+    try:
+        kv = await nc.jetstream().key_value(subjects.KV_HEARTBEATS)
+        for key in await kv.keys():
+            if key.startswith("trainer."):
+                entry = await kv.get(key)
+                if entry.value:
+                    return dict(decode(HEARTBEAT_DECODER, entry.value).gauges)
+    finally:
+        await nc.close()
+    raise RuntimeError("no trainer heartbeat")
+
+
+async def run_jobs(info: StackInfo, specs: list[dict[str, Any]], concurrent: bool) -> float:
+    """Wall seconds from the first submit to the last job's success."""
+    from clients.sdk import Client
+
+    async with await Client.connect(info.url, user=info.user, password=info.password) as client:
+        t0 = time.perf_counter()
+        if concurrent:
+            jobs = [await client.train_sft(s) for s in specs]
+            await asyncio.gather(*(j.wait(3600) for j in jobs))
+        else:
+            for s in specs:
+                await (await client.train_sft(s)).wait(3600)
+        return time.perf_counter() - t0
+
+
+async def measure(
+    info: StackInfo, specs: list[dict[str, Any]], concurrent: bool, samples: int
+) -> dict[str, float]:
+    await asyncio.sleep(1.5)  # let the previous run's last heartbeat gauges land
+    before = await trainer_gauges(info)
+    wall = await run_jobs(info, specs, concurrent)
+    await asyncio.sleep(1.5)
+    after = await trainer_gauges(info)
+    compute = after["compute_s"] - before["compute_s"]
+    rounds = after["round_s"] - before["round_s"]
+    return {
+        "wall_s": wall,
+        "samples_per_s": samples / wall,
+        "compute_s": compute,
+        "bus_overhead_fraction": 1.0 - compute / wall,
+        "round_overhead_fraction": 1.0 - compute / rounds if rounds > 0 else float("nan"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="joynexus bench sft", description=__doc__)
+    p.add_argument("--tenants", type=int, default=4)
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps per job")
+    p.add_argument("--batch-size", type=int, default=2, help="local batch per tenant step")
+    p.add_argument("--token-budget", type=int, default=16, help="instruction tokens/sample")
+    p.add_argument("--backbone", default="tiny", help="tiny name or checkpoint dir")
+    p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="joynexus-bench-sft-") as tmp:
+        home = Path(tmp)
+        data = {2: home / "reach", 3: home / "grasp"}
+        record(REACH2D_ID, 24, data[2], seed=0)
+        record(REACH_GRASP_ID, 24, data[3], seed=1)
+        stack = LocalStack(
+            home,
+            roles={"master": 1, "envs": 1, "trainer": 1},
+            role_args={
+                "trainer": ["--backbone", args.backbone, "--torch-threads", str(args.torch_threads)]
+            },
+        )
+        try:
+            info = stack.start_server()
+            stack.start_roles()
+            _, missing = asyncio.run(wait_healthy(info, ["master", "envs", "trainer"], 120))
+            if missing:
+                raise SystemExit(f"roles did not come up: {missing}; see {home}/logs")
+            backbone_id = args.backbone if "/" not in args.backbone else Path(args.backbone).name
+            samples = args.tenants * args.steps * args.batch_size
+            # Warm-up (first-touch costs: consumers, normaliser caches, allocator).
+            asyncio.run(
+                run_jobs(
+                    info,
+                    job_specs("warm", 1, 5, args.batch_size, data, backbone_id, args.token_budget),
+                    True,
+                )
+            )
+            multi = asyncio.run(
+                measure(
+                    info,
+                    job_specs(
+                        "multi",
+                        args.tenants,
+                        args.steps,
+                        args.batch_size,
+                        data,
+                        backbone_id,
+                        args.token_budget,
+                    ),
+                    True,
+                    samples,
+                )
+            )
+            seq = asyncio.run(
+                measure(
+                    info,
+                    job_specs(
+                        "seq",
+                        args.tenants,
+                        args.steps,
+                        args.batch_size,
+                        data,
+                        backbone_id,
+                        args.token_budget,
+                    ),
+                    False,
+                    samples,
+                )
+            )
+        finally:
+            stack.stop()
+    result = {
+        "tenants": args.tenants,
+        "steps_per_job": args.steps,
+        "batch_size": args.batch_size,
+        "token_budget": args.token_budget,
+        "backbone": args.backbone,
+        "multi_samples_per_s": multi["samples_per_s"],
+        "sequential_samples_per_s": seq["samples_per_s"],
+        "speedup": multi["samples_per_s"] / seq["samples_per_s"],
+        "bus_overhead_fraction": multi["bus_overhead_fraction"],
+        "trainer_loop_overhead_fraction": multi["round_overhead_fraction"],
+        "sequential_bus_overhead_fraction": seq["bus_overhead_fraction"],
+        "multi_wall_s": multi["wall_s"],
+        "sequential_wall_s": seq["wall_s"],
+    }
+    print(f"{'mode':<12}{'wall s':>10}{'samples/s':>12}{'bus overhead':>14}")
+    print(
+        f"{'multi':<12}{multi['wall_s']:>10.2f}{multi['samples_per_s']:>12.1f}"
+        f"{multi['bus_overhead_fraction']:>14.1%}"
+    )
+    print(
+        f"{'sequential':<12}{seq['wall_s']:>10.2f}{seq['samples_per_s']:>12.1f}"
+        f"{seq['bus_overhead_fraction']:>14.1%}"
+    )
+    print(
+        f"speedup {result['speedup']:.2f}x; trainer-loop overhead (multi) "
+        f"{multi['round_overhead_fraction']:.1%}"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0

@@ -1,0 +1,177 @@
+"""The README's commands as a new user runs them: CLI entry points as subprocesses, and
+compose.yaml checked statically (no Docker engine runs on these machines)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bus.local import read_stack_info
+from schemas.health import ROLES
+from tests.helpers import ROOT, uid
+
+JOYNEXUS = str(Path(sys.executable).parent / "joynexus")
+
+
+def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run(
+        [JOYNEXUS, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+@pytest.mark.timeout(300)
+def test_demo_runs_three_tenants_to_success(tmp_path: Path) -> None:
+    out = run("--home", str(tmp_path / "home"), "demo")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "demo succeeded" in out.stdout
+    for tenant in ("acme-arm", "beta-gripper", "gamma-flow"):
+        assert f"{tenant}" in out.stdout and "succeeded" in out.stdout
+
+
+def test_model_init_data_record_and_inspect(tmp_path: Path) -> None:
+    out = run("model", "init", "tiny", "--out", str(tmp_path / "tiny"))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "tiny" / "config.json").exists()
+    out = run(
+        "data",
+        "record",
+        "--env",
+        "JoyNexus/Reach2D-v0",
+        "--episodes",
+        "3",
+        "--out",
+        str(tmp_path / "ds"),
+    )
+    assert out.returncode == 0, out.stderr
+    out = run("data", "inspect", str(tmp_path / "ds"))
+    assert out.returncode == 0 and "episodes" in out.stdout.lower()
+
+
+@pytest.mark.timeout(300)
+def test_up_then_submit_watch_and_status(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    assert (
+        run(
+            "data",
+            "record",
+            "--env",
+            "JoyNexus/Reach2D-v0",
+            "--episodes",
+            "8",
+            "--out",
+            str(tmp_path / "ds"),
+        ).returncode
+        == 0
+    )
+    tenant = uid("cli")
+    spec = tmp_path / "sft.yaml"
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "kind": "sft",
+                "tenant": tenant,
+                "dataset": str(tmp_path / "ds"),
+                "steps": 12,
+                "batch_size": 4,
+                "head": {"kind": "oft", "action_dim": 2, "chunk_len": 2},
+            }
+        )
+    )
+    up = subprocess.Popen(
+        [JOYNEXUS, "--home", str(home), "up"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while read_stack_info(home) is None:
+            assert up.poll() is None and time.monotonic() < deadline, "stack did not start"
+            time.sleep(0.1)
+        out = run("--home", str(home), "submit", str(spec), "--watch")
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "accepted (sft)" in out.stdout and "succeeded" in out.stdout
+        assert "12/12" in out.stdout
+        status = run("--home", str(home), "status", "--tenant", tenant)
+        assert status.returncode == 0 and "succeeded" in status.stdout
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(
+            yaml.safe_dump(
+                {
+                    "kind": "sft",
+                    "tenant": tenant,
+                    "dataset": "x",
+                    "steps": 1,
+                    "head": {"kind": "oft", "action_dim": 2},
+                    "learning_rate": 1,
+                }
+            )
+        )
+        out = run("--home", str(home), "submit", str(bad))
+        assert out.returncode == 2 and "learning_rate: unknown field" in out.stderr
+    finally:
+        up.send_signal(signal.SIGINT)
+        log, _ = up.communicate(timeout=60)  # also closes the pipe
+    assert up.returncode == 0, log[-3000:]
+    assert read_stack_info(home) is None
+
+
+def test_submit_without_a_stack_says_how_to_start_one(tmp_path: Path) -> None:
+    spec = tmp_path / "s.yaml"
+    spec.write_text("kind: sft\n")
+    out = run("--home", str(tmp_path / "none"), "submit", str(spec))
+    assert out.returncode == 1 and "joynexus up" in out.stderr
+
+
+def test_compose_runs_every_role_on_nats_with_a_cluster_profile() -> None:
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = compose["services"]
+    for role in ROLES:
+        svc = services[role]
+        assert svc["command"][0] == f"services.{role}"
+        importlib.import_module(f"services.{role}.__main__".replace(".__main__", ""))
+        assert svc["environment"]["JOYNEXUS_URL"] == "nats://nats:4222"
+        assert "nats" in svc["depends_on"]
+    assert "-js" in services["nats"]["command"]
+    cluster = [n for n, s in services.items() if "cluster" in s.get("profiles", [])]
+    assert sorted(cluster) == ["nats-1", "nats-2", "nats-3"]
+    for name in cluster:
+        command = services[name]["command"]
+        assert "-js" in command and "--routes" in command and "--cluster_name" in command
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["python", "-m"]' in dockerfile and "torch==2.13.0" in dockerfile
+
+
+@pytest.mark.container
+def test_nats_in_a_container_when_a_docker_engine_is_reachable() -> None:
+    if os.environ.get("JOYNEXUS_TEST_CONTAINERS") != "1":
+        pytest.skip(
+            "no Docker engine on these machines; set JOYNEXUS_TEST_CONTAINERS=1 where "
+            "one is reachable"
+        )
+    testcontainers = pytest.importorskip("testcontainers.nats")
+    with testcontainers.NatsContainer("nats:2.11", jetstream=True) as container:
+        import asyncio
+
+        from bus.connect import connect
+        from bus.declare import declare
+
+        async def declare_twice() -> None:
+            nc = await connect(container.nats_uri())
+            try:
+                await declare(nc.jetstream())
+                assert (await declare(nc.jetstream())).created == []
+            finally:
+                await nc.close()
+
+        asyncio.run(declare_twice())
