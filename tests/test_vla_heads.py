@@ -289,15 +289,20 @@ def test_nbytes_matches_measured_tensors_after_a_step() -> None:
     assert params + grads + state == before == slot.nbytes
 
 
-def test_nan_loss_leaves_slot_untouched() -> None:
-    slot = TenantSlot("t", config("flow"), OptimizerConfig(lr=1e-2), D)
+@pytest.mark.parametrize("kind", KINDS)
+def test_nan_loss_leaves_slot_untouched(kind: str) -> None:
+    slot = TenantSlot("t", config(kind), OptimizerConfig(lr=1e-2), D)
     feature, actions = make_feature(), make_actions()
     slot.train_step(feature, actions)
     params, opt, rng = params_of(slot), opt_state_of(slot), slot.generator.get_state()
     bad = actions.clone()
     bad[0, 0, 0] = float("nan")
-    with pytest.raises(NonFiniteLossError, match="non-finite loss"):
+    with pytest.raises(ValueError, match="NaN"):  # bad targets: rejected as input
         slot.train_step(feature, bad)
+    nan_feature = VLAFeature(feature.prefix_B_T_D.clone(), feature.mask_B_T, feature.proprio_B_P)
+    nan_feature.prefix_B_T_D[1, 0, 0] = float("nan")
+    with pytest.raises(NonFiniteLossError, match="non-finite loss"):
+        slot.train_step(nan_feature, actions)
     inf_feature = VLAFeature(
         feature.prefix_B_T_D.clone().fill_(float("inf")), feature.mask_B_T, feature.proprio_B_P
     )

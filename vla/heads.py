@@ -205,6 +205,10 @@ class ActionHead(nn.Module):
     def _dtype(self) -> torch.dtype:
         return self.state_token_D.dtype
 
+    def _as_param(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the head's device and dtype (targets may arrive on the CPU)."""
+        return t.to(self.state_token_D.device, self._dtype)
+
     def check_feature(self, feature: VLAFeature) -> None:
         """Raise ``ValueError`` if ``feature`` does not fit this head (hidden size, proprio)."""
         B = feature.batch_size
@@ -235,6 +239,9 @@ class ActionHead(nn.Module):
             )
         if not actions_B_C_A.is_floating_point():
             raise ValueError(f"expected floating-point actions, got {actions_B_C_A.dtype}")
+        # Bad targets are bad input, caught here: binning would silently map NaN to a bin.
+        if not bool(torch.isfinite(actions_B_C_A).all()):
+            raise ValueError("actions contain NaN or inf")
 
     # -- shared pieces ----------------------------------------------------------------------
     def _inputs(self, feature: VLAFeature) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -356,7 +363,7 @@ class OFTHead(ActionHead):
     ) -> torch.Tensor:
         """L1 between the regressed chunk and the target (``generator`` unused: no noise)."""
         self.check_actions(feature, actions_B_C_A)
-        return F.l1_loss(self.mean(feature), actions_B_C_A.to(self._dtype))
+        return F.l1_loss(self.mean(feature), self._as_param(actions_B_C_A))
 
     def act(
         self,
@@ -376,7 +383,7 @@ class OFTHead(ActionHead):
     def log_prob(self, feature: VLAFeature, actions_B_C_A: torch.Tensor) -> torch.Tensor:
         """Exact diagonal-Gaussian log-density, summed over chunk and action dims."""
         self.check_actions(feature, actions_B_C_A)
-        return self.policy.log_prob(self.mean(feature), actions_B_C_A.to(self._dtype))
+        return self.policy.log_prob(self.mean(feature), self._as_param(actions_B_C_A))
 
 
 class DiscreteHead(ActionHead):
@@ -429,7 +436,8 @@ class DiscreteHead(ActionHead):
         self.check_actions(feature, actions_B_C_A)
         logits_B_C_A_K = self.logits(feature)
         return F.cross_entropy(
-            logits_B_C_A_K.reshape(-1, self.num_bins), self.bin_index(actions_B_C_A).reshape(-1)
+            logits_B_C_A_K.reshape(-1, self.num_bins),
+            self.bin_index(self._as_param(actions_B_C_A)).reshape(-1),
         )
 
     def act(
@@ -456,7 +464,7 @@ class DiscreteHead(ActionHead):
         """Categorical log-prob of the bins holding ``actions_B_C_A``, summed over dims."""
         self.check_actions(feature, actions_B_C_A)
         logp_B_C_A_K = F.log_softmax(self.logits(feature), dim=-1)
-        idx_B_C_A = self.bin_index(actions_B_C_A)
+        idx_B_C_A = self.bin_index(self._as_param(actions_B_C_A))
         return logp_B_C_A_K.gather(-1, idx_B_C_A.unsqueeze(-1)).squeeze(-1).sum(dim=(1, 2))
 
 
@@ -523,7 +531,7 @@ class FlowHead(ActionHead):
         """Rectified-flow velocity MSE; noise and ``t`` come from ``generator``."""
         self.check_actions(feature, actions_B_C_A)
         memory = self._memory(feature)
-        target_B_C_A = actions_B_C_A.to(self._dtype)
+        target_B_C_A = self._as_param(actions_B_C_A)
         B, dev, dt = feature.batch_size, target_B_C_A.device, self._dtype
         t_B = torch.rand(B, generator=generator, device=dev, dtype=dt)
         noise_B_C_A = torch.randn(target_B_C_A.shape, generator=generator, device=dev, dtype=dt)
@@ -568,7 +576,7 @@ class FlowHead(ActionHead):
     def log_prob(self, feature: VLAFeature, actions_B_C_A: torch.Tensor) -> torch.Tensor:
         """Surrogate log-prob: Gaussian around the deterministic Euler sample (class docs)."""
         self.check_actions(feature, actions_B_C_A)
-        return self.policy.log_prob(self.sample(feature), actions_B_C_A.to(self._dtype))
+        return self.policy.log_prob(self.sample(feature), self._as_param(actions_B_C_A))
 
 
 _KINDS: dict[str, type[ActionHead]] = {
