@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[dev]"
+	bash scripts/setup-maniskill.sh $(VENV)
 	touch $(STAMP)
 
 demo: $(STAMP)
