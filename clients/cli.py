@@ -25,6 +25,7 @@ from clients.sdk import Client, JobFailed
 from schemas.events import (
     Accepted,
     ErrorEvent,
+    Metrics,
     PolicyPublished,
     Progress,
     Rejected,
@@ -53,12 +54,17 @@ def _progress_line(ev: Progress, started: float, now: float) -> str:
     width = 30
     frac = ev.step / ev.total_steps if ev.total_steps else 0.0
     bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
-    rate = ev.metrics.get("samples_per_s", 0.0)
     elapsed = now - started
     eta = elapsed / frac - elapsed if frac > 0 else float("nan")
-    loss = ev.metrics.get("loss", float("nan"))
+    m = ev.metrics
+    if "return_mean" in m:  # an RL iteration
+        return (
+            f"\r[{bar}] iteration {ev.step}/{ev.total_steps} return {m['return_mean']:.3f} "
+            f"success {m.get('success_rate', 0.0):.0%} ETA {eta:.0f}s"
+        )
     return (
-        f"\r[{bar}] {ev.step}/{ev.total_steps} loss {loss:.4f} {rate:.1f} samples/s ETA {eta:.0f}s"
+        f"\r[{bar}] {ev.step}/{ev.total_steps} loss {m.get('loss', float('nan')):.4f} "
+        f"{m.get('samples_per_s', 0.0):.1f} samples/s ETA {eta:.0f}s"
     )
 
 
@@ -90,6 +96,11 @@ async def _submit(args: argparse.Namespace, document: Any) -> int:
                     print(f"accepted ({ev.kind})", flush=True)
                 case PolicyPublished():
                     pass
+                case Metrics():
+                    print(
+                        "results: " + ", ".join(f"{k}={v:.4g}" for k, v in ev.metrics.items()),
+                        flush=True,
+                    )
                 case Rejected():
                     print(f"\nrejected: {ev.reason}", flush=True)
                     status = "rejected"
@@ -152,7 +163,12 @@ def _model_init(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace, rest: list[str]) -> int:
-    modules = {"grouping": "vla.bench", "sft": "services.bench_sft"}
+    modules = {
+        "grouping": "vla.bench",
+        "sft": "services.bench_sft",
+        "inference": "services.bench_inference",
+        "rl": "services.bench_rl",
+    }
     return int(importlib.import_module(modules[args.what]).main(rest) or 0)
 
 
@@ -164,6 +180,11 @@ def _data(args: argparse.Namespace) -> int:
     else:
         print(datasets.inspect(Path(args.dir)).format())
     return 0
+
+
+def _scale(args: argparse.Namespace) -> int:
+    launcher = importlib.import_module("services.launcher")
+    return int(launcher.request_scale(_home(args), args.role, args.count))
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -203,7 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
     mi.add_argument("--out", required=True)
 
     b = sub.add_parser("bench", help="benchmarks (options after the name go to the bench)")
-    b.add_argument("what", choices=["grouping", "sft"])
+    b.add_argument("what", choices=["grouping", "sft", "inference", "rl"])
+
+    sc = sub.add_parser("scale", help="change how many processes of a role the local stack runs")
+    sc.add_argument("role", choices=["envs", "inferencer"])
+    sc.add_argument("count", type=int)
 
     d = sub.add_parser("data", help="offline datasets")
     dsub = d.add_subparsers(dest="data_cmd", required=True)
@@ -244,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _data(args)
             case "demo":
                 return _demo(args)
+            case "scale":
+                return _scale(args)
     except (ConnectionError, JobFailed) as exc:
         print(f"joynexus: {exc}", file=sys.stderr)
         return 1

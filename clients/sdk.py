@@ -33,7 +33,15 @@ from bus.connect import connect
 from bus.local import read_stack_info
 from bus.publish import msg_id, publish
 from schemas import subjects
-from schemas.events import EVENT_DECODER, Event, PolicyPublished, Progress, Rejected, StateChanged
+from schemas.events import (
+    EVENT_DECODER,
+    Event,
+    Metrics,
+    PolicyPublished,
+    Progress,
+    Rejected,
+    StateChanged,
+)
 from schemas.ids import validate_id
 from schemas.jobs import (
     JOB_RECORD_DECODER,
@@ -113,6 +121,8 @@ class Job:
             async for event in self.events():
                 match event:
                     case Progress():
+                        result.metrics = dict(event.metrics)
+                    case Metrics():
                         result.metrics = dict(event.metrics)
                     case PolicyPublished():
                         result.policy_version = event.version
@@ -196,9 +206,26 @@ class Client:
 
     async def train_sft(self, spec: JobSpec | Mapping[str, Any], **kw: Any) -> Job:
         """Submit an SFT job (``kind: sft``)."""
+        return await self._submit_kind("sft", spec, **kw)
+
+    async def train_rl(self, spec: JobSpec | Mapping[str, Any], **kw: Any) -> Job:
+        """Submit an RL job (``kind: rl``): PPO/GRPO on the tenant's action module in a
+        simulator; each iteration's update is a new policy version."""
+        return await self._submit_kind("rl", spec, **kw)
+
+    async def evaluate(self, spec: JobSpec | Mapping[str, Any], **kw: Any) -> Job:
+        """Submit a read-only evaluation (``kind: eval``) of a fixed policy version."""
+        return await self._submit_kind("eval", spec, **kw)
+
+    async def pipeline(self, spec: JobSpec | Mapping[str, Any], **kw: Any) -> Job:
+        """Submit stages (e.g. SFT, then RL, then eval) that run one after another, each
+        starting from the previous training stage's policy."""
+        return await self._submit_kind("pipeline", spec, **kw)
+
+    async def _submit_kind(self, kind: str, spec: JobSpec | Mapping[str, Any], **kw: Any) -> Job:
         document = spec.model_dump(mode="json") if isinstance(spec, BaseModel) else dict(spec)
-        if document.setdefault("kind", "sft") != "sft":
-            raise ValueError(f"train_sft needs kind 'sft', got {document['kind']!r}")
+        if document.setdefault("kind", kind) != kind:
+            raise ValueError(f"expected a spec of kind {kind!r}, got {document['kind']!r}")
         return await self.submit(document, **kw)
 
     async def cancel(self, tenant: str, job_id: str, reason: str = "") -> None:

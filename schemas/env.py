@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 
-class StreamDataset(msgspec.Struct, frozen=True, tag="stream_dataset", forbid_unknown_fields=True):
+class StreamDataset(msgspec.Struct, frozen=True, tag="stream_dataset"):
     """Stream a tenant's offline dataset into its Training Queue as shuffled micro-batches,
     ``total_steps`` of them (cycling epochs), each with ``Nats-Msg-Id`` =
     (tenant, job, epoch, batch) so a restarted worker publishes nothing twice."""
@@ -28,5 +28,56 @@ class StreamDataset(msgspec.Struct, frozen=True, tag="stream_dataset", forbid_un
     max_in_flight: int = 4
 
 
-EnvTask = StreamDataset
+class RolloutTask(msgspec.Struct, frozen=True, tag="rollout_task"):
+    """Run ``episodes`` (indices ``first_episode`` ...) of an RL job's ``iteration`` with the
+    policy version ``policy_version``, and publish each as a RolloutBatch to the job's TRAIN
+    subject with ``Nats-Msg-Id`` = (tenant, job, iteration, episode). Episode ``e`` of
+    iteration ``i`` resets with seed ``seed + 100_003 * i + e``."""
+
+    tenant: str
+    job_id: str
+    backbone: str
+    env_id: str
+    iteration: int
+    first_episode: int
+    episodes: int
+    policy_version: int
+    seed: int
+    max_episode_steps: int
+    image_size: int = 64
+    num_views: int = 1
+    token_budget: int = 16
+    proprio_dim: int = 0
+    #: Sessions stepped in lockstep (one batched act request per step).
+    parallel_envs: int = 4
+    #: Constructor arguments of the env.
+    env_kwargs: dict[str, float | int | str | bool] = msgspec.field(default_factory=dict)
+
+
+class EvalTask(msgspec.Struct, frozen=True, tag="eval_task"):
+    """Evaluate a fixed policy version (read-only): ``episodes`` of ``env_id`` with
+    deterministic actions, or the held-out split of ``dataset`` (action error)."""
+
+    tenant: str
+    job_id: str
+    backbone: str
+    policy_job: str
+    policy_version: int
+    episodes: int
+    seed: int
+    env_id: str = ""
+    dataset: str = ""
+    max_episode_steps: int = 50
+    image_size: int = 64
+    num_views: int = 1
+    token_budget: int = 16
+    proprio_dim: int = 0
+    val_fraction: float = 0.2
+    parallel_envs: int = 4
+    #: The policy head's chunk length (dataset targets are chunks of this length).
+    chunk_len: int = 1
+    env_kwargs: dict[str, float | int | str | bool] = msgspec.field(default_factory=dict)
+
+
+EnvTask = StreamDataset | RolloutTask | EvalTask
 ENV_DECODER = msgspec.msgpack.Decoder(EnvTask)

@@ -74,7 +74,18 @@ class ErrorEvent(msgspec.Struct, frozen=True, tag="error"):
     at: float
 
 
-Event = Accepted | Rejected | StateChanged | Progress | PolicyPublished | ErrorEvent
+class Metrics(msgspec.Struct, frozen=True, tag="metrics"):
+    """Results of a finished unit of work: an RL iteration's rollouts (``iteration``) or an
+    evaluation (``iteration`` = -1)."""
+
+    tenant: str
+    job_id: str
+    iteration: int
+    metrics: dict[str, float]
+    at: float
+
+
+Event = Accepted | Rejected | StateChanged | Progress | PolicyPublished | ErrorEvent | Metrics
 EVENT_DECODER = msgspec.msgpack.Decoder(Event)
 
 

@@ -14,7 +14,7 @@ JobStatus = Literal["accepted", "running", "succeeded", "failed", "cancelled"]
 TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
 
 
-class JobSubmit(msgspec.Struct, frozen=True, tag="submit", forbid_unknown_fields=True):
+class JobSubmit(msgspec.Struct, frozen=True, tag="submit"):
     """Submit a job. ``spec_json`` is the user's job spec document (JSON), validated by the
     master against the pydantic models of :mod:`schemas.specs`, so the tenant gets the exact
     field that was wrong back as a ``rejected`` event."""
@@ -25,7 +25,7 @@ class JobSubmit(msgspec.Struct, frozen=True, tag="submit", forbid_unknown_fields
     submitted_at: float
 
 
-class JobCancel(msgspec.Struct, frozen=True, tag="cancel", forbid_unknown_fields=True):
+class JobCancel(msgspec.Struct, frozen=True, tag="cancel"):
     """Cancel a running job; its slot is freed and state becomes ``cancelled``."""
 
     tenant: str
@@ -33,14 +33,14 @@ class JobCancel(msgspec.Struct, frozen=True, tag="cancel", forbid_unknown_fields
     reason: str = ""
 
 
-class JobPause(msgspec.Struct, frozen=True, tag="pause", forbid_unknown_fields=True):
+class JobPause(msgspec.Struct, frozen=True, tag="pause"):
     """Pause a job (keeps its slot checkpointed)."""
 
     tenant: str
     job_id: str
 
 
-class JobResume(msgspec.Struct, frozen=True, tag="resume", forbid_unknown_fields=True):
+class JobResume(msgspec.Struct, frozen=True, tag="resume"):
     """Resume a paused job."""
 
     tenant: str
@@ -51,7 +51,7 @@ JobCommand = JobSubmit | JobCancel | JobPause | JobResume
 JOB_COMMAND_DECODER = msgspec.msgpack.Decoder(JobCommand)
 
 
-class JobRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class JobRecord(msgspec.Struct, frozen=True):
     """Value of the ``jobs`` KV entry ``<tenant>.<job>``: the job's state machine."""
 
     tenant: str
@@ -67,6 +67,8 @@ class JobRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
     #: Latest committed policy version of this job (0 = none yet).
     policy_version: int = 0
+    #: The pipeline job this job is a stage of ("" = submitted by the tenant).
+    parent: str = ""
 
 
 JOB_RECORD_DECODER = msgspec.msgpack.Decoder(JobRecord)

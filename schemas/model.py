@@ -2,7 +2,9 @@
 
 Schema evolution (applies to every Struct in ``schemas/``): new fields get defaults and go
 last; fields are never reordered, renamed or retyped; a removed field's name is not reused.
-Golden encodings in ``tests/golden/`` catch accidental changes.
+Decoders ignore unknown fields, so a service of the previous version reads a newer writer's
+messages and records (rolling upgrades); user-facing specs are the strict ones (pydantic,
+unknown keys rejected). Golden encodings in ``tests/golden/`` catch accidental changes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from schemas.tensor import Tensor
 HeadKind = Literal["oft", "discrete", "flow"]
 
 
-class HeadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class HeadConfig(msgspec.Struct, frozen=True):
     """A tenant's action module: what it predicts and how big it is."""
 
     kind: HeadKind
@@ -52,7 +54,7 @@ class HeadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"HeadConfig.proprio_dim must be >= 0, got {self.proprio_dim}")
 
 
-class OptimizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class OptimizerConfig(msgspec.Struct, frozen=True):
     """AdamW with linear warmup then cosine decay to ``min_lr_ratio * lr``."""
 
     lr: float = 1e-3

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from schemas.ids import ID_PATTERN
 from schemas.model import HeadConfig, OptimizerConfig
+from schemas.train import PPOConfig
 
 Id = Annotated[str, Field(pattern=ID_PATTERN)]
 
@@ -84,6 +85,7 @@ class SFTJobSpec(_Strict):
     #: Commit a checkpoint (policy version) every this many steps (the last step always).
     checkpoint_every: int = Field(10, ge=1)
     priority: int = Field(1, ge=1, le=16, description="Fair-share weight on the trainer.")
+    init_from: Id | None = Field(None, description="Job id of this tenant to start from.")
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> SFTJobSpec:
@@ -92,17 +94,119 @@ class SFTJobSpec(_Strict):
         return self
 
 
-JobSpec = SFTJobSpec
-_SPEC_KINDS: dict[str, type[BaseModel]] = {"sft": SFTJobSpec}
+class PPOSpec(_Strict):
+    """RL algorithm settings (PPO, or GRPO's group-relative advantages without a critic)."""
+
+    algorithm: Literal["ppo", "grpo"] = "ppo"
+    gamma: float = Field(0.99, gt=0, le=1)
+    gae_lambda: float = Field(0.95, ge=0, le=1)
+    clip: float = Field(0.2, gt=0, le=1)
+    epochs: int = Field(4, ge=1, le=100)
+    minibatch_size: int = Field(64, ge=1)
+    value_coef: float = Field(0.5, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+    max_policy_lag: int = Field(0, ge=0, le=16, description="Rollouts may lag this many versions.")
+    normalize_advantages: bool = True
+
+    def to_config(self, episodes_per_iteration: int) -> PPOConfig:
+        return PPOConfig(episodes_per_iteration=episodes_per_iteration, **self.model_dump())
+
+
+class RLJobSpec(_Strict):
+    """Reinforcement learning of a tenant's action module in a simulator."""
+
+    kind: Literal["rl"]
+    tenant: Id
+    backbone: Id = "tiny"
+    env: str = Field(min_length=1, description="Env id (JoyNexus/*, ManiSkill task, gym id).")
+    env_kwargs: dict[str, float | int | str | bool] = Field(
+        default_factory=dict, description="Constructor arguments of the env."
+    )
+    head: HeadSpec
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    rl: PPOSpec = Field(default_factory=PPOSpec)
+    iterations: int = Field(ge=1, le=100_000, description="Updates (= policy versions).")
+    episodes_per_iteration: int = Field(8, ge=1, le=4096)
+    parallel_envs: int = Field(4, ge=1, le=256, description="Sessions per rollout task.")
+    max_episode_steps: int = Field(50, ge=1, le=10_000)
+    image_size: int = Field(64, ge=8, le=1024)
+    num_views: int = Field(1, ge=1, le=3)
+    token_budget: int = Field(16, ge=4, le=4096)
+    seed: int = 0
+    priority: int = Field(1, ge=1, le=16)
+    init_from: Id | None = Field(None, description="Job id of this tenant to start from.")
+
+    @model_validator(mode="after")
+    def _critic(self) -> RLJobSpec:
+        if self.rl.algorithm == "ppo" and not self.head.value_head:
+            raise ValueError(
+                "head.value_head: PPO needs a value head (set it true, or use rl.algorithm: grpo)"
+            )
+        return self
+
+
+class EvalJobSpec(_Strict):
+    """Read-only evaluation of a fixed policy version, in an env or on a held-out dataset."""
+
+    kind: Literal["eval"]
+    tenant: Id
+    backbone: Id = "tiny"
+    policy_job: Id = Field(description="Job id (of this tenant) whose policy is evaluated.")
+    policy_version: int = Field(0, ge=0, description="0 = the latest at submit time.")
+    env: str | None = None
+    env_kwargs: dict[str, float | int | str | bool] = Field(default_factory=dict)
+    dataset: str | None = None
+    episodes: int = Field(16, ge=1, le=100_000)
+    max_episode_steps: int = Field(50, ge=1, le=10_000)
+    image_size: int = Field(64, ge=8, le=1024)
+    parallel_envs: int = Field(4, ge=1, le=256)
+    val_fraction: float = Field(0.2, gt=0, le=1, description="Held-out episodes (dataset).")
+    seed: int = 10_000
+
+    @model_validator(mode="after")
+    def _target(self) -> EvalJobSpec:
+        if (self.env is None) == (self.dataset is None):
+            raise ValueError("give exactly one of 'env' or 'dataset'")
+        return self
+
+
+class PipelineSpec(_Strict):
+    """Stages run one after another; each stage after the first starts from the previous
+    training stage's policy (``init_from`` / ``policy_job`` are filled in)."""
+
+    kind: Literal["pipeline"]
+    tenant: Id
+    stages: list[Annotated[SFTJobSpec | RLJobSpec | EvalJobSpec, Field(discriminator="kind")]] = (
+        Field(min_length=1, max_length=16)
+    )
+
+    @model_validator(mode="after")
+    def _one_tenant(self) -> PipelineSpec:
+        for i, stage in enumerate(self.stages):
+            if stage.tenant != self.tenant:
+                raise ValueError(f"stages.{i}.tenant: {stage.tenant!r} is not {self.tenant!r}")
+        if isinstance(self.stages[0], EvalJobSpec):
+            raise ValueError("stages.0: a pipeline starts with a training stage")
+        return self
+
+
+JobSpec = SFTJobSpec | RLJobSpec | EvalJobSpec | PipelineSpec
+_SPEC_KINDS: dict[str, type[BaseModel]] = {
+    "sft": SFTJobSpec,
+    "rl": RLJobSpec,
+    "eval": EvalJobSpec,
+    "pipeline": PipelineSpec,
+}
 
 
 def format_validation_error(error: ValidationError) -> str:
     """``field.path: message`` lines, one per problem."""
     lines = []
     for item in error.errors():
-        path = ".".join(str(p) for p in item["loc"]) or "<spec>"
+        path = ".".join(str(p) for p in item["loc"])
         msg = "unknown field" if item["type"] == "extra_forbidden" else item["msg"]
-        lines.append(f"{path}: {msg}")
+        msg = msg.removeprefix("Value error, ")  # whole-spec checks name their fields
+        lines.append(f"{path}: {msg}" if path else msg)
     return "; ".join(lines)
 
 

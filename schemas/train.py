@@ -12,7 +12,26 @@ from schemas.model import HeadConfig, OptimizerConfig
 from schemas.tensor import Tensor
 
 
-class OpenSlot(msgspec.Struct, frozen=True, tag="open_slot", forbid_unknown_fields=True):
+class PPOConfig(msgspec.Struct, frozen=True):
+    """Per-tenant RL hyper-parameters (PPO; ``algorithm="grpo"`` swaps GAE for group-relative
+    advantages over the episodes of one iteration)."""
+
+    algorithm: str = "ppo"
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    clip: float = 0.2
+    epochs: int = 4
+    minibatch_size: int = 64
+    value_coef: float = 0.5
+    entropy_coef: float = 0.0
+    #: Episodes that make one iteration (one update, one policy version).
+    episodes_per_iteration: int = 8
+    #: Rollouts from a policy older than ``current - max_policy_lag`` are dropped as stale.
+    max_policy_lag: int = 0
+    normalize_advantages: bool = True
+
+
+class OpenSlot(msgspec.Struct, frozen=True, tag="open_slot"):
     """Create the tenant's slot for a job. Acked only once the slot's version-0 checkpoint is
     committed, so the slot's spec is durable before any data is applied to it."""
 
@@ -29,9 +48,14 @@ class OpenSlot(msgspec.Struct, frozen=True, tag="open_slot", forbid_unknown_fiel
     checkpoint_every: int = 10
     #: Deficit-round-robin weight of this tenant (1 = fair share).
     priority: int = 1
+    #: RL jobs: the algorithm's settings (None: supervised).
+    rl: PPOConfig | None = None
+    #: Start from this checkpoint's module weights (e.g. an SFT job's final policy).
+    init_object: str = ""
+    init_sha256: str = ""
 
 
-class CloseSlot(msgspec.Struct, frozen=True, tag="close_slot", forbid_unknown_fields=True):
+class CloseSlot(msgspec.Struct, frozen=True, tag="close_slot"):
     """Drop the tenant's slot for a job (finished or cancelled); its checkpoints remain."""
 
     tenant: str
@@ -39,7 +63,7 @@ class CloseSlot(msgspec.Struct, frozen=True, tag="close_slot", forbid_unknown_fi
     reason: str = ""
 
 
-class SFTBatch(msgspec.Struct, frozen=True, tag="sft_batch", forbid_unknown_fields=True):
+class SFTBatch(msgspec.Struct, frozen=True, tag="sft_batch"):
     """One supervised micro-batch = one optimizer step of the job (``step`` is its 0-based
     index). Shapes: ``images`` uint8 (B, V, H, W, 3); ``proprio`` float32 (B, P);
     ``actions`` float32 (B, C, A); ``action_pad`` bool (B, C), True where the chunk runs past
@@ -57,7 +81,35 @@ class SFTBatch(msgspec.Struct, frozen=True, tag="sft_batch", forbid_unknown_fiel
     action_pad: Tensor
 
 
-TrainMessage = OpenSlot | CloseSlot | SFTBatch
+class RolloutBatch(msgspec.Struct, frozen=True, tag="rollout"):
+    """One episode of an RL iteration, as the env worker saw it under ``policy_version``.
+
+    T transitions (one per policy query; a chunked head's C actions execute open-loop as
+    one macro-action whose rewards are summed). Shapes: ``images`` uint8 (T, V, H, W, 3);
+    ``proprio`` float32 (T, P); ``actions`` float32 (T, C, A); ``log_probs``, ``values``,
+    ``rewards`` float32 (T,). ``bootstrap_value`` is V(s_T) when truncated, else 0.
+    Observations travel inline (a 64x64 episode of 50 steps is ~0.6 MB).
+    """
+
+    tenant: str
+    job_id: str
+    iteration: int
+    episode: int
+    policy_version: int
+    images: Tensor
+    instruction: str
+    proprio: Tensor
+    actions: Tensor
+    log_probs: Tensor
+    values: Tensor
+    rewards: Tensor
+    terminated: bool
+    truncated: bool
+    success: bool = False
+    bootstrap_value: float = 0.0
+
+
+TrainMessage = OpenSlot | CloseSlot | SFTBatch | RolloutBatch
 TRAIN_DECODER = msgspec.msgpack.Decoder(TrainMessage)
 
 

@@ -43,6 +43,8 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     last_start: float = 0.0
+    #: Stopped on purpose (scaled down): not restarted.
+    retired: bool = False
 
 
 @dataclass
@@ -111,6 +113,8 @@ class LocalStack:
         """Restart children that exited; return the names restarted."""
         restarted = []
         for child in self.children:
+            if child.retired:
+                continue
             if child.proc is not None and child.proc.poll() is not None:
                 backoff = min(10.0, 0.5 * 2**child.restarts)
                 if time.monotonic() - child.last_start < backoff:
@@ -120,6 +124,48 @@ class LocalStack:
                 self.spawn(child)
                 restarted.append(child.name)
         return restarted
+
+    def live(self, role: str) -> list[Child]:
+        return [c for c in self.children if c.role == role and not c.retired]
+
+    def scale(self, role: str, count: int) -> None:
+        """Run ``count`` processes of ``role``: start new ones, or SIGTERM the newest extras
+        (they release their in-flight work, which other instances then pick up)."""
+        live = self.live(role)
+        for i in range(len(live), count):
+            names = {c.name for c in self.children}
+            n = i
+            while f"{role}-{n}" in names:
+                n += 1
+            child = Child(role, f"{role}-{n}", list(self.role_args.get(role, [])))
+            self.spawn(child)
+            self.children.append(child)
+        for child in live[count:][::-1]:
+            child.retired = True
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        self.write_process_table()
+
+    def write_process_table(self) -> None:
+        table = {
+            role: [c.proc.pid for c in self.live(role) if c.proc is not None]
+            for role in {c.role for c in self.children}
+        }
+        tmp = self.home / "processes.json.tmp"
+        tmp.write_text(json.dumps(table))
+        os.replace(tmp, self.home / "processes.json")
+
+    def apply_desired(self) -> None:
+        """Apply ``<home>/desired.json`` (written by ``joynexus scale``) if it changed."""
+        path = self.home / "desired.json"
+        try:
+            desired = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return
+        for role, count in desired.items():
+            if len(self.live(role)) != count:
+                log.info("scaling %s to %d", role, count)
+                self.scale(role, int(count))
 
     def stop(self, timeout: float = 15.0) -> dict[str, int | None]:
         """SIGTERM every child, wait, SIGKILL stragglers, then stop the server."""
@@ -206,11 +252,46 @@ def run_stack(home: Path, roles: dict[str, int] | None = None) -> int:
         stack.start_roles()
         print(f"JoyNexus local stack up. bus: {info.url}  (credentials in {home}/stack.json)")
         print(f"logs: {home}/logs/   stop with Ctrl-C", flush=True)
+        (home / "desired.json").unlink(missing_ok=True)
+        stack.write_process_table()
         while not stopping:
             stack.supervise_once()
+            stack.apply_desired()
             time.sleep(0.2)
     finally:
         print("stopping...", flush=True)
         stack.stop()
         (home / "stack.json").unlink(missing_ok=True)
     return 0
+
+
+def request_scale(home: Path, role: str, count: int, timeout: float = 30.0) -> int:
+    """Ask the ``joynexus up`` running under ``home`` to run ``count`` ``role`` processes;
+    wait until its process table shows it."""
+    if count < 0:
+        print("count must be >= 0", file=sys.stderr)
+        return 2
+    if not (home / "stack.json").exists():
+        print(f"no local stack runs under {home}; start one with `joynexus up`", file=sys.stderr)
+        return 1
+    path = home / "desired.json"
+    try:
+        desired = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        desired = {}
+    desired[role] = count
+    tmp = home / "desired.json.tmp"
+    tmp.write_text(json.dumps(desired))
+    os.replace(tmp, path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            table = json.loads((home / "processes.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            table = {}
+        if len(table.get(role, [])) == count:
+            print(f"{role}: {count} running (pids {table.get(role, [])})")
+            return 0
+        time.sleep(0.1)
+    print(f"the stack did not reach {count} {role} processes in {timeout}s", file=sys.stderr)
+    return 1

@@ -37,8 +37,17 @@ async def test_trainer_sigkilled_ten_times_ends_with_the_uninterrupted_parameter
     procs.add(start_service("envs", nats_server.url, logs / "envs.log"))
 
     def trainer(*args: str) -> object:
-        return procs.add(start_service("trainer", nats_server.url, logs / "trainer.log",
-                                       "--deterministic", "--commit-every-s", "60", *args))
+        return procs.add(
+            start_service(
+                "trainer",
+                nats_server.url,
+                logs / "trainer.log",
+                "--deterministic",
+                "--commit-every-s",
+                "60",
+                *args,
+            )
+        )
 
     def specs(prefix: str) -> list[dict[str, object]]:
         return [

@@ -1,4 +1,4 @@
-"""Env workers: pull tasks from ``ENV`` and produce training data.
+"""Env workers: pull tasks from ``ENV``: dataset streams, RL rollouts and evaluations.
 
 Offline half (SFT): a :class:`~schemas.env.StreamDataset` task streams a tenant's dataset into
 its Training Queue as shuffled micro-batches, one per optimizer step, with backpressure (at
@@ -25,15 +25,19 @@ from bus.codec import DecodeError, decode
 from bus.config import BusConfig
 from bus.consume import PullConsumer
 from bus.errors import PoisonError, RetryableError
-from bus.publish import msg_id, publish
+from bus.publish import Outgoing, msg_id, publish, publish_all
 from bus.service import Runtime, serve
 from schemas import subjects
-from schemas.env import ENV_DECODER, StreamDataset
-from schemas.events import ErrorEvent
+from schemas.env import ENV_DECODER, EvalTask, RolloutTask, StreamDataset
+from schemas.events import ErrorEvent, Metrics
 from schemas.jobs import JOB_RECORD_DECODER, TERMINAL_STATUSES, job_key
+from schemas.model import Observation
 from schemas.tensor import Tensor
 from schemas.train import POLICY_RECORD_DECODER, SFTBatch
+from services.envs.adapters import EnvUnavailableError
 from services.envs.datasets import Dataset, DatasetError, load_dataset
+from services.envs.rollouts import AdapterPool, collect, evaluate_env
+from services.inferencer.client import InferenceError, PolicyClient
 
 log = logging.getLogger(__name__)
 DURABLE = "envs"
@@ -44,21 +48,115 @@ class EnvsConfig(BusConfig):
 
     concurrency: int = Field(8, ge=1, description="Tasks (streams, sessions) run at once.")
     max_deliver: int = Field(5, ge=1, description="Deliveries before a task is dead.")
+    backbones: str = Field("tiny", description="Backbone ids whose inferencers to ask (a,b).")
 
 
-class DatasetStreamer:
-    """Runs :class:`StreamDataset` tasks."""
+class EnvWorker:
+    """Runs env tasks: dataset streams (SFT), rollouts (RL) and evaluations."""
 
-    def __init__(self, js: JetStreamContext) -> None:
+    def __init__(self, js: JetStreamContext, policies: dict[str, PolicyClient]) -> None:
         self.js = js
         self.datasets: dict[str, Dataset] = {}
+        self.pool = AdapterPool()
+        self.policies = policies
 
     async def handle(self, msg: Msg) -> None:
         try:
             task = decode(ENV_DECODER, msg.data)
         except DecodeError as exc:
             raise PoisonError(f"malformed env task: {exc}") from exc
-        await self.stream(task)
+        try:
+            match task:
+                case StreamDataset():
+                    await self.stream(task)
+                case RolloutTask():
+                    await self.rollout(task)
+                case EvalTask():
+                    await self.evaluate(task)
+        except EnvUnavailableError as exc:
+            raise PoisonError(str(exc)) from exc
+        except InferenceError as exc:
+            raise (RetryableError if exc.retryable else PoisonError)(
+                f"inference: {exc}", delay_s=2.0
+            ) from exc
+
+    def client(self, backbone: str) -> PolicyClient:
+        if backbone not in self.policies:
+            raise RetryableError(f"no policy client for backbone {backbone!r} yet")
+        return self.policies[backbone]
+
+    async def rollout(self, task: RolloutTask) -> None:
+        """Run the task's episodes; publish each as a RolloutBatch (idempotent by identity)."""
+        if await self.job_ended(task.tenant, task.job_id):
+            return
+        records = await collect(self.client(task.backbone), self.pool, task)
+        subject = subjects.train(task.backbone, task.tenant)
+        await publish_all(
+            self.js,
+            [
+                Outgoing(subject, r, msg_id("rollout", r.tenant, r.job_id, r.iteration, r.episode))
+                for r in records
+            ],
+        )
+
+    async def evaluate(self, task: EvalTask) -> None:
+        """Read-only: run the pinned policy and report metrics; nothing reaches TRAIN."""
+        client = self.client(task.backbone)
+        if task.env_id:
+            metrics = await evaluate_env(client, self.pool, task)
+        else:
+            metrics = await self.evaluate_dataset(client, task)
+        await publish(
+            self.js,
+            subjects.event(task.tenant, task.job_id, "metrics"),
+            Metrics(task.tenant, task.job_id, -1, metrics, time.time()),
+            message_id=msg_id("ev", task.tenant, task.job_id, "metrics", "eval"),
+        )
+
+    async def evaluate_dataset(self, client: PolicyClient, task: EvalTask) -> dict[str, float]:
+        """Action error of the policy's deterministic actions on held-out episodes."""
+        ds = await self.dataset(task.dataset)
+        _, held_out = ds.split(task.val_fraction, task.seed)
+        if not held_out:
+            raise PoisonError(f"val_fraction {task.val_fraction} holds out no episode")
+        sq_err, abs_err, count = 0.0, 0.0, 0
+        for batch in ds.iter_batches(16, task.chunk_len, seed=task.seed, episodes=held_out):
+            observations = [
+                Observation(
+                    [
+                        Tensor.from_numpy(np.ascontiguousarray(v))
+                        for v in batch.images_B_V_H_W_3[b, : task.num_views]
+                    ],
+                    batch.instructions[b],
+                    Tensor.from_numpy(
+                        np.ascontiguousarray(batch.state_B_S[b, : task.proprio_dim], np.float32)
+                    ),
+                )
+                for b in range(len(batch.instructions))
+            ]
+            reply = await client.act(
+                task.tenant,
+                task.policy_job,
+                observations,
+                policy_version=task.policy_version,
+                deterministic=True,
+                num_views=task.num_views,
+                token_budget=task.token_budget,
+                timeout=60.0,
+            )
+            assert reply.actions is not None
+            predicted = reply.actions.to_numpy()
+            valid = ~batch.action_pad_B_C[..., None]
+            error = (predicted - batch.actions_B_C_A) * valid
+            sq_err += float((error**2).sum())
+            abs_err += float(np.abs(error).sum())
+            count += int(valid.sum()) * predicted.shape[-1]
+        return {
+            "action_mse": sq_err / max(1, count),
+            "action_l1": abs_err / max(1, count),
+            "held_out_episodes": float(len(held_out)),
+            "policy_version": float(task.policy_version),
+        }
 
     async def dataset(self, path: str) -> Dataset:
         if path not in self.datasets:
@@ -79,10 +177,10 @@ class DatasetStreamer:
             return 0
         return decode(POLICY_RECORD_DECODER, entry.value).batches_done
 
-    async def job_ended(self, task: StreamDataset) -> bool:
+    async def job_ended(self, tenant: str, job_id: str) -> bool:
         kv = await self.js.key_value(subjects.KV_JOBS)
         try:
-            entry = await kv.get(job_key(task.tenant, task.job_id))
+            entry = await kv.get(job_key(tenant, job_id))
         except KeyNotFoundError:
             return False
         if not entry.value:
@@ -112,7 +210,7 @@ class DatasetStreamer:
         batches: Any = None
         epoch = -1
         while step < task.total_steps:
-            if await self.job_ended(task):
+            if await self.job_ended(task.tenant, task.job_id):
                 log.info("job %s/%s ended; stream stops at step %d", task.tenant, task.job_id, step)
                 return
             if await self.unconsumed(subject) >= task.max_in_flight:
@@ -170,7 +268,10 @@ async def run(config: EnvsConfig) -> None:
     """Entry point: serve an env worker until SIGTERM/SIGINT."""
 
     async def body(rt: Runtime) -> None:
-        streamer = DatasetStreamer(rt.js)
+        policies: dict[str, PolicyClient] = {}
+        streamer = EnvWorker(rt.js, policies)
+        for backbone in config.backbones.split(","):
+            policies[backbone] = await PolicyClient.create(rt.nc, backbone, rt.js)
         consumer = PullConsumer(
             rt.js,
             stream=subjects.STREAM_ENV,
@@ -183,6 +284,11 @@ async def run(config: EnvsConfig) -> None:
             ack_wait_s=30.0,
         )
         rt.in_flight = lambda: consumer.in_flight
-        await consumer.run(rt.stop)
+        try:
+            await consumer.run(rt.stop)
+        finally:
+            for client in policies.values():
+                await client.close()
+            streamer.pool.close()
 
     await serve("envs", config, body)

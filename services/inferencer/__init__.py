@@ -1,4 +1,8 @@
-"""The inferencer: serves tenants' policies from ``INFER`` with group-batched forwards."""
+"""The inferencer: serves tenants' policies from ``INFER`` with group-batched forwards.
+
+``python -m services.inferencer`` runs the service (:func:`run`, :class:`InferencerConfig`);
+requesters use :class:`services.inferencer.client.PolicyClient`.
+"""
 
 from services.inferencer.service import InferencerConfig, run
 

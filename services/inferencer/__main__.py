@@ -1,3 +1,5 @@
+"""``python -m services.inferencer [--target-batch B] [--max-wait-ms T] ...``"""
+
 import asyncio
 
 from bus.config import main_config

@@ -1,20 +1,21 @@
-"""Compiling a validated job spec into the messages that run it.
+"""Compiling validated job specs into the messages that run them.
 
-An SFT job becomes: an :class:`~schemas.train.OpenSlot` on the tenant's Training Queue
-subject and a :class:`~schemas.env.StreamDataset` task for the env workers. The dataset is
-loaded and validated here, at submit, so a bad dataset is rejected with a specific error
-before any slot exists.
+* SFT: an :class:`~schemas.train.OpenSlot` on the tenant's Training Queue subject and a
+  :class:`~schemas.env.StreamDataset` task. The dataset is validated here, at submit.
+* RL: an OpenSlot with the PPO settings; rollout tasks are issued per iteration as the
+  trainer publishes policy versions (:func:`rollout_tasks`).
+* Eval: one read-only :class:`~schemas.env.EvalTask` against a pinned policy version.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bus.errors import PoisonError
-from schemas.env import StreamDataset
-from schemas.specs import SFTJobSpec
-from schemas.train import OpenSlot
+from schemas.env import EnvTask, EvalTask, RolloutTask, StreamDataset
+from schemas.specs import EvalJobSpec, RLJobSpec, SFTJobSpec
+from schemas.train import OpenSlot, PolicyRecord
 from services.envs.datasets import Dataset, DatasetError, load_dataset
 
 #: Batches beyond one commit interval a stream may have waiting in TRAIN.
@@ -26,8 +27,8 @@ class Plan:
     """What the master publishes to start a job."""
 
     backbone: str
-    open_slot: OpenSlot
-    env_task: StreamDataset
+    open_slot: OpenSlot | None
+    env_tasks: list[EnvTask] = field(default_factory=list)
 
 
 def check_dataset_fits(ds: Dataset, spec: SFTJobSpec) -> None:
@@ -48,14 +49,20 @@ def check_dataset_fits(ds: Dataset, spec: SFTJobSpec) -> None:
         raise PoisonError(f"dataset {spec.dataset} has no camera images")
 
 
-async def compile_plan(job_id: str, spec: SFTJobSpec) -> Plan:
-    """Validate ``spec`` against its dataset and build the job's start messages."""
+async def open_dataset(path: str) -> Dataset:
     try:
-        ds = await asyncio.to_thread(load_dataset, spec.dataset)
+        return await asyncio.to_thread(load_dataset, path)
     except DatasetError as exc:
         raise PoisonError(f"dataset: {exc}") from exc
     except OSError as exc:
-        raise PoisonError(f"dataset: cannot read {spec.dataset}: {exc}") from exc
+        raise PoisonError(f"dataset: cannot read {path}: {exc}") from exc
+
+
+async def compile_sft(job_id: str, spec: SFTJobSpec, init: PolicyRecord | None) -> Plan:
+    """Validate ``spec`` against its dataset and build the job's start messages."""
+    if init is not None:
+        check_init_fits(spec, init)
+    ds = await open_dataset(spec.dataset)
     check_dataset_fits(ds, spec)
     train_episodes, _ = ds.split(spec.val_fraction, spec.seed)
     per_epoch = ds.num_batches(spec.batch_size, train_episodes, drop_last=True)
@@ -76,6 +83,8 @@ async def compile_plan(job_id: str, spec: SFTJobSpec) -> Plan:
         token_budget=spec.token_budget,
         checkpoint_every=spec.checkpoint_every,
         priority=spec.priority,
+        init_object=init.object_name if init else "",
+        init_sha256=init.sha256 if init else "",
     )
     env_task = StreamDataset(
         tenant=spec.tenant,
@@ -93,4 +102,102 @@ async def compile_plan(job_id: str, spec: SFTJobSpec) -> Plan:
         # bound must cover a commit interval plus the trainer's prefetch.
         max_in_flight=spec.checkpoint_every + PREFETCH_ALLOWANCE,
     )
-    return Plan(spec.backbone, open_slot, env_task)
+    return Plan(spec.backbone, open_slot, [env_task])
+
+
+def check_init_fits(spec: SFTJobSpec | RLJobSpec, init: PolicyRecord) -> None:
+    """A job that starts from another job's policy must keep its head's shape."""
+    if init.slot.head != spec.head.to_config():
+        raise PoisonError(
+            f"init_from: job {init.job_id!r} has head {init.slot.head}, this job asks for "
+            f"{spec.head.to_config()}; they must be identical to share weights"
+        )
+
+
+def compile_rl(job_id: str, spec: RLJobSpec, init: PolicyRecord | None) -> Plan:
+    """The RL job's slot; its rollout tasks follow its policy versions."""
+    if init is not None:
+        check_init_fits(spec, init)
+    open_slot = OpenSlot(
+        tenant=spec.tenant,
+        job_id=job_id,
+        head=spec.head.to_config(),
+        optimizer=spec.optimizer.to_config(spec.iterations),
+        seed=spec.seed,
+        total_steps=spec.iterations,
+        num_views=spec.num_views,
+        token_budget=spec.token_budget,
+        checkpoint_every=1,
+        priority=spec.priority,
+        rl=spec.rl.to_config(spec.episodes_per_iteration),
+        init_object=init.object_name if init else "",
+        init_sha256=init.sha256 if init else "",
+    )
+    return Plan(spec.backbone, open_slot, [])
+
+
+def rollout_tasks(job_id: str, spec: RLJobSpec, version: int) -> list[RolloutTask]:
+    """Tasks to run once ``version`` is committed. Version 1 is the initial policy and
+    version ``v`` follows ``v - 1`` updates, so it runs iteration ``v - 1 + lag`` (all of
+    iterations 0..lag at version 1), split into tasks of ``parallel_envs`` episodes."""
+    lag = spec.rl.max_policy_lag
+    iterations = range(0, lag + 1) if version == 1 else [version - 1 + lag]
+    tasks = []
+    for iteration in iterations:
+        if iteration >= spec.iterations:
+            continue
+        for first in range(0, spec.episodes_per_iteration, spec.parallel_envs):
+            tasks.append(
+                RolloutTask(
+                    tenant=spec.tenant,
+                    job_id=job_id,
+                    backbone=spec.backbone,
+                    env_id=spec.env,
+                    iteration=iteration,
+                    first_episode=first,
+                    episodes=min(spec.parallel_envs, spec.episodes_per_iteration - first),
+                    policy_version=version,
+                    seed=spec.seed,
+                    max_episode_steps=spec.max_episode_steps,
+                    image_size=spec.image_size,
+                    num_views=spec.num_views,
+                    token_budget=spec.token_budget,
+                    proprio_dim=spec.head.proprio_dim,
+                    parallel_envs=spec.parallel_envs,
+                    env_kwargs=dict(spec.env_kwargs),
+                )
+            )
+    return tasks
+
+
+async def compile_eval(job_id: str, spec: EvalJobSpec, policy: PolicyRecord) -> Plan:
+    """One read-only task pinned to ``policy``'s version."""
+    version = spec.policy_version or policy.version
+    if version > policy.version:
+        raise PoisonError(
+            f"policy_version: {version} is newer than job {spec.policy_job!r}'s latest "
+            f"committed version {policy.version}"
+        )
+    if spec.dataset is not None:
+        await open_dataset(spec.dataset)
+    task = EvalTask(
+        tenant=spec.tenant,
+        job_id=job_id,
+        backbone=spec.backbone,
+        policy_job=spec.policy_job,
+        policy_version=version,
+        episodes=spec.episodes,
+        seed=spec.seed,
+        env_id=spec.env or "",
+        dataset=spec.dataset or "",
+        max_episode_steps=spec.max_episode_steps,
+        image_size=spec.image_size,
+        num_views=policy.slot.num_views,
+        token_budget=policy.slot.token_budget,
+        proprio_dim=policy.slot.head.proprio_dim,
+        val_fraction=spec.val_fraction,
+        parallel_envs=spec.parallel_envs,
+        chunk_len=policy.slot.head.chunk_len,
+        env_kwargs=dict(spec.env_kwargs),
+    )
+    return Plan(spec.backbone, None, [task])

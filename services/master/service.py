@@ -9,6 +9,7 @@ message never stops the master: its fate is decided by :func:`bus.consume.settle
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
@@ -31,6 +32,7 @@ from schemas.events import (
     Accepted,
     ErrorEvent,
     Event,
+    Metrics,
     PolicyPublished,
     Rejected,
     StateChanged,
@@ -48,9 +50,17 @@ from schemas.jobs import (
     JobSubmit,
     job_key,
 )
-from schemas.specs import JobSpecError, parse_job_spec
-from schemas.train import POLICY_RECORD_DECODER, CloseSlot
-from services.master.plans import Plan, compile_plan
+from schemas.specs import (
+    EvalJobSpec,
+    JobSpec,
+    JobSpecError,
+    PipelineSpec,
+    RLJobSpec,
+    SFTJobSpec,
+    parse_job_spec,
+)
+from schemas.train import POLICY_RECORD_DECODER, CloseSlot, PolicyRecord
+from services.master.plans import Plan, compile_eval, compile_rl, compile_sft, rollout_tasks
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +134,11 @@ class Master:
     async def submit(self, command: JobSubmit) -> None:
         existing = await self.record(command.tenant, command.job_id)
         if existing is not None:
-            if existing[0].spec_json == command.spec_json:
-                return  # a replayed or retried submit: already accepted, nothing to do
-            raise PoisonError(f"job id {command.job_id!r} is already used by another job")
+            if existing[0].spec_json != command.spec_json:
+                raise PoisonError(f"job id {command.job_id!r} is already used by another job")
+            if existing[0].status != "accepted":
+                return  # a replayed submit of a started job: nothing to do
+            # Accepted but maybe not started (crash in between): starting is idempotent.
         try:
             spec = parse_job_spec(command.spec_json)
         except JobSpecError as exc:
@@ -135,39 +147,129 @@ class Master:
             raise PoisonError(
                 f"tenant: spec says {spec.tenant!r} but it was submitted as {command.tenant!r}"
             )
+        await self.accept(command.job_id, spec, command.spec_json, parent="")
+
+    async def accept(self, job_id: str, spec: JobSpec, spec_json: bytes, parent: str) -> None:
+        """Compile (validating what the spec points at), record, announce and start a job."""
+        plan = await self.compile(job_id, spec)
         now = time.time()
         record = JobRecord(
-            tenant=command.tenant,
-            job_id=command.job_id,
+            tenant=spec.tenant,
+            job_id=job_id,
             kind=spec.kind,
             status="accepted",
-            spec_json=command.spec_json,
+            spec_json=spec_json,
             created_at=now,
             updated_at=now,
+            parent=parent,
         )
-        plan = await compile_plan(command.job_id, spec)
-        await self.jobs.create(job_key(command.tenant, command.job_id), encode(record))
-        await publish_event(self.js, Accepted(command.tenant, command.job_id, spec.kind, now))
-        log.info("accepted %s job %s/%s", spec.kind, command.tenant, command.job_id)
-        await self.start(plan)
+        if await self.record(spec.tenant, job_id) is None:
+            await self.jobs.create(job_key(spec.tenant, job_id), encode(record))
+            await publish_event(self.js, Accepted(spec.tenant, job_id, spec.kind, now))
+            log.info("accepted %s job %s/%s", spec.kind, spec.tenant, job_id)
+        if plan is None:  # a pipeline: its first stage is the plan
+            assert isinstance(spec, PipelineSpec)
+            await self.transition(spec.tenant, job_id, "running")
+            await self.start_stage(job_id, spec, 0, previous=None)
+            return
+        await self.start(plan, job_id)
 
-    async def start(self, plan: Plan) -> None:
-        """Create the slot, start the data stream, mark the job running. Every publish has a
+    async def compile(self, job_id: str, spec: JobSpec) -> Plan | None:
+        match spec:
+            case SFTJobSpec():
+                init = await self.init_policy(spec.tenant, spec.init_from)
+                return await compile_sft(job_id, spec, init)
+            case RLJobSpec():
+                return compile_rl(job_id, spec, await self.init_policy(spec.tenant, spec.init_from))
+            case EvalJobSpec():
+                policy = await self.policy_record(spec.tenant, spec.policy_job)
+                if policy is None:
+                    raise PoisonError(
+                        f"policy_job: job {spec.policy_job!r} of tenant {spec.tenant!r} has "
+                        "no committed policy"
+                    )
+                return await compile_eval(job_id, spec, policy)
+            case PipelineSpec():
+                return None
+        raise PoisonError(f"kind: {spec.kind!r} cannot be planned")
+
+    async def init_policy(self, tenant: str, job_id: str | None) -> PolicyRecord | None:
+        if job_id is None:
+            return None
+        record = await self.policy_record(tenant, job_id)
+        if record is None:
+            raise PoisonError(f"init_from: job {job_id!r} has no committed policy to start from")
+        return record
+
+    async def start(self, plan: Plan, job_id: str) -> None:
+        """Open the slot, hand out the env tasks, mark the job running. Every publish has a
         content-derived msg id, so a replayed submit repeats nothing."""
-        tenant, job_id = plan.open_slot.tenant, plan.open_slot.job_id
-        await publish(
-            self.js,
-            subjects.train(plan.backbone, tenant),
-            plan.open_slot,
-            message_id=msg_id("open", tenant, job_id),
-        )
-        await publish(
-            self.js,
-            subjects.env(tenant, job_id),
-            plan.env_task,
-            message_id=msg_id("env", tenant, job_id),
-        )
+        tenant = plan.open_slot.tenant if plan.open_slot else plan.env_tasks[0].tenant
+        if plan.open_slot is not None:
+            await publish(
+                self.js,
+                subjects.train(plan.backbone, tenant),
+                plan.open_slot,
+                message_id=msg_id("open", tenant, job_id),
+            )
+        for i, task in enumerate(plan.env_tasks):
+            await publish(
+                self.js,
+                subjects.env(tenant, job_id),
+                task,
+                message_id=msg_id("env", tenant, job_id, i),
+            )
         await self.transition(tenant, job_id, "running")
+
+    async def start_stage(
+        self, pipeline_id: str, spec: PipelineSpec, index: int, previous: str | None
+    ) -> None:
+        """Submit stage ``index`` as a child job, starting from ``previous``'s policy."""
+        stage = spec.stages[index]
+        if previous is not None:
+            if isinstance(stage, SFTJobSpec | RLJobSpec):
+                stage = stage.model_copy(update={"init_from": previous})
+            elif isinstance(stage, EvalJobSpec):
+                stage = stage.model_copy(update={"policy_job": previous, "policy_version": 0})
+        child = f"{pipeline_id}-s{index}"[:64]
+        document = json.dumps(stage.model_dump(mode="json")).encode()
+        try:
+            await self.accept(child, stage, document, parent=pipeline_id)
+        except PoisonError as exc:
+            await self.transition(
+                spec.tenant, pipeline_id, "failed", reason=f"stage {index} ({stage.kind}): {exc}"
+            )
+
+    async def advance_pipeline(self, child: JobRecord) -> None:
+        """A stage ended: start the next one, or end the pipeline with the stage's outcome."""
+        found = await self.record(child.tenant, child.parent)
+        if found is None:
+            return
+        parent, _ = found
+        spec = parse_job_spec(parent.spec_json)
+        assert isinstance(spec, PipelineSpec)
+        index = int(child.job_id.rsplit("-s", 1)[-1])
+        if child.status != "succeeded":
+            await self.transition(
+                child.tenant,
+                parent.job_id,
+                "failed",
+                reason=f"stage {index} {child.status}: {child.reason}",
+            )
+            return
+        if index + 1 == len(spec.stages):
+            await self.transition(
+                child.tenant,
+                parent.job_id,
+                "succeeded",
+                metrics=dict(child.metrics),
+                policy_version=child.policy_version,
+            )
+            return
+        trained = child.job_id
+        if child.kind == "eval":  # an eval stage passes on the policy it evaluated
+            trained = parse_job_spec(child.spec_json).policy_job  # type: ignore[union-attr]
+        await self.start_stage(parent.job_id, spec, index + 1, previous=trained)
 
     async def transition(
         self,
@@ -198,64 +300,85 @@ class Master:
             await publish_event(
                 self.js, StateChanged(tenant, job_id, status, updated.updated_at, reason)
             )
+            if status in TERMINAL_STATUSES and updated.parent:
+                await self.advance_pipeline(updated)
         return updated
 
     async def close_slot(self, tenant: str, job_id: str, reason: str) -> None:
-        record = await self.record(tenant, job_id)
-        if record is None:
+        found = await self.record(tenant, job_id)
+        if found is None:
             return
-        spec = parse_job_spec(record[0].spec_json)
-        await publish(
-            self.js,
-            subjects.train(spec.backbone, tenant),
-            CloseSlot(tenant, job_id, reason),
-            message_id=msg_id("close", tenant, job_id),
-        )
+        spec = parse_job_spec(found[0].spec_json)
+        if isinstance(spec, SFTJobSpec | RLJobSpec):
+            await publish(
+                self.js,
+                subjects.train(spec.backbone, tenant),
+                CloseSlot(tenant, job_id, reason),
+                message_id=msg_id("close", tenant, job_id),
+            )
 
     async def handle_event(self, msg: Msg) -> None:
-        """Follow the trainer's policy and error events of running jobs."""
+        """Follow the trainer's and env workers' events of running jobs."""
         try:
             event = decode(EVENT_DECODER, msg.data)
         except DecodeError as exc:
             raise PoisonError(f"malformed event on {msg.subject}: {exc}") from exc
         match event:
             case PolicyPublished():
-                metrics = await self.policy_metrics(event.tenant, event.job_id)
-                if event.final:
-                    done = await self.transition(
-                        event.tenant,
-                        event.job_id,
-                        "succeeded",
-                        metrics=metrics,
-                        policy_version=event.version,
-                    )
-                    if done is not None:
-                        await self.close_slot(event.tenant, event.job_id, "succeeded")
-                else:
-                    await self.transition(
-                        event.tenant,
-                        event.job_id,
-                        "running",
-                        metrics=metrics,
-                        policy_version=event.version,
-                    )
+                await self.on_policy(event)
             case ErrorEvent(fatal=True):
-                failed = await self.transition(
+                if await self.transition(
                     event.tenant, event.job_id, "failed", reason=event.message
-                )
-                if failed is not None:
+                ):
                     await self.close_slot(event.tenant, event.job_id, "failed")
+            case Metrics(iteration=-1):
+                await self.transition(
+                    event.tenant, event.job_id, "succeeded", metrics=dict(event.metrics)
+                )
             case _:
                 return
 
-    async def policy_metrics(self, tenant: str, job_id: str) -> dict[str, float] | None:
+    async def on_policy(self, event: PolicyPublished) -> None:
+        found = await self.record(event.tenant, event.job_id)
+        if found is None or found[0].status in TERMINAL_STATUSES:
+            return
+        policy = await self.policy_record(event.tenant, event.job_id)
+        metrics = dict(policy.metrics) if policy else None
+        if event.final:
+            if await self.transition(
+                event.tenant,
+                event.job_id,
+                "succeeded",
+                metrics=metrics,
+                policy_version=event.version,
+            ):
+                await self.close_slot(event.tenant, event.job_id, "succeeded")
+            return
+        await self.transition(
+            event.tenant, event.job_id, "running", metrics=metrics, policy_version=event.version
+        )
+        spec = parse_job_spec(found[0].spec_json)
+        if isinstance(spec, RLJobSpec):
+            for task in rollout_tasks(event.job_id, spec, event.version):
+                await publish(
+                    self.js,
+                    subjects.env(event.tenant, event.job_id),
+                    task,
+                    message_id=msg_id(
+                        "rollout", event.tenant, event.job_id, task.iteration, task.first_episode
+                    ),
+                )
+
+    async def policy_record(self, tenant: str, job_id: str) -> PolicyRecord | None:
         try:
             entry = await self.policies.get(f"{tenant}.{job_id}")
         except KeyNotFoundError:
             return None
-        return dict(decode(POLICY_RECORD_DECODER, entry.value).metrics) if entry.value else None
+        return decode(POLICY_RECORD_DECODER, entry.value) if entry.value else None
 
     async def cancel(self, command: JobCancel) -> None:
+        if await self.record(command.tenant, command.job_id) is None:
+            raise PoisonError(f"unknown job {command.tenant}/{command.job_id}")
         reason = command.reason or "cancelled by tenant"
         if await self.transition(command.tenant, command.job_id, "cancelled", reason=reason):
             await self.close_slot(command.tenant, command.job_id, "cancelled")

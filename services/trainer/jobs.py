@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 
-from schemas.train import OpenSlot
+from schemas.train import OpenSlot, RolloutBatch
 from vla.normalize import Normaliser
 from vla.slot import TenantSlot
 
@@ -38,6 +38,13 @@ class JobSlot:
     versions: deque[str] = field(default_factory=deque)
     metrics: dict[str, float] = field(default_factory=dict)
     closed: bool = False
+    #: RL: the current iteration's episodes collected so far (episode index → message, body).
+    rollouts: dict[int, tuple[Msg, RolloutBatch]] = field(default_factory=dict)
+
+    @property
+    def iteration_complete(self) -> bool:
+        rl = self.spec.rl
+        return rl is not None and len(self.rollouts) >= rl.episodes_per_iteration
 
     @property
     def key(self) -> str:

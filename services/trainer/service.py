@@ -53,9 +53,12 @@ from schemas.train import (
     CloseSlot,
     OpenSlot,
     PolicyRecord,
+    RolloutBatch,
     SFTBatch,
+    TrainMessage,
 )
 from services.trainer import checkpoints as ckpt
+from services.trainer import rl
 from services.trainer.jobs import JobSlot
 from vla.backbone import Backbone
 from vla.grouping import TrainRequest, group_train_step
@@ -95,7 +98,7 @@ class Pending:
     """A fetched message with its decoded body (or why it cannot be decoded)."""
 
     msg: Msg
-    body: OpenSlot | CloseSlot | SFTBatch | None
+    body: TrainMessage | None
     error: PoisonError | None = None
 
     @property
@@ -278,7 +281,9 @@ class Trainer:
                 chosen.append((q, pending, job))
         if chosen:
             await self.step(chosen)
-        elif all(not q.buffer for q in self.queues.values()):
+        if any(j.iteration_complete for j in self.jobs.values()):
+            await self.rl_updates()
+        elif not chosen and all(not q.buffer for q in self.queues.values()):
             await asyncio.sleep(0)  # fetch() already waited; stay responsive
 
     async def head_batch(self, q: TenantQueue) -> tuple[Pending, JobSlot] | None:
@@ -306,6 +311,9 @@ class Trainer:
                     await self.close_slot(body)
                     await self.settle_ok(pending.msg)
                     continue
+                if isinstance(body, RolloutBatch):
+                    await self.collect_rollout(q, pending, body)
+                    continue
                 assert isinstance(body, SFTBatch)
                 job = await self.job_for(body.tenant, body.job_id)
                 if isinstance(job, _Wait):
@@ -331,6 +339,83 @@ class Trainer:
                     q.buffer.remove(pending)
                 await self.reject(pending, exc)
         return ready
+
+    async def collect_rollout(self, q: TenantQueue, pending: Pending, body: RolloutBatch) -> None:
+        """Hold an episode of its job's current iteration; later iterations wait, earlier or
+        duplicate episodes are acked (already consumed)."""
+        job = await self.job_for(body.tenant, body.job_id)
+        if isinstance(job, _Wait):
+            q.waiting += 1
+            return
+        if (
+            job is None
+            or job.closed
+            or pending.seq <= job.applied_seq
+            or body.iteration < job.batches_done
+            or body.episode in job.rollouts
+        ):
+            q.buffer.remove(pending)
+            await self.settle_ok(pending.msg)
+            return
+        if job.spec.rl is None:
+            raise PoisonError(f"rollout records sent to supervised job {body.job_id!r}")
+        if body.iteration > job.batches_done:
+            q.waiting += 1
+            return
+        lag = job.slot.version - body.policy_version
+        if lag > job.spec.rl.max_policy_lag or lag < 0:
+            raise PoisonError(
+                f"stale rollout: episode {body.episode} of iteration {body.iteration} was "
+                f"collected with policy v{body.policy_version}, the job is at "
+                f"v{job.slot.version} and accepts a lag of {job.spec.rl.max_policy_lag}"
+            )
+        q.buffer.remove(pending)
+        job.rollouts[body.episode] = (pending.msg, body)
+
+    async def rl_updates(self) -> None:
+        """One PPO/GRPO update for every job whose iteration is complete."""
+        ready = [j for j in self.jobs.values() if j.iteration_complete and not j.closed]
+        if not ready:
+            return
+        slots = self.slots.acquire([j.key for j in ready])
+        iterations = []
+        for job, slot in zip(ready, slots, strict=True):
+            job.slot = slot
+            assert job.spec.rl is not None
+            bodies = [job.rollouts[e][1] for e in sorted(job.rollouts)]
+            iterations.append(
+                rl.Iteration(job.key, slot, job.normaliser, job.spec.rl, bodies, slot.version)
+            )
+        t0 = time.perf_counter()
+        results = await asyncio.to_thread(rl.update_iterations, self.backbone, iterations)
+        self.compute_s += time.perf_counter() - t0
+        events = []
+        for job in ready:
+            result = results[job.key]
+            msgs = [m for m, _ in job.rollouts.values()]
+            job.rollouts.clear()
+            if isinstance(result, Exception):
+                for msg in msgs:
+                    await self.reject(
+                        Pending(msg, None), PoisonError(f"RL update failed: {result}")
+                    )
+                continue
+            job.applied_seq = max(job.applied_seq, *(m.metadata.sequence.stream for m in msgs))
+            job.batches_done += 1
+            job.held.extend(msgs)
+            job.metrics = result
+            self.samples += int(result.get("episode_length", 0) * result.get("episodes", 0))
+            events.append(
+                Progress(
+                    job.spec.tenant,
+                    job.spec.job_id,
+                    job.batches_done,
+                    job.spec.total_steps,
+                    dict(result),
+                    time.time(),
+                )
+            )
+        await asyncio.gather(*(self.emit(ev, step_id=ev.step) for ev in events))
 
     # -- slots -------------------------------------------------------------------------------
     def normaliser(self, num_views: int, token_budget: int) -> Normaliser:
@@ -411,6 +496,15 @@ class Trainer:
                 )
             except (ValueError, MemoryError) as exc:
                 raise PoisonError(f"cannot open slot: {exc}") from exc
+            if spec.init_object:
+                try:
+                    source = await ckpt.get_checkpoint(
+                        self.store, spec.init_object, spec.init_sha256
+                    )
+                except ckpt.CheckpointError as exc:
+                    self.slots.remove(key)
+                    raise PoisonError(f"cannot initialise the slot: {exc}") from exc
+                slot.module.load_state_dict(TenantSlot.from_bytes(source).module.state_dict())
             job = JobSlot(
                 spec,
                 slot,
@@ -524,8 +618,8 @@ class Trainer:
     async def commit(self, job: JobSlot, initial: bool = False) -> None:
         """Checkpoint → policies KV CAS → policy event → ack what the checkpoint covers."""
         slot = job.slot
-        if not initial:
-            slot.publish_version()
+        # Versions count from 1 (the initial weights): 0 means "none" / "latest" elsewhere.
+        slot.publish_version()
         data = await asyncio.to_thread(slot.to_bytes)
         sha = ckpt.digest(data)
         name = ckpt.object_name(job.spec.tenant, job.spec.job_id, slot.version, sha)
@@ -619,6 +713,7 @@ class Trainer:
         while True:
             await asyncio.sleep(self.config.ack_wait_s / 3)
             msgs = [m for j in self.jobs.values() for m in j.held]
+            msgs += [m for j in self.jobs.values() for m, _ in j.rollouts.values()]
             msgs += [p.msg for q in self.queues.values() for p in q.buffer]
             for m in msgs:
                 with contextlib.suppress(Exception):

@@ -1,0 +1,270 @@
+"""Simulator sessions for RL rollouts and evaluation.
+
+Sessions of one task step in lockstep: each step sends ONE act request with the observations
+of every live session (so the inferencer sees a batch), then executes each session's action
+chunk open-loop (a chunk is one macro-action; its rewards are summed). Episode ``e`` of
+iteration ``i`` resets with seed ``seed + 100_003 * i + e`` and the sampling noise is seeded
+per (task, step), so a re-run task reproduces its episodes under the same policy version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from schemas.env import EvalTask, RolloutTask
+from schemas.model import Observation
+from schemas.tensor import Tensor
+from schemas.train import RolloutBatch
+from services.envs.adapters import EnvAdapter, StepObs, make_adapter
+from services.inferencer.client import PolicyClient
+
+EPISODE_SEED_STRIDE = 100_003
+
+
+class AdapterPool:
+    """Simulator sessions are expensive to create (ManiSkill: seconds); keep and reuse them
+    across tasks, keyed by (env id, image size, episode limit)."""
+
+    def __init__(self) -> None:
+        self.idle: dict[tuple[object, ...], list[EnvAdapter]] = defaultdict(list)
+
+    @contextmanager
+    def sessions(
+        self,
+        env_id: str,
+        image_size: int,
+        max_steps: int,
+        n: int,
+        env_kwargs: dict[str, Any] | None = None,
+    ) -> Iterator[list[EnvAdapter]]:
+        kwargs = dict(env_kwargs or {})
+        key = (env_id, image_size, max_steps, tuple(sorted(kwargs.items())))
+        free = self.idle[key]
+        taken = [free.pop() for _ in range(min(n, len(free)))]
+        try:
+            while len(taken) < n:
+                taken.append(
+                    make_adapter(
+                        env_id, image_size=image_size, max_episode_steps=max_steps, **kwargs
+                    )
+                )
+            yield taken
+        finally:
+            free.extend(taken)
+
+    def close(self) -> None:
+        for adapters in self.idle.values():
+            for adapter in adapters:
+                adapter.close()
+        self.idle.clear()
+
+
+def to_observation(obs: StepObs, num_views: int, proprio_dim: int) -> Observation:
+    views = obs.images[:num_views]
+    return Observation(
+        images=[Tensor.from_numpy(np.ascontiguousarray(v)) for v in views],
+        instruction=obs.instruction,
+        proprio=Tensor.from_numpy(np.ascontiguousarray(obs.proprio[:proprio_dim], np.float32)),
+    )
+
+
+@dataclass
+class Session:
+    """One episode in progress: what the policy saw and did."""
+
+    episode: int
+    adapter: EnvAdapter
+    obs: StepObs
+    images: list[np.ndarray] = field(default_factory=list)
+    proprio: list[np.ndarray] = field(default_factory=list)
+    actions: list[np.ndarray] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    terminated: bool = False
+    truncated: bool = False
+    success: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.terminated or self.truncated
+
+
+def step_seed(*parts: int) -> int:
+    return zlib.crc32(np.asarray(parts, np.int64).tobytes()) & 0x7FFFFFFF
+
+
+async def run_sessions(
+    client: PolicyClient,
+    tenant: str,
+    job_id: str,
+    adapters: list[EnvAdapter],
+    episodes: list[tuple[int, int]],
+    *,
+    policy_version: int,
+    deterministic: bool,
+    num_views: int,
+    token_budget: int,
+    proprio_dim: int,
+    noise_seed: int,
+) -> list[Session]:
+    """Run ``episodes`` ((index, reset seed) pairs, at most one per adapter) to the end."""
+    sessions = [
+        Session(index, adapter, await asyncio.to_thread(adapter.reset, seed))
+        for (index, seed), adapter in zip(episodes, adapters, strict=False)
+    ]
+    t = 0
+    while live := [s for s in sessions if not s.done]:
+        reply = await client.act(
+            tenant,
+            job_id,
+            [to_observation(s.obs, num_views, proprio_dim) for s in live],
+            policy_version=policy_version,
+            deterministic=deterministic,
+            seed=step_seed(noise_seed, t),
+            num_views=num_views,
+            token_budget=token_budget,
+            timeout=60.0,
+        )
+        assert reply.actions is not None and reply.log_probs is not None
+        actions_B_C_A = reply.actions.to_numpy()
+        log_probs_B = reply.log_probs.to_numpy()
+        values_B = reply.values.to_numpy() if reply.values is not None else None
+        for b, session in enumerate(live):
+            session.images.append(np.stack(session.obs.images[:num_views]))
+            session.proprio.append(session.obs.proprio[:proprio_dim].astype(np.float32))
+            session.actions.append(actions_B_C_A[b])
+            session.log_probs.append(float(log_probs_B[b]))
+            session.values.append(float(values_B[b]) if values_B is not None else 0.0)
+        await asyncio.to_thread(_execute_chunks, live, actions_B_C_A)
+        t += 1
+    return sessions
+
+
+def _execute_chunks(live: list[Session], actions_B_C_A: np.ndarray) -> None:
+    for b, session in enumerate(live):
+        total = 0.0
+        for action_A in actions_B_C_A[b]:
+            obs, reward, terminated, truncated, info = session.adapter.step(action_A)
+            total += float(reward)
+            session.obs = obs
+            session.success = session.success or bool(info.get("is_success", False))
+            if terminated or truncated:
+                session.terminated, session.truncated = bool(terminated), bool(truncated)
+                break
+        session.rewards.append(total)
+
+
+def rollout_record(task: RolloutTask, session: Session, bootstrap_value: float) -> RolloutBatch:
+    return RolloutBatch(
+        tenant=task.tenant,
+        job_id=task.job_id,
+        iteration=task.iteration,
+        episode=session.episode,
+        policy_version=task.policy_version,
+        images=Tensor.from_numpy(np.stack(session.images)),
+        instruction=session.obs.instruction,
+        proprio=Tensor.from_numpy(np.stack(session.proprio)),
+        actions=Tensor.from_numpy(np.stack(session.actions).astype(np.float32)),
+        log_probs=Tensor.from_numpy(np.asarray(session.log_probs, np.float32)),
+        values=Tensor.from_numpy(np.asarray(session.values, np.float32)),
+        rewards=Tensor.from_numpy(np.asarray(session.rewards, np.float32)),
+        terminated=session.terminated,
+        truncated=session.truncated and not session.terminated,
+        success=session.success,
+        bootstrap_value=bootstrap_value,
+    )
+
+
+async def collect(client: PolicyClient, pool: AdapterPool, task: RolloutTask) -> list[RolloutBatch]:
+    """Run the task's episodes and return their rollout records."""
+    indices = list(range(task.first_episode, task.first_episode + task.episodes))
+    records: list[RolloutBatch] = []
+    width = max(1, task.parallel_envs)
+    for start in range(0, len(indices), width):
+        chunk = indices[start : start + width]
+        seeds = [task.seed + EPISODE_SEED_STRIDE * task.iteration + e for e in chunk]
+        with pool.sessions(
+            task.env_id, task.image_size, task.max_episode_steps, len(chunk), task.env_kwargs
+        ) as adapters:
+            sessions = await run_sessions(
+                client,
+                task.tenant,
+                task.job_id,
+                adapters,
+                list(zip(chunk, seeds, strict=True)),
+                policy_version=task.policy_version,
+                deterministic=False,
+                num_views=task.num_views,
+                token_budget=task.token_budget,
+                proprio_dim=task.proprio_dim,
+                noise_seed=step_seed(task.seed, task.iteration, chunk[0]),
+            )
+        bootstrap = await bootstrap_values(client, task, sessions)
+        records += [rollout_record(task, s, bootstrap.get(s.episode, 0.0)) for s in sessions]
+    return records
+
+
+async def bootstrap_values(
+    client: PolicyClient, task: RolloutTask, sessions: list[Session]
+) -> dict[int, float]:
+    """V(s_T) of episodes cut off by the time limit (0 for real terminations)."""
+    cut = [s for s in sessions if s.truncated and not s.terminated]
+    if not cut:
+        return {}
+    reply = await client.act(
+        task.tenant,
+        task.job_id,
+        [to_observation(s.obs, task.num_views, task.proprio_dim) for s in cut],
+        policy_version=task.policy_version,
+        deterministic=True,
+        num_views=task.num_views,
+        token_budget=task.token_budget,
+        timeout=60.0,
+    )
+    if reply.values is None:
+        return {}
+    values = reply.values.to_numpy()
+    return {s.episode: float(values[i]) for i, s in enumerate(cut)}
+
+
+async def evaluate_env(client: PolicyClient, pool: AdapterPool, task: EvalTask) -> dict[str, Any]:
+    """Deterministic episodes of a pinned policy version: success rate, return, length."""
+    returns, lengths, successes = [], [], []
+    width = max(1, task.parallel_envs)
+    for start in range(0, task.episodes, width):
+        chunk = list(range(start, min(task.episodes, start + width)))
+        with pool.sessions(
+            task.env_id, task.image_size, task.max_episode_steps, len(chunk), task.env_kwargs
+        ) as adapters:
+            sessions = await run_sessions(
+                client,
+                task.tenant,
+                task.policy_job,
+                adapters,
+                [(e, task.seed + e) for e in chunk],
+                policy_version=task.policy_version,
+                deterministic=True,
+                num_views=task.num_views,
+                token_budget=task.token_budget,
+                proprio_dim=task.proprio_dim,
+                noise_seed=task.seed,
+            )
+        returns += [sum(s.rewards) for s in sessions]
+        lengths += [len(s.rewards) for s in sessions]
+        successes += [s.success for s in sessions]
+    return {
+        "success_rate": float(np.mean(successes)),
+        "mean_return": float(np.mean(returns)),
+        "episode_length": float(np.mean(lengths)),
+        "episodes": float(len(returns)),
+        "policy_version": float(task.policy_version),
+    }

@@ -1,0 +1,306 @@
+"""The inferencer's resident policies, synced from the ``policies`` KV and ``checkpoints`` store.
+
+Serving state is indexed by ``(tenant, job, version)``. A watcher over the ``policies`` KV
+records every job's latest committed :class:`~schemas.train.PolicyRecord` and loads that
+version's slot in the background, so a request for the latest version usually finds it
+resident. A request pinned to an older version that is not resident is served by finding its
+checkpoint in the object store (``<tenant>/<job>/v{version:06d}-...``). At most
+``max_versions_per_job`` versions of a job stay resident (the latest one always among them;
+older ones are dropped least recently used first).
+
+Everything here runs on the event loop; only deserialising a slot goes to a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+
+from bus.codec import DecodeError, decode
+from bus.errors import PoisonError, RetryableError
+from schemas import subjects
+from schemas.model import HeadConfig
+from schemas.train import POLICY_RECORD_DECODER, OpenSlot, PolicyRecord
+from services.trainer import checkpoints as ckpt
+from vla.slot import TenantSlot
+
+log = logging.getLogger(__name__)
+
+#: The object store's digest header prefix (nats.py writes ``SHA-256=<base64url>``).
+_OBJ_DIGEST_PREFIX = "SHA-256="
+
+JobKey = tuple[str, str]
+VersionKey = tuple[str, str, int]
+
+
+@dataclass(frozen=True)
+class ServedPolicy:
+    """One resident policy version: the slot to act with and the job's model-facing spec."""
+
+    tenant: str
+    job_id: str
+    version: int
+    slot: TenantSlot
+    #: The job's slot spec (head, num_views, token_budget) from its ``policies`` record.
+    spec: OpenSlot
+
+    @property
+    def head(self) -> HeadConfig:
+        return self.slot.head_config
+
+    @property
+    def label(self) -> str:
+        return f"{self.tenant}/{self.job_id} v{self.version}"
+
+
+def _hex_digest(object_digest: str | None) -> str | None:
+    """The object store's ``SHA-256=<base64url>`` digest as hex (None if absent/other)."""
+    if not object_digest or not object_digest.upper().startswith(_OBJ_DIGEST_PREFIX):
+        return None
+    try:
+        raw = base64.urlsafe_b64decode(object_digest[len(_OBJ_DIGEST_PREFIX) :])
+    except ValueError:
+        return None
+    return raw.hex()
+
+
+class PolicyCache:
+    """Resident tenant policies of one inferencer, keyed by ``(tenant, job, version)``.
+
+    Args:
+        js: JetStream context (the ``policies`` KV and ``checkpoints`` store are opened by
+            :meth:`open`).
+        device: where slots are restored.
+        max_versions_per_job: resident versions kept per job (>= 1).
+    """
+
+    def __init__(self, js: JetStreamContext, device: str, max_versions_per_job: int) -> None:
+        if max_versions_per_job < 1:
+            raise ValueError(f"max_versions_per_job must be >= 1, got {max_versions_per_job}")
+        self.js = js
+        self.device = device
+        self.max_versions = max_versions_per_job
+        #: Latest committed record per job (from the KV watch, or read through on a miss).
+        self.records: dict[JobKey, PolicyRecord] = {}
+        #: Resident versions; per job, insertion order is recency order.
+        self._resident: dict[JobKey, OrderedDict[int, ServedPolicy]] = {}
+        #: Loads in progress, so concurrent requests for one version share one fetch.
+        self._loading: dict[VersionKey, asyncio.Task[ServedPolicy]] = {}
+        self._kv: KeyValue
+        self._store: ObjectStore
+        self.loads = 0
+
+    async def open(self) -> None:
+        self._kv = await self.js.key_value(subjects.KV_POLICIES)
+        self._store = await self.js.object_store(subjects.OBJ_CHECKPOINTS)
+
+    @property
+    def resident_count(self) -> int:
+        return sum(len(v) for v in self._resident.values())
+
+    # -- following the KV --------------------------------------------------------------------
+    async def follow(self, ready: asyncio.Event | None = None) -> None:
+        """Watch the ``policies`` KV until cancelled: record each job's latest version and
+        preload it. ``ready`` is set once the bucket's current entries have been seen. A
+        failed watch is restarted (it replays the latest entries; older ones are ignored)."""
+        while True:
+            try:
+                await self._watch(ready)
+                log.warning("policies watch ended; watching again")
+            except NatsError as exc:
+                log.warning("policies watch failed (%s); watching again", exc)
+            await asyncio.sleep(0.5)
+
+    async def _watch(self, ready: asyncio.Event | None) -> None:
+        watcher = await self._kv.watchall()
+        try:
+            async for entry in watcher:
+                if entry is None:  # end of the initial values
+                    if ready is not None:
+                        ready.set()
+                    continue
+                job = self._job_of_key(entry.key)
+                if job is None:
+                    continue
+                if entry.operation in ("DEL", "PURGE") or not entry.value:
+                    self.records.pop(job, None)  # nothing committed any more: stop serving it
+                    continue
+                try:
+                    record = decode(POLICY_RECORD_DECODER, entry.value)
+                except DecodeError as exc:
+                    log.warning("ignoring undecodable policies entry %s: %s", entry.key, exc)
+                    continue
+                if self._note(record):
+                    self._start_load(record.tenant, record.job_id, record.version, record)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+
+    @staticmethod
+    def _job_of_key(key: str) -> JobKey | None:
+        tenant, sep, job_id = key.partition(".")
+        return (tenant, job_id) if sep and tenant and job_id else None
+
+    def _note(self, record: PolicyRecord) -> bool:
+        """Record ``record`` if it is newer than what we know; True if it was."""
+        job = (record.tenant, record.job_id)
+        known = self.records.get(job)
+        if known is not None and known.version >= record.version:
+            return False
+        self.records[job] = record
+        return True
+
+    async def latest_record(self, tenant: str, job_id: str) -> PolicyRecord:
+        """The job's latest committed record; read through the KV when the watch has not
+        delivered it yet. Raises PoisonError when nothing is committed for the job."""
+        job = (tenant, job_id)
+        record = self.records.get(job)
+        if record is not None:
+            return record
+        try:
+            entry = await self._kv.get(f"{tenant}.{job_id}")
+        except KeyNotFoundError:
+            entry = None
+        except NatsError as exc:
+            raise RetryableError(f"policies KV unavailable: {exc}") from exc
+        if entry is None or not entry.value:
+            raise PoisonError(f"no committed policy for tenant {tenant!r} job {job_id!r}")
+        try:
+            record = decode(POLICY_RECORD_DECODER, entry.value)
+        except DecodeError as exc:
+            raise PoisonError(f"policy record of {tenant}/{job_id} is unreadable: {exc}") from exc
+        self._note(record)
+        return self.records[job]
+
+    # -- resolving ---------------------------------------------------------------------------
+    async def resolve(self, tenant: str, job_id: str, version: int) -> ServedPolicy:
+        """The policy that serves a request: ``version`` 0 = the latest committed one.
+
+        Raises :class:`PoisonError` for a job with no committed policy or a version that does
+        not exist (any more), :class:`RetryableError` when the bus is unavailable.
+        """
+        if version < 0:
+            raise PoisonError(f"policy_version must be >= 0, got {version}")
+        record = await self.latest_record(tenant, job_id)
+        if version == 0:
+            version = record.version
+        if version > record.version:
+            raise PoisonError(
+                f"policy version {version} of {tenant}/{job_id} is not committed "
+                f"(latest is {record.version})"
+            )
+        job = (tenant, job_id)
+        resident = self._resident.get(job)
+        if resident is not None and version in resident:
+            resident.move_to_end(version)
+            return resident[version]
+        exact = record if record.version == version else None
+        # shield: a cancelled request must not cancel a load other requests share.
+        return await asyncio.shield(self._start_load(tenant, job_id, version, exact))
+
+    def _start_load(
+        self, tenant: str, job_id: str, version: int, record: PolicyRecord | None
+    ) -> asyncio.Task[ServedPolicy]:
+        key = (tenant, job_id, version)
+        task = self._loading.get(key)
+        if task is None:
+            task = asyncio.create_task(self._load(tenant, job_id, version, record))
+            self._loading[key] = task
+            task.add_done_callback(lambda t: self._loaded(key, t))
+        return task
+
+    def _loaded(self, key: VersionKey, task: asyncio.Task[ServedPolicy]) -> None:
+        self._loading.pop(key, None)
+        if task.cancelled():
+            return
+        # Retrieving the exception here also keeps preloads nobody awaits from warning
+        # "exception never retrieved"; requests that awaited the load report it themselves.
+        exc = task.exception()
+        if exc is not None:
+            level = logging.DEBUG if isinstance(exc, PoisonError) else logging.WARNING
+            log.log(level, "loading %s/%s v%d failed: %s", *key, exc)
+
+    async def close(self) -> None:
+        """Cancel loads in progress (on stop)."""
+        tasks = list(self._loading.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _load(
+        self, tenant: str, job_id: str, version: int, record: PolicyRecord | None
+    ) -> ServedPolicy:
+        if record is not None:
+            name, sha256, spec = record.object_name, record.sha256, record.slot
+        else:
+            name, sha256 = await self._find_version(tenant, job_id, version)
+            # A job's spec is fixed at OpenSlot: its latest record describes every version.
+            spec = (await self.latest_record(tenant, job_id)).slot
+        try:
+            data = await ckpt.get_checkpoint(self._store, name, sha256)
+        except ckpt.CheckpointError as exc:
+            raise PoisonError(f"policy {tenant}/{job_id} v{version}: {exc}") from exc
+        except NatsError as exc:
+            raise RetryableError(f"checkpoint store unavailable: {exc}") from exc
+        slot = await asyncio.to_thread(TenantSlot.from_bytes, data, self.device)
+        if slot.version != version:
+            raise PoisonError(f"checkpoint {name} holds version {slot.version}, expected {version}")
+        served = ServedPolicy(tenant, job_id, version, slot, spec)
+        self._admit(served)
+        self.loads += 1
+        log.info("loaded policy %s (%s head)", served.label, served.head.kind)
+        return served
+
+    async def _find_version(self, tenant: str, job_id: str, version: int) -> tuple[str, str]:
+        """Object name and sha256 of a job's checkpoint ``version`` in the object store."""
+        prefix = f"{tenant}/{job_id}/v{version:06d}-"
+        try:
+            infos = await self._store.list(ignore_deletes=True)
+        except NotFoundError:
+            infos = []
+        except NatsError as exc:
+            raise RetryableError(f"checkpoint store unavailable: {exc}") from exc
+        for info in infos:
+            name = info.name or ""
+            if info.deleted or not name.startswith(prefix):
+                continue
+            sha256 = _hex_digest(info.digest)
+            # The name carries the first 16 hex digits of the content hash: both must agree.
+            if sha256 is None or not sha256.startswith(name[len(prefix) :]):
+                raise PoisonError(f"checkpoint {name} has no matching content digest")
+            return name, sha256
+        raise PoisonError(
+            f"policy version {version} of {tenant}/{job_id} is no longer stored "
+            "(the trainer keeps only its most recent versions)"
+        )
+
+    def _admit(self, served: ServedPolicy) -> None:
+        """Make ``served`` resident, dropping the least recently used older versions."""
+        job = (served.tenant, served.job_id)
+        versions = self._resident.setdefault(job, OrderedDict())
+        versions[served.version] = served
+        versions.move_to_end(served.version)
+        record = self.records.get(job)
+        latest = record.version if record is not None else served.version
+        while len(versions) > self.max_versions:
+            victim = next((v for v in versions if v != latest), None)
+            if victim is None:
+                break
+            del versions[victim]
+
+    def gauges(self) -> dict[str, float]:
+        return {
+            "resident_policies": float(self.resident_count),
+            "jobs_known": float(len(self.records)),
+            "policy_loads": float(self.loads),
+        }
