@@ -25,6 +25,7 @@ from nats.errors import Error as NatsError
 
 from bus.codec import DecodeError, decode
 from bus.connect import connect
+from bus.declare import declare
 from bus.local import StackInfo, write_stack_info
 from bus.server import EmbeddedServer
 from schemas import subjects
@@ -69,6 +70,8 @@ class LocalStack:
             password=password,
         ).start()
         self.info = StackInfo(self.server.url, user, password, os.getpid())
+        # Declare before announcing: a client that finds the stack file can submit at once.
+        asyncio.run(declare_layout(self.info))
         write_stack_info(self.home, self.info)
         return self.info
 
@@ -185,6 +188,14 @@ class LocalStack:
         if self.server is not None:
             self.server.stop()
         return codes
+
+
+async def declare_layout(info: StackInfo) -> None:
+    nc = await connect(info.url, user=info.user, password=info.password, name="joynexus-up")
+    try:
+        await declare(nc.jetstream())
+    finally:
+        await nc.close()
 
 
 async def wait_healthy(

@@ -175,3 +175,68 @@ def test_nats_in_a_container_when_a_docker_engine_is_reachable() -> None:
                 await nc.close()
 
         asyncio.run(declare_twice())
+
+
+@pytest.mark.timeout(400)
+def test_scale_env_workers_up_and_down_mid_job(tmp_path: Path) -> None:
+    """`joynexus scale envs N` on a running stack changes the worker count while an RL job
+    runs; the job completes every iteration regardless."""
+    import asyncio
+
+    from clients.sdk import Client
+    from schemas.events import Progress
+
+    home = tmp_path / "home"
+    up = subprocess.Popen(
+        [JOYNEXUS, "--home", str(home), "up"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    tenant = uid("elastic")
+    iterations = 6
+
+    async def scenario() -> list[int]:
+        async with await Client.connect(home=home) as client:
+            job = await client.train_rl(
+                {
+                    "tenant": tenant,
+                    "env": "JoyNexus/Reach2D-v0",
+                    "env_kwargs": {"num_distractors": 0, "max_speed": 0.2},
+                    "max_episode_steps": 20,
+                    "iterations": iterations,
+                    "episodes_per_iteration": 8,
+                    "parallel_envs": 2,
+                    "token_budget": 8,
+                    "head": {"kind": "oft", "action_dim": 2, "proprio_dim": 4, "value_head": True},
+                }
+            )
+            seen: list[int] = []
+            async for ev in job.events(idle_timeout=300):
+                if isinstance(ev, Progress):
+                    seen.append(ev.step)
+                    if ev.step == 1:
+                        assert (
+                            await asyncio.to_thread(run, "--home", str(home), "scale", "envs", "3")
+                        ).returncode == 0
+                    if ev.step == 3:
+                        assert (
+                            await asyncio.to_thread(run, "--home", str(home), "scale", "envs", "1")
+                        ).returncode == 0
+            await job.wait(60)
+            return seen
+
+    try:
+        deadline = time.monotonic() + 60
+        while read_stack_info(home) is None:
+            assert up.poll() is None and time.monotonic() < deadline, "stack did not start"
+            time.sleep(0.1)
+        steps = asyncio.run(scenario())
+        assert steps == list(range(1, iterations + 1))
+        logs = sorted(p.name for p in (home / "logs").glob("envs*.log"))
+        assert len(logs) >= 3, logs  # the scaled-up workers really ran
+    finally:
+        up.send_signal(signal.SIGINT)
+        log, _ = up.communicate(timeout=60)
+    assert up.returncode == 0, log[-3000:]

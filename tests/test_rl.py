@@ -208,3 +208,61 @@ async def test_two_maniskill_rl_tenants_and_one_sft_tenant_share_the_services(
         results = await asyncio.gather(*(j.wait(500) for j in jobs))
     assert [r.status for r in results] == ["succeeded"] * 3
     assert [r.policy_version for r in results[:2]] == [3, 3]
+
+
+@pytest.mark.timeout(400)
+async def test_pipeline_sft_then_rl_then_eval(
+    nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs, tmp_path: Path
+) -> None:
+    from services.envs.datasets import record
+
+    start_rl_stack(nats_server.url, tmp_path / "logs", procs)
+    record("JoyNexus/Reach2D-v0", 8, tmp_path / "reach", seed=0, env_kwargs=REACH_EASY)
+    tenant = uid("pipe")
+    head = {"kind": "oft", "action_dim": 2, "proprio_dim": 4, "value_head": True}
+    async with await Client.connect(nats_server.url) as client:
+        job = await client.pipeline(
+            {
+                "tenant": tenant,
+                "stages": [
+                    {
+                        "kind": "sft",
+                        "tenant": tenant,
+                        "dataset": str(tmp_path / "reach"),
+                        "head": head,
+                        "steps": 10,
+                        "batch_size": 4,
+                        "token_budget": 8,
+                    },
+                    rl_spec(tenant, iterations=2),
+                    {
+                        "kind": "eval",
+                        "tenant": tenant,
+                        "policy_job": "filled-in-by-master",
+                        "env": "JoyNexus/Reach2D-v0",
+                        "env_kwargs": REACH_EASY,
+                        "max_episode_steps": 20,
+                        "episodes": 4,
+                    },
+                ],
+            }
+        )
+        result = await job.wait(300)
+        assert result.status == "succeeded"
+        assert result.metrics["episodes"] == 4  # the eval stage's results
+        stages = [await client.status(tenant, f"{job.job_id}-s{i}") for i in range(3)]
+        assert [s.status for s in stages if s] == ["succeeded"] * 3
+        rl_stage = parse(stages[1])
+        eval_stage = parse(stages[2])
+        assert rl_stage["init_from"] == f"{job.job_id}-s0"
+        assert eval_stage["policy_job"] == f"{job.job_id}-s1"
+        # The RL stage started from the SFT stage's final weights.
+        kv = await js.key_value(subjects.KV_POLICIES)
+        entry = await kv.get(f"{tenant}.{job.job_id}-s1")
+        assert entry.value is not None and b"s0/v" in entry.value
+
+
+def parse(record: Any) -> dict[str, Any]:
+    import json
+
+    return dict(json.loads(record.spec_json))
