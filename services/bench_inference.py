@@ -37,7 +37,6 @@ from typing import Any
 import numpy as np
 import torch
 from nats.aio.client import Client as NATS
-from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 
@@ -73,19 +72,21 @@ def tenant_name(i: int) -> str:
 
 
 async def commit_policies(js: JetStreamContext, hidden_size: int, count: int) -> None:
-    """Version 0 of job ``bench`` for tenants ``bench-0..count-1``, committed the way the
-    trainer commits: checkpoint object, then the ``policies`` record pointing at it."""
+    """Version 1 of job ``bench`` for tenants ``bench-0..count-1``, committed the way the
+    trainer commits its initial version: checkpoint object, then the ``policies`` record
+    pointing at it."""
     store = await js.object_store(subjects.OBJ_CHECKPOINTS)
     kv = await js.key_value(subjects.KV_POLICIES)
     for i in range(count):
         tenant, head = tenant_name(i), HEADS[i % len(HEADS)]
         slot = TenantSlot(f"{tenant}/{JOB}", head, OptimizerConfig(), hidden_size, seed=i)
+        version = slot.publish_version()
         data = slot.to_bytes()
         sha = ckpt.digest(data)
-        name = ckpt.object_name(tenant, JOB, 0, sha)
+        name = ckpt.object_name(tenant, JOB, version, sha)
         await ckpt.put_checkpoint(store, name, data)
         spec = OpenSlot(tenant, JOB, head, OptimizerConfig(), i, 1, token_budget=TOKEN_BUDGET)
-        record = PolicyRecord(tenant, JOB, 0, 0, name, sha, 0, spec, time.time())
+        record = PolicyRecord(tenant, JOB, version, 0, name, sha, 0, spec, time.time())
         await kv.put(f"{tenant}.{JOB}", encode(record))
 
 
@@ -100,7 +101,8 @@ def _start_inferencer(
 ) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
     env.update(JOYNEXUS_URL=url, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    args = ["--backbone-id", backbone_id, "--target-batch", str(target_batch)]
+    args = ["--backbone-id", backbone_id, "--instance", backbone_id]
+    args += ["--target-batch", str(target_batch)]
     args += ["--max-wait-ms", str(max_wait_ms)]
     with open(log, "ab") as out:
         return subprocess.Popen(
@@ -114,19 +116,19 @@ def _start_inferencer(
 
 
 async def _wait_heartbeat(
-    js: JetStreamContext, proc: subprocess.Popen[bytes], log: Path, timeout: float
+    js: JetStreamContext, proc: subprocess.Popen[bytes], instance: str, log: Path, timeout: float
 ) -> None:
+    """Until the inferencer's scheduler is up (its heartbeat carries the serving gauges).
+    The key is known (``--instance``): one get per poll, no key listing."""
     kv = await js.key_value(subjects.KV_HEARTBEATS)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"inferencer exited with {proc.returncode}; see {log}")
-        with contextlib.suppress(NatsError):
-            for key in await kv.keys():
-                with contextlib.suppress(KeyNotFoundError):
-                    entry = await kv.get(key)
-                    if entry.value and decode(HEARTBEAT_DECODER, entry.value).pid == proc.pid:
-                        return
+        with contextlib.suppress(KeyNotFoundError):
+            entry = await kv.get(f"inferencer.{instance}")
+            if entry.value and "requests_served" in decode(HEARTBEAT_DECODER, entry.value).gauges:
+                return
         await asyncio.sleep(0.1)
     raise RuntimeError(f"inferencer did not heartbeat within {timeout}s; see {log}")
 
@@ -250,7 +252,7 @@ async def run_bench(
                 bid = f"tiny-{mode.replace('_', '-')}"
                 log = root / f"inferencer-{mode}.log"
                 procs.append(_start_inferencer(server.url, log, bid, b, t))
-                await _wait_heartbeat(js, procs[-1], log, timeout=120)
+                await _wait_heartbeat(js, procs[-1], bid, log, timeout=120)
                 clients[mode] = await PolicyClient.create(nc, bid, js)
             for count in tenants:
                 for cell in await _measure(clients, count, sessions, requests, warmup, repeats):

@@ -14,6 +14,7 @@ import asyncio
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -64,7 +65,7 @@ async def commit_policy(
     head: HeadConfig,
     hidden_size: int,
     *,
-    version: int = 0,
+    version: int = 1,
     seed: int = 0,
     slot: TenantSlot | None = None,
 ) -> TenantSlot:
@@ -135,30 +136,43 @@ async def dead_letters(js: JetStreamContext, tenant: str) -> list[DeadLetter]:
         await sub.unsubscribe()
 
 
-async def gauges_of(js: JetStreamContext, pid: int, since: float = 0.0) -> dict[str, float] | None:
-    """The gauges of process ``pid``'s heartbeat, if it has one written after ``since``."""
+@dataclass
+class Replica:
+    """An inferencer subprocess; its heartbeat key is known (``--instance``), so reading
+    its gauges is one KV get (listing the bucket's keys would create a consumer per poll)."""
+
+    proc: subprocess.Popen[bytes]
+    log: Path
+    instance: str
+
+
+def launch(url: str, log: Path, *args: str) -> Replica:
+    instance = uid("inf")
+    proc = start_service("inferencer", url, log, "--instance", instance, *args)
+    return Replica(proc, log, instance)
+
+
+async def gauges_of(
+    js: JetStreamContext, replica: Replica, since: float = 0.0
+) -> dict[str, float] | None:
+    """The replica's heartbeat gauges, if it has a heartbeat written after ``since``."""
     kv = await js.key_value(subjects.KV_HEARTBEATS)
     try:
-        keys = await kv.keys()
-    except NatsError:  # no keys yet
+        entry = await kv.get(f"inferencer.{replica.instance}")
+    except KeyNotFoundError:
         return None
-    for key in keys:
-        try:
-            entry = await kv.get(key)
-        except KeyNotFoundError:  # an instance that stopped (or expired) meanwhile
-            continue
-        if entry.value:
-            beat = decode(HEARTBEAT_DECODER, entry.value)
-            if beat.pid == pid:
-                return beat.gauges if beat.at > since else None
-    return None
+    if not entry.value:
+        return None
+    beat = decode(HEARTBEAT_DECODER, entry.value)
+    return beat.gauges if beat.at > since else None
 
 
-async def wait_serving(js: JetStreamContext, proc: subprocess.Popen[bytes], log: Path) -> None:
+async def wait_serving(js: JetStreamContext, replica: Replica) -> None:
     async def up() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"inferencer exited {proc.returncode}; see {log}")
-        return await gauges_of(js, proc.pid) is not None
+        if replica.proc.poll() is not None:
+            raise AssertionError(f"inferencer exited {replica.proc.returncode}; see {replica.log}")
+        gauges = await gauges_of(js, replica)
+        return gauges is not None and "requests_served" in gauges  # the scheduler is up
 
     await eventually(up, timeout=60, what="inferencer heartbeat")
 
@@ -173,11 +187,12 @@ def backbone() -> Backbone:
 @pytest.fixture(scope="module")
 def inferencer(
     nats_server: EmbeddedServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+) -> Iterator[Replica]:
     """One inferencer on backbone ``tiny`` for the module's behaviour tests."""
     log = tmp_path_factory.mktemp("inferencer") / "inferencer.log"
-    proc = start_service("inferencer", nats_server.url, log, "--max-wait-ms", TEST_MAX_WAIT_MS)
-    yield proc, log
+    replica = launch(nats_server.url, log, "--max-wait-ms", TEST_MAX_WAIT_MS)
+    yield replica
+    proc = replica.proc
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -189,10 +204,9 @@ def inferencer(
 
 @pytest_asyncio.fixture
 async def client(
-    nc: NATS, js: JetStreamContext, inferencer: tuple[subprocess.Popen[bytes], Path]
+    nc: NATS, js: JetStreamContext, inferencer: Replica
 ) -> AsyncIterator[PolicyClient]:
-    proc, log = inferencer
-    await wait_serving(js, proc, log)
+    await wait_serving(js, inferencer)
     async with await PolicyClient.create(nc, "tiny", js) as c:
         yield c
 
@@ -206,7 +220,7 @@ async def test_act_returns_actions_of_the_heads_shape_with_finite_log_probs_and_
     await commit_policy(js, tenant, "job-disc", DISCRETE, backbone.hidden_size)
 
     reply = await client.act(tenant, "job-oft", [make_obs(OFT, 1), make_obs(OFT, 2)])
-    assert reply.error == "" and reply.policy_version == 0
+    assert reply.error == "" and reply.policy_version == 1
     assert reply.actions is not None and reply.log_probs is not None and reply.values is not None
     actions = reply.actions.to_numpy()
     assert actions.dtype == np.float32 and actions.shape == (2, OFT.chunk_len, OFT.action_dim)
@@ -253,53 +267,51 @@ async def test_latest_follows_new_versions_and_pinned_old_versions_are_still_ser
     js: JetStreamContext,
     client: PolicyClient,
     backbone: Backbone,
-    inferencer: tuple[subprocess.Popen[bytes], Path],
+    inferencer: Replica,
 ) -> None:
     tenant = uid("versions")
     obs = [make_obs(OFT, 5)]
-    # v0 is the trainer's initial commit (and policy_version=0 means "latest", so it can
-    # never be pinned); v1 is the first trained version.
-    slots = [await commit_policy(js, tenant, "job", OFT, backbone.hidden_size, seed=3)]
-    assert (await client.act(tenant, "job", obs)).policy_version == 0
-    slots.append(perturbed(slots[0], seed=1))
-    await commit_policy(js, tenant, "job", OFT, backbone.hidden_size, slot=slots[1], version=1)
+    # Versions count from 1 (the trainer's initial commit); policy_version=0 means latest.
+    slots = {1: await commit_policy(js, tenant, "job", OFT, backbone.hidden_size, seed=3)}
+    assert (await client.act(tenant, "job", obs)).policy_version == 1
 
     async def latest_is(version: int) -> bool:
         return (await client.act(tenant, "job", obs)).policy_version == version
 
-    await eventually(lambda: latest_is(1), timeout=20, what="latest requests served by v1")
-
-    # Three more versions: with 3 resident per job, v1 is dropped from memory.
-    for version in (2, 3, 4):
-        slots.append(perturbed(slots[-1], seed=version))
+    async def commit(version: int) -> None:
+        slots[version] = perturbed(slots[version - 1], seed=version)  # "training"
         await commit_policy(
             js, tenant, "job", OFT, backbone.hidden_size, slot=slots[version], version=version
         )
-    await eventually(lambda: latest_is(4), timeout=20, what="latest requests served by v4")
+
+    await commit(2)
+    await eventually(lambda: latest_is(2), timeout=20, what="latest requests served by v2")
+    # Three more versions: with 3 resident per job, v1 and v2 are dropped from memory.
+    for version in (3, 4, 5):
+        await commit(version)
+    await eventually(lambda: latest_is(5), timeout=20, what="latest requests served by v5")
     latest = await client.act(tenant, "job", obs, deterministic=True)
     np.testing.assert_allclose(
-        _actions(latest), in_process(backbone, slots[4], obs), rtol=1e-5, atol=1e-5
+        _actions(latest), in_process(backbone, slots[5], obs), rtol=1e-5, atol=1e-5
     )
 
-    proc, _ = inferencer
-
     async def loads(since: float) -> float | None:
-        gauges = await gauges_of(js, proc.pid, since)
+        gauges = await gauges_of(js, inferencer, since)
         return gauges["policy_loads"] if gauges else None
 
     t0 = time.time()
     before: float = await eventually(lambda: loads(t0), what="a fresh heartbeat")
-    for pinned in (3, 1):  # v3 is resident; v1 is found again in the checkpoint store
+    for pinned in (4, 2):  # v4 is resident; v2 is found again in the checkpoint store
         reply = await client.act(tenant, "job", obs, policy_version=pinned, deterministic=True)
         assert reply.policy_version == pinned
         np.testing.assert_allclose(
             _actions(reply), in_process(backbone, slots[pinned], obs), rtol=1e-5, atol=1e-5
         )
-    assert not np.allclose(in_process(backbone, slots[1], obs), in_process(backbone, slots[4], obs))
+    assert not np.allclose(in_process(backbone, slots[2], obs), in_process(backbone, slots[5], obs))
 
     t1 = time.time()
     after: float = await eventually(lambda: loads(t1), what="a fresh heartbeat")
-    assert after == before + 1, "v1 (evicted) loaded again from the store; v3 was resident"
+    assert after == before + 1, "v2 (evicted) loaded again from the store; v4 was resident"
 
     with pytest.raises(InferenceError, match=r"version 9 .* is not committed"):
         await client.act(tenant, "job", obs, policy_version=9)
@@ -389,7 +401,9 @@ async def test_client_times_out_with_a_retryable_error_when_no_inferencer_serves
 ) -> None:
     async with await PolicyClient.create(nc, uid("nobody"), js) as client:
         with pytest.raises(InferenceTimeout) as caught:
-            await client.act("acme", "job", [make_obs(DISCRETE, 0)], num_views=1, timeout=0.3)
+            await client.act(
+                "acme", "job", [make_obs(DISCRETE, 0)], num_views=1, token_budget=16, timeout=0.3
+            )
         assert caught.value.retryable
         with pytest.raises(InferenceError, match="no committed policy"):
             await client.act(uid("acme"), "job", [make_obs(DISCRETE, 0)])  # layout lookup
@@ -398,7 +412,7 @@ async def test_client_times_out_with_a_retryable_error_when_no_inferencer_serves
 
 
 # -- processes -------------------------------------------------------------------------------
-async def test_two_replicas_share_the_queue_and_one_serves_on_when_the_other_stops(
+async def test_replicas_share_the_queue_and_sigterm_hands_unstarted_work_to_the_other(
     nats_server: EmbeddedServer,
     nc: NATS,
     js: JetStreamContext,
@@ -408,58 +422,37 @@ async def test_two_replicas_share_the_queue_and_one_serves_on_when_the_other_sto
 ) -> None:
     bid = uid("rep")  # own backbone id: own queue and consumer, isolated from other tests
     tenant = uid("scale")
-    await commit_policy(js, tenant, "job", OFT, backbone.hidden_size)
-    args = ("--backbone-id", bid, "--target-batch", "2", "--max-wait-ms", "2")
-    logs = [tmp_path / "r0.log", tmp_path / "r1.log"]
-    replicas = [procs.add(start_service("inferencer", nats_server.url, lg, *args)) for lg in logs]
-    for proc, lg in zip(replicas, logs, strict=True):
-        await wait_serving(js, proc, lg)
+    await commit_policy(js, tenant, "job", FLOW, backbone.hidden_size)
+    # One request per forward and at most 2 held per replica: the queue stays in the stream,
+    # where either replica can take it.
+    args = ("--backbone-id", bid, "--target-batch", "1", "--max-wait-ms", "0")
+    replicas = [launch(nats_server.url, tmp_path / f"r{i}.log", *args) for i in range(2)]
+    for r in replicas:
+        procs.add(r.proc)
+    for r in replicas:
+        await wait_serving(js, r)
     info = await js.consumer_info(subjects.STREAM_INFER, f"inferencer-{bid}")
     assert info.config.filter_subject == f"nexus.infer.{bid}.>"
 
     async with await PolicyClient.create(nc, bid, js) as client:
-        obs = [make_obs(OFT, 0)]
-        replies = await asyncio.gather(*(client.act(tenant, "job", obs) for _ in range(40)))
+        obs = [make_obs(FLOW, 0)]
+        replies = await asyncio.gather(*(client.act(tenant, "job", obs) for _ in range(30)))
         assert all(r.actions is not None for r in replies)
 
         async def both_served() -> bool:
-            served = [await gauges_of(js, p.pid) for p in replicas]
-            return all(g is not None and g["requests_served"] > 0 for g in served)
+            served = [await gauges_of(js, r) for r in replicas]
+            return all(g is not None and g.get("requests_served", 0) > 0 for g in served)
 
         await eventually(both_served, timeout=10, what="both replicas served requests")
 
-        assert procs.stop(replicas[0]) == 0, logs[0].read_text()[-3000:]
-        replies = await asyncio.gather(*(client.act(tenant, "job", obs) for _ in range(10)))
-        assert all(r.actions is not None for r in replies)
-
-
-async def test_sigterm_exits_zero_and_hands_unstarted_requests_to_another_replica(
-    nats_server: EmbeddedServer,
-    nc: NATS,
-    js: JetStreamContext,
-    procs: Procs,
-    tmp_path: Path,
-    backbone: Backbone,
-) -> None:
-    bid = uid("stop")
-    tenant = uid("stop")
-    await commit_policy(js, tenant, "job", FLOW, backbone.hidden_size)
-    per_request = ("--backbone-id", bid, "--target-batch", "1", "--max-wait-ms", "0")
-    first = procs.add(
-        start_service("inferencer", nats_server.url, tmp_path / "a.log", *per_request)
-    )
-    await wait_serving(js, first, tmp_path / "a.log")
-
-    async with await PolicyClient.create(nc, bid, js) as client:
-        obs = [make_obs(FLOW, 0)]
-        calls = [asyncio.create_task(client.act(tenant, "job", obs, timeout=60)) for _ in range(60)]
-        await eventually(lambda: any(c.done() for c in calls), timeout=30, what="first reply")
-        assert procs.stop(first) == 0, (tmp_path / "a.log").read_text()[-3000:]
+        # SIGTERM one while work is queued: it answers what it started, hands back what it
+        # had pulled but not started, exits 0; the other serves everything that is left.
+        stopping = replicas[0]
+        calls = [asyncio.create_task(client.act(tenant, "job", obs, timeout=60)) for _ in range(40)]
+        await eventually(lambda: any(c.done() for c in calls), timeout=30, what="a reply")
+        assert procs.stop(stopping.proc) == 0, stopping.log.read_text()[-3000:]
         assert not all(c.done() for c in calls), "the stop came while work was queued"
-
-        second = procs.add(
-            start_service("inferencer", nats_server.url, tmp_path / "b.log", *per_request)
-        )
+        assert await gauges_of(js, stopping) is None, "a clean stop deletes the heartbeat"
         replies = await asyncio.gather(*calls)
-        assert all(r.actions is not None for r in replies), "every request answered once"
-        assert procs.stop(second) == 0
+        assert all(r.actions is not None for r in replies), "every request answered"
+        assert procs.stop(replicas[1].proc) == 0, replicas[1].log.read_text()[-3000:]

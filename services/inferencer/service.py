@@ -219,7 +219,9 @@ class Inferencer:
             await self.schedule()
         finally:
             # Stop: the batch in progress was answered by schedule(); pulled but unstarted
-            # requests go back to the queue for another replica.
+            # requests go back to the queue for another replica. (If schedule() crashed,
+            # stopping here too lets the fetcher end, and serve() re-raises the crash.)
+            self.rt.stop.set()
             await fetcher
             for task in list(self.admitting):
                 task.cancel()
