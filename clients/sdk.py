@@ -25,11 +25,12 @@ from nats.aio.client import Client as NATS
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError
 from pydantic import BaseModel
 
 from bus.codec import decode
 from bus.connect import connect
+from bus.kv import kv_values
 from bus.local import read_stack_info
 from bus.publish import msg_id, publish
 from schemas import subjects
@@ -248,16 +249,7 @@ class Client:
 
     async def jobs(self, tenant: str | None = None) -> list[JobRecord]:
         """All job records (of ``tenant`` if given)."""
-        kv = await self.js.key_value(subjects.KV_JOBS)
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            return []
-        records = []
-        for key in keys:
-            if tenant is not None and not key.startswith(f"{tenant}."):
-                continue
-            entry = await kv.get(key)
-            if entry.value:
-                records.append(decode(JOB_RECORD_DECODER, entry.value))
+        prefix = f"{tenant}." if tenant is not None else ""
+        values = await kv_values(self.js, subjects.KV_JOBS, prefix)
+        records = [decode(JOB_RECORD_DECODER, v) for v in values.values()]
         return sorted(records, key=lambda r: r.created_at)

@@ -67,14 +67,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--env-workers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--env-kwargs", default="{}", help="JSON of the env's constructor args")
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--token-budget", type=int, default=16)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
-    action_dim, proprio_dim = env_dims(args.env, args.image_size, {})
+    env_kwargs = json.loads(args.env_kwargs)
+    action_dim, proprio_dim = env_dims(args.env, args.image_size, env_kwargs)
     spec = {
         "kind": "rl",
         "tenant": "bench-rl",
         "env": args.env,
+        "env_kwargs": env_kwargs,
+        "token_budget": args.token_budget,
         "head": {
             "kind": args.head,
             "action_dim": action_dim,
@@ -88,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         "image_size": args.image_size,
         "seed": args.seed,
         "optimizer": {"lr": args.lr},
-        "rl": {"algorithm": args.algorithm, "epochs": 4, "minibatch_size": 64},
+        "rl": {"algorithm": args.algorithm, "epochs": args.epochs, "minibatch_size": 64},
     }
     print(
         f"{args.env}: action_dim {action_dim}, proprio_dim {proprio_dim}, "

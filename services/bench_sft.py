@@ -19,6 +19,7 @@ from typing import Any
 
 from bus.codec import decode
 from bus.connect import connect
+from bus.kv import kv_values
 from bus.local import StackInfo
 from schemas import subjects
 from schemas.health import HEARTBEAT_DECODER
@@ -66,12 +67,8 @@ def job_specs(
 async def trainer_gauges(info: StackInfo) -> dict[str, float]:
     nc = await connect(info.url, user=info.user, password=info.password)
     try:
-        kv = await nc.jetstream().key_value(subjects.KV_HEARTBEATS)
-        for key in await kv.keys():
-            if key.startswith("trainer."):
-                entry = await kv.get(key)
-                if entry.value:
-                    return dict(decode(HEARTBEAT_DECODER, entry.value).gauges)
+        for value in (await kv_values(nc.jetstream(), subjects.KV_HEARTBEATS, "trainer.")).values():
+            return dict(decode(HEARTBEAT_DECODER, value).gauges)
     finally:
         await nc.close()
     raise RuntimeError("no trainer heartbeat")

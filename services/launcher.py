@@ -26,6 +26,7 @@ from nats.errors import Error as NatsError
 from bus.codec import DecodeError, decode
 from bus.connect import connect
 from bus.declare import declare
+from bus.kv import kv_values
 from bus.local import StackInfo, write_stack_info
 from bus.server import EmbeddedServer
 from schemas import subjects
@@ -209,13 +210,9 @@ async def wait_healthy(
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and len(seen) < len(roles):
             try:
-                kv = await js.key_value(subjects.KV_HEARTBEATS)
-                for key in await kv.keys():
-                    entry = await kv.get(key)
-                    if not entry.value:
-                        continue
+                for value in (await kv_values(js, subjects.KV_HEARTBEATS)).values():
                     with contextlib.suppress(DecodeError):
-                        beat = decode(HEARTBEAT_DECODER, entry.value)
+                        beat = decode(HEARTBEAT_DECODER, value)
                         if beat.role in roles and time.time() - beat.at < 5.0:
                             seen[beat.role] = f"{beat.instance} pid={beat.pid}"
             except NatsError as exc:  # bucket not declared yet, or no keys yet: keep polling

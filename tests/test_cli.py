@@ -240,3 +240,11 @@ def test_scale_env_workers_up_and_down_mid_job(tmp_path: Path) -> None:
         up.send_signal(signal.SIGINT)
         log, _ = up.communicate(timeout=60)
     assert up.returncode == 0, log[-3000:]
+
+
+@pytest.mark.parametrize("name", ["sft", "rl", "rl-pushcube", "eval", "pipeline"])
+def test_example_specs_are_valid(name: str) -> None:
+    from schemas.specs import parse_job_spec
+
+    spec = parse_job_spec(yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text()))
+    assert spec.tenant in ("acme", "beta")

@@ -17,6 +17,7 @@ from nats.js.errors import KeyNotFoundError
 from bus.codec import decode, encode
 from bus.connect import connect
 from bus.declare import declare
+from bus.kv import kv_values
 from bus.server import EmbeddedServer
 from clients.sdk import Client, JobFailed
 from schemas import subjects
@@ -28,14 +29,9 @@ from tests.helpers import ROOT, eventually, start_service, uid
 
 
 async def _heartbeat(js: JetStreamContext, role: str, pid: int) -> bool:
-    kv = await js.key_value(subjects.KV_HEARTBEATS)
-    try:
-        for key in await kv.keys():
-            entry = await kv.get(key)
-            if entry.value and decode(HEARTBEAT_DECODER, entry.value).pid == pid:
-                return key.startswith(role + ".")
-    except NatsError:  # NoKeysError while nothing heartbeats yet
-        return False
+    for key, value in (await kv_values(js, subjects.KV_HEARTBEATS)).items():
+        if decode(HEARTBEAT_DECODER, value).pid == pid:
+            return key.startswith(role + ".")
     return False
 
 

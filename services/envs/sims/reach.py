@@ -63,6 +63,9 @@ class Reach2DEnv(gym.Env[dict[str, Any], np.ndarray]):
         min_start_distance: minimum agent-target distance at reset.
         gripper: add a third action dimension, a gripper command (> 0 closes); success then
             also requires the gripper closed within ``success_radius`` ("reach and grasp").
+        target_in_state: append the target's position to ``state`` (6-D): the easiest
+            variant, where the policy need not read the target off the image (for fast RL
+            checks of the training machinery).
         render_mode: ``None`` or ``"rgb_array"`` (``render()`` returns the current image).
     """
 
@@ -80,8 +83,10 @@ class Reach2DEnv(gym.Env[dict[str, Any], np.ndarray]):
         progress_scale: float = 1.0,
         min_start_distance: float = 0.4,
         gripper: bool = False,
+        target_in_state: bool = False,
         render_mode: str | None = None,
     ) -> None:
+        self.target_in_state = bool(target_in_state)
         height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
         if height < 8 or width < 8:
             raise ValueError(f"image_size must be at least 8x8, got {(height, width)}")
@@ -113,7 +118,7 @@ class Reach2DEnv(gym.Env[dict[str, Any], np.ndarray]):
         self.observation_space = spaces.Dict(
             {
                 "image": spaces.Box(0, 255, (self.height, self.width, 3), np.uint8),
-                "state": spaces.Box(-1.0, 1.0, (4,), np.float32),
+                "state": spaces.Box(-1.0, 1.0, (6 if target_in_state else 4,), np.float32),
                 "instruction": spaces.Text(max_length=64, charset=_INSTRUCTION_CHARSET),
             }
         )
@@ -250,7 +255,8 @@ class Reach2DEnv(gym.Env[dict[str, Any], np.ndarray]):
         self._image_H_W_3 = image
 
     def _observation(self) -> dict[str, Any]:
-        state = np.array((*self._agent, *self._velocity), dtype=np.float32)
+        parts = (*self._agent, *self._velocity, *(self._target if self.target_in_state else ()))
+        state = np.array(parts, dtype=np.float32)
         return {"image": self._image_H_W_3, "state": state, "instruction": self._instruction}
 
     def _distance(self) -> float:
