@@ -12,13 +12,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from schemas.train import PPOConfig, RolloutBatch
 from vla.backbone import Backbone
 from vla.feature import ModelInputs
 from vla.grouping import encode_group
 from vla.normalize import Normaliser
-from vla.rl import Episode, build_rollout_data, ppo_update
+from vla.rl import Episode, RolloutData, build_rollout_data, ppo_update
 from vla.slot import TenantSlot
 
 
@@ -60,6 +61,15 @@ def model_inputs(it: Iteration) -> ModelInputs:
     return it.normaliser.normalise_arrays(images, instructions, proprio)
 
 
+def behaviour_gap(slot: TenantSlot, data: RolloutData) -> float:
+    """Mean |log pi(a|s) - recorded log-prob| under the weights the rollouts were collected
+    with, before the update: ~0 unless the serving and training paths disagree (features,
+    weights, or a stale policy)."""
+    with torch.no_grad():
+        log_prob_N = slot.module.log_prob(data.features, data.actions_N_C_A)
+    return float((log_prob_N - data.old_log_probs_N).abs().mean())
+
+
 def update_iterations(
     backbone: Backbone, iterations: list[Iteration]
 ) -> dict[str, dict[str, float] | Exception]:
@@ -81,7 +91,9 @@ def update_iterations(
             try:
                 episodes = [Episode.from_rollout(e) for e in it.episodes]
                 data = build_rollout_data(feature, episodes, it.config)
+                gap = behaviour_gap(it.slot, data)
                 metrics = ppo_update(it.slot, data, it.config)
+                metrics["behaviour_log_prob_gap"] = gap
                 metrics.update(rollout_stats(it.episodes, it.policy_version))
                 results[it.key] = metrics
             except (ValueError, RuntimeError, FloatingPointError) as exc:
