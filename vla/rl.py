@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from schemas.tensor import Tensor
 from schemas.train import PPOConfig, RolloutBatch
 from vla.feature import VLAFeature
 from vla.heads import ActionHead, DiscreteHead, FlowHead, OFTHead
@@ -142,7 +143,7 @@ class Episode:
         """The arrays of a ``RolloutBatch`` message as float32 tensors (copied: the wire
         buffers are read-only)."""
 
-        def tensor(t: Any) -> torch.Tensor:
+        def tensor(t: Tensor) -> torch.Tensor:
             return torch.from_numpy(np.array(t.to_numpy(), dtype=np.float32))
 
         return cls(
@@ -201,10 +202,12 @@ def build_rollout_data(
       standardised over the whole iteration (not per minibatch: small minibatches would make
       the scale noisy).
     * ``"grpo"``: each episode's undiscounted return, standardised over the iteration's episodes
-      (:func:`group_relative_advantages`) and given to every step of the episode. Already
-      standardised per episode, so it is not re-normalised per step (that would weight long
-      episodes more and could flip the sign of some). ``returns_N`` is the discounted
-      reward-to-go, only reported (GRPO trains no critic).
+      (:func:`group_relative_advantages`) and given to every step of the episode. That is
+      already standardised over episodes, so it is not re-normalised per step (that would
+      weight long episodes more and could flip the sign of some). The group mean is a fair
+      baseline when the group's episodes start alike (one reset seed / task per iteration:
+      the env worker's choice). ``returns_N`` is the discounted reward-to-go, only reported
+      (GRPO trains no critic).
     """
     if config.algorithm not in _ALGORITHMS:
         raise ValueError(
@@ -412,6 +415,8 @@ def ppo_update(slot: TenantSlot, data: RolloutData, config: PPOConfig) -> dict[s
         )
     module = slot.module
     N = data.size
+    if N == 0:
+        raise ValueError("data has no transitions")
     for name in ("advantages_N", "returns_N", "old_log_probs_N"):
         t = getattr(data, name)
         if not bool(torch.isfinite(t).all()):
