@@ -32,7 +32,8 @@ class RolloutTask(msgspec.Struct, frozen=True, tag="rollout_task"):
     """Run ``episodes`` (indices ``first_episode`` ...) of an RL job's ``iteration`` with the
     policy version ``policy_version``, and publish each as a RolloutBatch to the job's TRAIN
     subject with ``Nats-Msg-Id`` = (tenant, job, iteration, episode). Episode ``e`` of
-    iteration ``i`` resets with seed ``seed + 100_003 * i + e``."""
+    iteration ``i`` resets with seed ``seed + 100_003 * i + e`` (``+ 0`` with
+    ``same_reset``)."""
 
     tenant: str
     job_id: str
@@ -52,6 +53,9 @@ class RolloutTask(msgspec.Struct, frozen=True, tag="rollout_task"):
     parallel_envs: int = 4
     #: Constructor arguments of the env.
     env_kwargs: dict[str, float | int | str | bool] = msgspec.field(default_factory=dict)
+    #: Every episode of the iteration resets with the same seed (GRPO: the group-relative
+    #: baseline compares episodes from one initial state).
+    same_reset: bool = False
 
 
 class EvalTask(msgspec.Struct, frozen=True, tag="eval_task"):

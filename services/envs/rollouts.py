@@ -191,7 +191,8 @@ async def collect(client: PolicyClient, pool: AdapterPool, task: RolloutTask) ->
     width = max(1, task.parallel_envs)
     for start in range(0, len(indices), width):
         chunk = indices[start : start + width]
-        seeds = [task.seed + EPISODE_SEED_STRIDE * task.iteration + e for e in chunk]
+        base = task.seed + EPISODE_SEED_STRIDE * task.iteration
+        seeds = [base if task.same_reset else base + e for e in chunk]
         with pool.sessions(
             task.env_id, task.image_size, task.max_episode_steps, len(chunk), task.env_kwargs
         ) as adapters:

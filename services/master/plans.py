@@ -165,6 +165,7 @@ def rollout_tasks(job_id: str, spec: RLJobSpec, version: int) -> list[RolloutTas
                     proprio_dim=spec.head.proprio_dim,
                     parallel_envs=spec.parallel_envs,
                     env_kwargs=dict(spec.env_kwargs),
+                    same_reset=spec.rl.algorithm == "grpo",
                 )
             )
     return tasks
