@@ -16,10 +16,11 @@ import signal
 import socket
 import ssl
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
@@ -142,3 +143,17 @@ async def serve(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         await nc.drain()
+
+
+@contextlib.asynccontextmanager
+async def placed(rt: Runtime, backbone_id: str) -> AsyncIterator[None]:
+    """Announce in the ``placement`` KV that this instance serves ``backbone_id`` for as long
+    as the block runs (key ``<role>.<backbone>.<instance>``)."""
+    placement = await rt.js.key_value(subjects.KV_PLACEMENT)
+    key = f"{rt.role}.{backbone_id}.{rt.instance}"
+    await placement.put(key, msgspec.json.encode({"backbone": backbone_id, "role": rt.role}))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(NatsError):
+            await placement.delete(key)

@@ -43,7 +43,7 @@ from bus.config import BusConfig
 from bus.consume import error_reason, settle
 from bus.errors import HandlerError, PoisonError
 from bus.publish import msg_id, publish
-from bus.service import Runtime, serve
+from bus.service import Runtime, placed, serve
 from schemas import subjects
 from schemas.events import ErrorEvent
 from schemas.infer import INFER_DECODER, ActReply, ActRequest
@@ -470,9 +470,6 @@ async def run(config: InferencerConfig) -> None:
     async def body(rt: Runtime) -> None:
         inferencer = Inferencer(rt, config, backbone)
         await inferencer.open()
-        placement = await rt.js.key_value(subjects.KV_PLACEMENT)
-        key = f"inferencer.{inferencer.bid}.{rt.instance}"
-        await placement.put(key, msgspec.json.encode({"backbone": inferencer.bid}))
         rt.in_flight = inferencer.in_flight
         rt.gauges = inferencer.gauges
         log.info(
@@ -481,11 +478,8 @@ async def run(config: InferencerConfig) -> None:
             config.target_batch,
             config.max_wait_ms,
         )
-        try:
+        async with placed(rt, inferencer.bid):
             await inferencer.run()
-        finally:
-            with contextlib.suppress(NatsError):
-                await placement.delete(key)
 
     await serve("inferencer", config, body)
 

@@ -25,7 +25,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 import torch
 from nats.aio.msg import Msg
@@ -42,7 +41,7 @@ from bus.config import BusConfig
 from bus.consume import settle
 from bus.errors import PoisonError
 from bus.publish import msg_id, publish
-from bus.service import Runtime, serve
+from bus.service import Runtime, placed, serve
 from schemas import subjects
 from schemas.events import ErrorEvent, Event, PolicyPublished, Progress, event_kind
 from schemas.jobs import JOB_RECORD_DECODER, TERMINAL_STATUSES
@@ -757,15 +756,9 @@ async def run(config: TrainerConfig) -> None:
     async def body(rt: Runtime) -> None:
         trainer = Trainer(rt, config, backbone)
         await trainer.open()
-        placement = await rt.js.key_value(subjects.KV_PLACEMENT)
-        key = f"trainer.{trainer.bid}.{rt.instance}"
-        await placement.put(key, msgspec.json.encode({"backbone": trainer.bid}))
         rt.in_flight = lambda: sum(len(j.held) for j in trainer.jobs.values())
         rt.gauges = trainer.gauges
-        try:
+        async with placed(rt, trainer.bid):
             await trainer.run()
-        finally:
-            with contextlib.suppress(Exception):
-                await placement.delete(key)
 
     await serve("trainer", config, body)
