@@ -117,7 +117,6 @@ async def test_bad_rl_specs_are_rejected_with_the_reason(
         )
         with pytest.raises(JobFailed, match="policy_job: job 'nothing-here'"):
             await no_policy.wait(60)
-    await asyncio.sleep(0)
 
 
 def maniskill_rl_spec(tenant: str, env: str, head: dict[str, Any], **kw: Any) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from nats.js import JetStreamContext
 from bus.server import EmbeddedServer
 from clients.sdk import Client
 from tests.conftest import Procs
-from tests.helpers import eventually, start_service, uid
+from tests.helpers import start_service, uid
 from tests.sft_helpers import DISCRETE_3D, FLOW_2D, final_policy, record_datasets, sft_spec
 
 STEPS = 60
@@ -36,7 +37,7 @@ async def test_trainer_sigkilled_ten_times_ends_with_the_uninterrupted_parameter
     procs.add(start_service("master", nats_server.url, logs / "master.log"))
     procs.add(start_service("envs", nats_server.url, logs / "envs.log"))
 
-    def trainer(*args: str) -> object:
+    def trainer(*args: str) -> subprocess.Popen[bytes]:
         return procs.add(
             start_service(
                 "trainer",
@@ -61,7 +62,7 @@ async def test_trainer_sigkilled_ten_times_ends_with_the_uninterrupted_parameter
         ref_jobs = [await client.train_sft(s) for s in specs("ref")]
         for job in ref_jobs:
             await job.wait(300)
-        procs.stop(ref_trainer)  # type: ignore[arg-type]
+        procs.stop(ref_trainer)
 
         jobs = [await client.train_sft(s) for s in specs("crash")]
         rng = random.Random(1234)
@@ -70,13 +71,13 @@ async def test_trainer_sigkilled_ten_times_ends_with_the_uninterrupted_parameter
             if life % 2 == 0:
                 # Dies by its own hand right after a commit, before acking what it covers.
                 proc = trainer("--crash-after-commits", str(rng.randint(1, 3)))
-                proc.wait(120)  # type: ignore[attr-defined]
-                assert proc.returncode == -signal.SIGKILL  # type: ignore[attr-defined]
+                proc.wait(120)
+                assert proc.returncode == -signal.SIGKILL
             else:
                 proc = trainer()
                 await asyncio.sleep(rng.uniform(2.0, 5.0))  # start-up is ~2 s of it
-                proc.send_signal(signal.SIGKILL)  # type: ignore[attr-defined]
-                proc.wait(30)  # type: ignore[attr-defined]
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(30)
             kills += 1
             versions = [await _progress(client, j.tenant, j.job_id) for j in jobs]
             statuses = [(await client.status(j.tenant, j.job_id)) for j in jobs]
@@ -97,4 +98,3 @@ async def test_trainer_sigkilled_ten_times_ends_with_the_uninterrupted_parameter
             assert rec.batches_done == STEPS
             for name, value in ref_params.items():
                 assert torch.equal(params[name], value), f"{job.tenant}: {name} differs"
-        await eventually(lambda: True)
