@@ -89,6 +89,21 @@ async def _heartbeat_loop(rt: Runtime) -> None:
             await asyncio.wait_for(rt.stop.wait(), rt.config.heartbeat_interval_s)
 
 
+#: Longest a stopping service waits for its subscriptions to drain. nats.py's own default is
+#: 30 s, and a push subscription (a KV watcher's) that keeps receiving can use all of it.
+DRAIN_TIMEOUT_S = 3.0
+
+
+async def close_connection(nc: NATS) -> None:
+    """Drain (flush what we published, finish pending callbacks), bounded; then close."""
+    try:
+        await asyncio.wait_for(nc.drain(), DRAIN_TIMEOUT_S)
+    except (TimeoutError, NatsError) as exc:
+        log.warning("drain did not finish (%s); closing", exc or "timeout")
+    if not nc.is_closed:
+        await nc.close()
+
+
 def setup_logging(config: BusConfig, role: str) -> None:
     logging.basicConfig(
         level=config.log_level.upper(),
@@ -142,7 +157,7 @@ async def serve(
                 await rt.heartbeats_kv.delete(rt.heartbeat_key)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-        await nc.drain()
+        await close_connection(nc)
 
 
 @contextlib.asynccontextmanager
