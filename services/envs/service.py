@@ -269,7 +269,7 @@ async def run(config: EnvsConfig) -> None:
 
     async def body(rt: Runtime) -> None:
         policies: dict[str, PolicyClient] = {}
-        streamer = EnvWorker(rt.js, policies)
+        worker = EnvWorker(rt.js, policies)
         for backbone in config.backbones.split(","):
             policies[backbone] = await PolicyClient.create(rt.nc, backbone, rt.js)
         consumer = PullConsumer(
@@ -277,9 +277,9 @@ async def run(config: EnvsConfig) -> None:
             stream=subjects.STREAM_ENV,
             durable=DURABLE,
             filter_subject=f"{subjects.PREFIX}.env.>",
-            handler=streamer.handle,
+            handler=worker.handle,
             max_deliver=config.max_deliver,
-            on_dead=streamer.on_dead,
+            on_dead=worker.on_dead,
             concurrency=config.concurrency,
             ack_wait_s=30.0,
         )
@@ -289,6 +289,6 @@ async def run(config: EnvsConfig) -> None:
         finally:
             for client in policies.values():
                 await client.close()
-            streamer.pool.close()
+            worker.pool.close()
 
     await serve("envs", config, body)

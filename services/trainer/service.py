@@ -453,7 +453,7 @@ class Trainer:
                 return None
             raise PoisonError(f"no slot is open for job {job_id!r} of tenant {tenant!r}")
         data = await ckpt.get_checkpoint(self.store, record.object_name, record.sha256)
-        slot = TenantSlot.from_bytes(data, device=self.config.device)
+        # Hand the bytes to the slot manager: get() restores (decodes) them once.
         self.slots.store[key] = data
         slot = self.slots.get(key)
         job = JobSlot(
