@@ -4,7 +4,7 @@ reproducibility against in-process computation, bad requests answered and dead-l
 replicas sharing the queue, and a clean SIGTERM stop that hands unstarted work back.
 
 Policies are committed here exactly as the trainer commits them (slot bytes into the
-``checkpoints`` store under :func:`services.trainer.checkpoints.object_name`, then a
+``checkpoints`` store under :func:`bus.checkpoints.object_name`, then a
 ``PolicyRecord`` into the ``policies`` KV), so no trainer is needed.
 """
 
@@ -27,7 +27,14 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 
+from bus import checkpoints as ckpt
 from bus.codec import decode, encode
+from bus.inference import (
+    InferenceError,
+    InferenceTimeout,
+    PolicyClient,
+    observation,
+)
 from bus.server import EmbeddedServer
 from schemas import subjects
 from schemas.dead import DEAD_LETTER_DECODER, DeadLetter
@@ -36,13 +43,6 @@ from schemas.infer import ACT_REPLY_DECODER, ActReply, ActRequest
 from schemas.model import HeadConfig, Observation, OptimizerConfig
 from schemas.tensor import Tensor
 from schemas.train import OpenSlot, PolicyRecord
-from services.inferencer.client import (
-    InferenceError,
-    InferenceTimeout,
-    PolicyClient,
-    observation,
-)
-from services.trainer import checkpoints as ckpt
 from tests.conftest import Procs
 from tests.helpers import eventually, start_service, uid
 from vla.backbone import Backbone

@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
+from bus.inference import PolicyClient
 from schemas.env import EvalTask, RolloutTask
 from schemas.model import Observation
 from schemas.tensor import Tensor
 from schemas.train import RolloutBatch
 from services.envs.adapters import EnvAdapter, StepObs, make_adapter
-from services.inferencer.client import PolicyClient
 
 EPISODE_SEED_STRIDE = 100_003
 

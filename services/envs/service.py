@@ -25,6 +25,7 @@ from bus.codec import DecodeError, decode
 from bus.config import BusConfig
 from bus.consume import PullConsumer
 from bus.errors import PoisonError, RetryableError
+from bus.inference import InferenceError, PolicyClient
 from bus.publish import Outgoing, msg_id, publish, publish_all
 from bus.service import Runtime, serve
 from schemas import subjects
@@ -37,7 +38,6 @@ from schemas.train import POLICY_RECORD_DECODER, SFTBatch
 from services.envs.adapters import EnvUnavailableError
 from services.envs.datasets import Dataset, DatasetError, load_dataset
 from services.envs.rollouts import AdapterPool, collect, evaluate_env
-from services.inferencer.client import InferenceError, PolicyClient
 
 log = logging.getLogger(__name__)
 DURABLE = "envs"

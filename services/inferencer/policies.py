@@ -26,12 +26,12 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
+from bus import checkpoints as ckpt
 from bus.codec import DecodeError, decode
 from bus.errors import PoisonError, RetryableError
 from schemas import subjects
 from schemas.model import HeadConfig
 from schemas.train import POLICY_RECORD_DECODER, OpenSlot, PolicyRecord
-from services.trainer import checkpoints as ckpt
 from vla.slot import TenantSlot
 
 log = logging.getLogger(__name__)

@@ -36,6 +36,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 from pydantic import Field
 
+from bus import checkpoints as ckpt
 from bus.codec import DecodeError, decode, encode
 from bus.config import BusConfig
 from bus.consume import settle
@@ -56,7 +57,6 @@ from schemas.train import (
     SFTBatch,
     TrainMessage,
 )
-from services.trainer import checkpoints as ckpt
 from services.trainer import rl
 from services.trainer.jobs import JobSlot
 from vla.backbone import Backbone
