@@ -64,8 +64,21 @@ from services.master.plans import Plan, compile_eval, compile_rl, compile_sft, r
 
 log = logging.getLogger(__name__)
 
-#: Header a client sets so even an undecodable command can be answered on its job's events.
+#: Header the SDK sets so that even a command whose payload does not decode at all can be
+#: answered on its job's events. Optional: a command whose envelope decodes is answered
+#: from the job id it names (:meth:`Master.on_dead`).
 JOB_ID_HEADER = "Joynexus-Job-Id"
+
+
+class _CommandEnvelope(msgspec.Struct):
+    """The identity fields every job command has, read without the rest of it (a submit
+    whose spec or other fields are bad still names its tenant and job)."""
+
+    tenant: str = ""
+    job_id: str = ""
+
+
+_ENVELOPE_DECODER = msgspec.msgpack.Decoder(_CommandEnvelope)
 
 
 class MasterConfig(BusConfig):
@@ -74,14 +87,20 @@ class MasterConfig(BusConfig):
     max_deliver: int = Field(5, ge=1, description="Deliveries before a job command is dead.")
 
 
-async def publish_event(js: JetStreamContext, event: Event) -> None:
-    """Publish a tenant event on its subject, idempotent for the same content identity."""
+async def publish_event(js: JetStreamContext, event: Event, *identity: object) -> None:
+    """Publish a tenant event on its subject with a ``Nats-Msg-Id`` of its identity.
+
+    The id is (tenant, job, kind) plus ``identity``: what tells this event from the others
+    of its kind of the same job (the status entered, the stream sequence of the command
+    rejected). Never a clock reading: a replayed handler re-creates the same logical event
+    with a new ``at``, and publishing it again must be a no-op (DESIGN.md §2).
+    """
     kind = event_kind(event)
     await publish(
         js,
         subjects.event(event.tenant, event.job_id, kind),
         event,
-        message_id=msg_id("ev", event.tenant, event.job_id, kind, f"{event.at:.6f}"),
+        message_id=msg_id("ev", event.tenant, event.job_id, kind, *identity),
     )
 
 
@@ -105,7 +124,8 @@ class Master:
             raise PoisonError(f"a {tag!r} command was sent on the {verb!r} subject")
         if command.tenant != subject_tenant:
             raise PoisonError(
-                f"command for tenant {command.tenant!r} sent on tenant {subject_tenant!r}'s subject"
+                f"tenant: command for tenant {command.tenant!r} sent on tenant "
+                f"{subject_tenant!r}'s subject"
             )
         try:
             validate_id(command.job_id, "job id")
@@ -163,10 +183,15 @@ class Master:
             updated_at=now,
             parent=parent,
         )
-        if await self.record(spec.tenant, job_id) is None:
+        found = await self.record(spec.tenant, job_id)
+        if found is None:
             await self.jobs.create(job_key(spec.tenant, job_id), encode(record))
-            await publish_event(self.js, Accepted(spec.tenant, job_id, spec.kind, now))
             log.info("accepted %s job %s/%s", spec.kind, spec.tenant, job_id)
+        else:
+            record = found[0]  # a replayed submit (the job is recorded, not started yet)
+        # Announced on every pass, not only the one that recorded the job: a failure between
+        # the two must not lose the event, and its msg id makes a repeat a no-op.
+        await publish_event(self.js, Accepted(spec.tenant, job_id, spec.kind, record.created_at))
         if plan is None:  # a pipeline: its first stage is the plan
             assert isinstance(spec, PipelineSpec)
             await self.transition(spec.tenant, job_id, "running")
@@ -297,8 +322,9 @@ class Master:
         )
         await self.jobs.update(job_key(tenant, job_id), encode(updated), revision)
         if status != record.status:
+            # A job enters each status once (accepted -> running -> a terminal one).
             await publish_event(
-                self.js, StateChanged(tenant, job_id, status, updated.updated_at, reason)
+                self.js, StateChanged(tenant, job_id, status, updated.updated_at, reason), status
             )
             if status in TERMINAL_STATUSES and updated.parent:
                 await self.advance_pipeline(updated)
@@ -384,16 +410,36 @@ class Master:
             await self.close_slot(command.tenant, command.job_id, "cancelled")
 
     async def on_dead(self, msg: Msg, reason: str, error: BaseException) -> None:
-        """Tell the tenant why its command was refused (on its job's ``rejected`` subject)."""
+        """Tell the sender why its command was refused, on its job's ``rejected`` subject.
+
+        The sender is the subject's tenant (the broker lets a tenant publish only on its own
+        job subjects), never the tenant a message claims to be from. The job is the one the
+        command names: every command whose envelope decodes is answered, whatever else is
+        wrong with it and whatever headers it has. Only a payload that does not decode at
+        all, sent without :data:`JOB_ID_HEADER`, has its dead letter as its only record.
+        """
         tenant = subjects.tenant_of(msg.subject) or ""
-        job_id = (msg.headers or {}).get(JOB_ID_HEADER, "")
+        job_id = _job_id_of(msg)
         try:
             validate_id(tenant, "tenant")
             validate_id(job_id, "job id")
         except InvalidIdError:
             log.warning("rejected unattributable job command on %s: %s", msg.subject, reason)
             return
-        await publish_event(self.js, Rejected(tenant, job_id, reason, time.time()))
+        rejected = Rejected(tenant, job_id, reason, time.time())
+        await publish_event(self.js, rejected, msg.metadata.sequence.stream)
+
+
+def _job_id_of(msg: Msg) -> str:
+    """The job a dead command is about: the one its envelope names, else the header's."""
+    try:
+        named = _ENVELOPE_DECODER.decode(msg.data).job_id
+    except msgspec.DecodeError:
+        named = ""
+    try:
+        return validate_id(named, "job id")
+    except InvalidIdError:
+        return (msg.headers or {}).get(JOB_ID_HEADER, "")
 
 
 async def run(config: MasterConfig) -> None:
