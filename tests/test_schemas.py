@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -14,17 +15,20 @@ from hypothesis import strategies as st
 from bus.codec import DecodeError, decode, encode
 from schemas import subjects
 from schemas.dead import DEAD_LETTER_DECODER
+from schemas.env import ENV_DECODER
 from schemas.events import EVENT_DECODER, Accepted, Rejected, event_kind
 from schemas.health import HEARTBEAT_DECODER
 from schemas.ids import InvalidIdError, validate_id
+from schemas.infer import ACT_REPLY_DECODER, INFER_DECODER
 from schemas.jobs import JOB_COMMAND_DECODER, JOB_RECORD_DECODER, JobCancel, JobSubmit
 from schemas.model import HeadConfig, Observation
 from schemas.specs import JobSpecError, parse_job_spec
 from schemas.tensor import Tensor, TensorError
+from schemas.train import POLICY_RECORD_DECODER, TRAIN_DECODER
 from tests.golden.regen import SAMPLES
 
 GOLDEN = Path(__file__).parent / "golden"
-DECODERS = {
+DECODERS: dict[str, msgspec.msgpack.Decoder[Any]] = {
     "job_submit": JOB_COMMAND_DECODER,
     "job_cancel": JOB_COMMAND_DECODER,
     "job_record": JOB_RECORD_DECODER,
@@ -38,6 +42,17 @@ DECODERS = {
     "tensor_f32": msgspec.msgpack.Decoder(Tensor),
     "head_config": msgspec.msgpack.Decoder(HeadConfig),
     "observation": msgspec.msgpack.Decoder(Observation),
+    "open_slot": TRAIN_DECODER,
+    "close_slot": TRAIN_DECODER,
+    "sft_batch": TRAIN_DECODER,
+    "rollout_batch": TRAIN_DECODER,
+    "policy_record": POLICY_RECORD_DECODER,
+    "act_request": INFER_DECODER,
+    "act_reply": ACT_REPLY_DECODER,
+    "act_reply_error": ACT_REPLY_DECODER,
+    "env_stream_dataset": ENV_DECODER,
+    "env_rollout_task": ENV_DECODER,
+    "env_eval_task": ENV_DECODER,
 }
 
 
