@@ -10,5 +10,6 @@ COPY bus bus
 COPY vla vla
 COPY services services
 COPY clients clients
+COPY bench bench
 RUN pip install --no-cache-dir .
 ENTRYPOINT ["python", "-m"]

@@ -1,27 +1,31 @@
-"""The ``joynexus`` command line.
+"""The tenant half of the ``joynexus`` command line: ``submit``, ``watch``, ``status``,
+``cancel``.
 
-Tenant commands (``submit``, ``status``, ``cancel``) use only the SDK. Operator commands
-(``up``, ``model``, ``bench``, ``data``, ``demo``) need the model core or the services; they
-import them lazily inside the command, so the SDK stays importable on a machine with only
-``bus`` and ``schemas`` (see README, "Architecture").
+These commands use only the SDK (so only ``bus`` and ``schemas``). The operator commands
+(``up``, ``demo``, ``bench``, ``data``, ``model``, ``scale``) need the services and the model
+core; :mod:`bench.cli` adds them to :func:`build_parser`'s parser, and the installed
+``joynexus`` script is :func:`bench.cli.main`. ``python -m clients.cli`` is the tenant-only
+command for a machine that has just the SDK.
+
+Every command reads ``run(args) -> exit code`` from its parser's defaults, so a composing
+module adds commands with :func:`add_command` and dispatches with :func:`main`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from bus.local import DEFAULT_HOME
-from clients.sdk import Client, JobFailed
+from clients.sdk import Client, Job, JobFailed
 from schemas.events import (
     Accepted,
     ErrorEvent,
@@ -33,8 +37,14 @@ from schemas.events import (
 )
 from schemas.specs import JobSpecError
 
+#: ``run(args)`` of a command: its exit code.
+Command = Callable[[argparse.Namespace], int]
+if TYPE_CHECKING:  # argparse's only name for what add_subparsers() returns
+    Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
 
-def _home(args: argparse.Namespace) -> Path:
+
+def home_of(args: argparse.Namespace) -> Path:
+    """The local stack's home: ``--home``, else ``JOYNEXUS_HOME``, else the default."""
     return Path(args.home or os.environ.get("JOYNEXUS_HOME") or DEFAULT_HOME)
 
 
@@ -47,7 +57,7 @@ async def _client(args: argparse.Namespace) -> Client:
             user=os.environ.get("JOYNEXUS_USER"),
             password=os.environ.get("JOYNEXUS_PASSWORD"),
         )
-    return await Client.connect(home=_home(args))
+    return await Client.connect(home=home_of(args))
 
 
 def _progress_line(ev: Progress, started: float, now: float) -> str:
@@ -75,6 +85,38 @@ def _read_spec(path: str) -> Any:
         raise SystemExit(f"cannot read {path}: {exc}") from exc
 
 
+async def _follow(client: Client, job: Job) -> int:
+    """Print a job's events until it ends; 0 if it succeeded."""
+    started = time.time()
+    status = "unknown"
+    async for ev in job.events():
+        match ev:
+            case Progress():
+                print(_progress_line(ev, started, time.time()), end="", flush=True)
+            case Accepted():
+                print(f"accepted ({ev.kind})", flush=True)
+            case PolicyPublished():
+                pass
+            case Metrics():
+                print(
+                    "results: " + ", ".join(f"{k}={v:.4g}" for k, v in ev.metrics.items()),
+                    flush=True,
+                )
+            case Rejected():
+                print(f"\nrejected: {ev.reason}", flush=True)
+                status = "rejected"
+            case ErrorEvent():
+                print(f"\nerror: {ev.message}", flush=True)
+            case StateChanged():
+                print(f"\n{ev.status}{': ' + ev.reason if ev.reason else ''}", flush=True)
+                status = ev.status
+    record = await client.status(job.tenant, job.job_id)
+    if record is not None and record.metrics:
+        print("metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in record.metrics.items()))
+        print(f"policy version: {record.policy_version}")
+    return 0 if status == "succeeded" else 1
+
+
 async def _submit(args: argparse.Namespace, document: Any) -> int:
     client = await _client(args)
     try:
@@ -84,36 +126,15 @@ async def _submit(args: argparse.Namespace, document: Any) -> int:
             print(f"invalid spec {args.file}: {exc}", file=sys.stderr)
             return 2
         print(f"submitted {job.tenant}/{job.job_id}", flush=True)
-        if not args.watch:
-            return 0
-        started = time.time()
-        status = "unknown"
-        async for ev in job.events():
-            match ev:
-                case Progress():
-                    print(_progress_line(ev, started, time.time()), end="", flush=True)
-                case Accepted():
-                    print(f"accepted ({ev.kind})", flush=True)
-                case PolicyPublished():
-                    pass
-                case Metrics():
-                    print(
-                        "results: " + ", ".join(f"{k}={v:.4g}" for k, v in ev.metrics.items()),
-                        flush=True,
-                    )
-                case Rejected():
-                    print(f"\nrejected: {ev.reason}", flush=True)
-                    status = "rejected"
-                case ErrorEvent():
-                    print(f"\nerror: {ev.message}", flush=True)
-                case StateChanged():
-                    print(f"\n{ev.status}{': ' + ev.reason if ev.reason else ''}", flush=True)
-                    status = ev.status
-        record = await client.status(job.tenant, job.job_id)
-        if record is not None and record.metrics:
-            print("metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in record.metrics.items()))
-            print(f"policy version: {record.policy_version}")
-        return 0 if status == "succeeded" else 1
+        return await _follow(client, job) if args.watch else 0
+    finally:
+        await client.close()
+
+
+async def _watch(args: argparse.Namespace) -> int:
+    client = await _client(args)
+    try:
+        return await _follow(client, Job(client, args.tenant, args.job))
     finally:
         await client.close()
 
@@ -148,134 +169,93 @@ async def _cancel(args: argparse.Namespace) -> int:
         await client.close()
 
 
-def _up(args: argparse.Namespace) -> int:
-    launcher = importlib.import_module("services.launcher")
-    if args.check:
-        return int(launcher.check_stack(_home(args), timeout=args.timeout))
-    return int(launcher.run_stack(_home(args)))
+def add_stack_options(p: argparse.ArgumentParser, *, top: bool = False, bus: bool = True) -> None:
+    """``--home`` and (``bus``) ``--url``, ``--creds``: on the top-level parser (``top``) and
+    again on each command that uses them, so they may come before or after the command name.
+    On a command they default to ``SUPPRESS``: not given there, the top level's value stands.
+    """
+    default = None if top else argparse.SUPPRESS
+    p.add_argument(
+        "--home",
+        default=default,
+        help=f"local stack home (default {DEFAULT_HOME}, env JOYNEXUS_HOME)",
+    )
+    if bus:
+        p.add_argument(
+            "--url", default=default, help="bus URL (env JOYNEXUS_URL; default: the local stack's)"
+        )
+        p.add_argument("--creds", default=default, help="NATS .creds file (env JOYNEXUS_CREDS)")
 
 
-def _model_init(args: argparse.Namespace) -> int:
-    tiny = importlib.import_module("vla.tiny")
-    path = tiny.init_checkpoint(args.name, Path(args.out))
-    print(f"wrote {args.name} checkpoint to {path}")
-    return 0
+def add_command(
+    sub: Subcommands,
+    name: str,
+    run: Command,
+    *,
+    home: bool = False,
+    bus: bool = False,
+    **kw: Any,
+) -> argparse.ArgumentParser:
+    """A command ``name`` that runs ``run(args)``. ``home``: it takes ``--home`` after its
+    name too; ``bus``: ``--home``, ``--url`` and ``--creds``."""
+    p: argparse.ArgumentParser = sub.add_parser(name, **kw)
+    p.set_defaults(run=run)
+    if home or bus:
+        add_stack_options(p, bus=bus)
+    return p
 
 
-def _bench(args: argparse.Namespace, rest: list[str]) -> int:
-    modules = {
-        "grouping": "vla.bench",
-        "sft": "services.bench_sft",
-        "inference": "services.bench_inference",
-        "rl": "services.bench_rl",
-    }
-    return int(importlib.import_module(modules[args.what]).main(rest) or 0)
+def build_parser(
+    description: str = "JoyNexus tenant commands.",
+) -> tuple[argparse.ArgumentParser, Subcommands]:
+    """The parser with the tenant commands, and its subcommands (to add more to)."""
+    p = argparse.ArgumentParser(prog="joynexus", description=description)
+    add_stack_options(p, top=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="command")
 
-
-def _data(args: argparse.Namespace) -> int:
-    datasets = importlib.import_module("services.envs.datasets")
-    if args.data_cmd == "record":
-        info = datasets.record(args.env, args.episodes, Path(args.out), seed=args.seed)
-        print(f"recorded {info.total_episodes} episodes, {info.total_frames} frames to {args.out}")
-    else:
-        print(datasets.inspect(Path(args.dir)).format())
-    return 0
-
-
-def _scale(args: argparse.Namespace) -> int:
-    launcher = importlib.import_module("services.launcher")
-    return int(launcher.request_scale(_home(args), args.role, args.count))
-
-
-def _demo(args: argparse.Namespace) -> int:
-    demo = importlib.import_module("services.demo")
-    return int(demo.main(_home(args)))
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="joynexus", description=__doc__.split("\n")[0])
-    p.add_argument("--home", help=f"local stack home (default {DEFAULT_HOME}, env JOYNEXUS_HOME)")
-    p.add_argument("--url", help="bus URL (env JOYNEXUS_URL; default: the local stack's)")
-    p.add_argument("--creds", help="NATS .creds file (env JOYNEXUS_CREDS)")
-    sub = p.add_subparsers(dest="cmd", required=True)
-
-    up = sub.add_parser("up", help="run the local stack (embedded NATS + every role)")
-    up.add_argument("--check", action="store_true", help="start, wait for 5 healthy roles, stop")
-    up.add_argument("--timeout", type=float, default=90.0, help="--check's bound in seconds")
-
-    s = sub.add_parser("submit", help="submit a job spec (YAML)")
+    s = add_command(
+        sub,
+        "submit",
+        lambda a: asyncio.run(_submit(a, _read_spec(a.file))),
+        bus=True,
+        help="submit a job spec (YAML)",
+    )
     s.add_argument("file")
     s.add_argument("--watch", action="store_true", help="follow progress until the job ends")
     s.add_argument("--job-id", help="job id (default: generated)")
 
-    st = sub.add_parser("status", help="list jobs, or one job")
+    w = add_command(
+        sub,
+        "watch",
+        lambda a: asyncio.run(_watch(a)),
+        bus=True,
+        help="follow a submitted job's events (from its first) until it ends",
+    )
+    w.add_argument("tenant")
+    w.add_argument("job")
+
+    st = add_command(
+        sub, "status", lambda a: asyncio.run(_status(a)), bus=True, help="list jobs, or one job"
+    )
     st.add_argument("job", nargs="?")
     st.add_argument("--tenant")
 
-    c = sub.add_parser("cancel", help="cancel a job")
+    c = add_command(sub, "cancel", lambda a: asyncio.run(_cancel(a)), bus=True, help="cancel a job")
     c.add_argument("tenant")
     c.add_argument("job")
     c.add_argument("--reason", default="")
-
-    m = sub.add_parser("model", help="backbone checkpoints")
-    msub = m.add_subparsers(dest="model_cmd", required=True)
-    mi = msub.add_parser("init", help="write a tiny backbone checkpoint directory")
-    mi.add_argument("name", help="tiny, tiny-224 or tiny-llava")
-    mi.add_argument("--out", required=True)
-
-    b = sub.add_parser("bench", help="benchmarks (options after the name go to the bench)")
-    b.add_argument("what", choices=["grouping", "sft", "inference", "rl"])
-
-    sc = sub.add_parser("scale", help="change how many processes of a role the local stack runs")
-    sc.add_argument("role", choices=["envs", "inferencer"])
-    sc.add_argument("count", type=int)
-
-    d = sub.add_parser("data", help="offline datasets")
-    dsub = d.add_subparsers(dest="data_cmd", required=True)
-    dr = dsub.add_parser("record", help="record scripted-expert demonstrations")
-    dr.add_argument("--env", required=True)
-    dr.add_argument("--episodes", type=int, required=True)
-    dr.add_argument("--out", required=True)
-    dr.add_argument("--seed", type=int, default=0)
-    di = dsub.add_parser("inspect", help="summarise a dataset")
-    di.add_argument("dir")
-
-    sub.add_parser("demo", help="run the multi-tenant demo on a local stack")
-    return p
+    return p, sub
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
-    if rest and args.cmd != "bench":
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def main(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
+    """Parse ``argv`` with ``parser`` (default: the tenant commands') and run the command."""
+    parser = parser or build_parser()[0]
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
-        match args.cmd:
-            case "up":
-                return _up(args)
-            case "submit":
-                return asyncio.run(_submit(args, _read_spec(args.file)))
-            case "status":
-                return asyncio.run(_status(args))
-            case "cancel":
-                return asyncio.run(_cancel(args))
-            case "model":
-                return _model_init(args)
-            case "bench":
-                return _bench(args, rest)
-            case "data":
-                return _data(args)
-            case "demo":
-                return _demo(args)
-            case "scale":
-                return _scale(args)
+        return int(args.run(args))
     except (ConnectionError, JobFailed) as exc:
         print(f"joynexus: {exc}", file=sys.stderr)
         return 1
-    parser.error(f"unknown command {args.cmd}")
-    return 2
 
 
 if __name__ == "__main__":

@@ -86,8 +86,9 @@ def test_up_then_submit_watch_and_status(tmp_path: Path) -> None:
             }
         )
     )
+    # The stack options after the command name (the scale test puts them before it).
     up = subprocess.Popen(
-        [JOYNEXUS, "--home", str(home), "up"],
+        [JOYNEXUS, "up", "--home", str(home)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -98,12 +99,16 @@ def test_up_then_submit_watch_and_status(tmp_path: Path) -> None:
         while read_stack_info(home) is None:
             assert up.poll() is None and time.monotonic() < deadline, "stack did not start"
             time.sleep(0.1)
-        out = run("--home", str(home), "submit", str(spec), "--watch")
+        out = run("submit", str(spec), "--watch", "--home", str(home))
         assert out.returncode == 0, out.stdout + out.stderr
         assert "accepted (sft)" in out.stdout and "succeeded" in out.stdout
         assert "12/12" in out.stdout
         status = run("--home", str(home), "status", "--tenant", tenant)
         assert status.returncode == 0 and "succeeded" in status.stdout
+        job_id = out.stdout.split(f"submitted {tenant}/", 1)[1].split()[0]
+        watched = run("--home", str(home), "watch", tenant, job_id, timeout=60)
+        assert watched.returncode == 0, watched.stdout + watched.stderr
+        assert "accepted (sft)" in watched.stdout and "12/12" in watched.stdout
         bad = tmp_path / "bad.yaml"
         bad.write_text(
             yaml.safe_dump(
@@ -124,6 +129,46 @@ def test_up_then_submit_watch_and_status(tmp_path: Path) -> None:
         log, _ = up.communicate(timeout=60)  # also closes the pipe
     assert up.returncode == 0, log[-3000:]
     assert read_stack_info(home) is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "home"),
+    [
+        (["up", "--home", "A"], "A"),
+        (["--home", "A", "up"], "A"),
+        (["--home", "A", "up", "--home", "B"], "B"),
+        (["up"], None),
+        (["demo", "--home", "A"], "A"),
+        (["scale", "envs", "2", "--home", "A"], "A"),
+        (["submit", "s.yaml", "--home", "A", "--watch"], "A"),
+        (["--home", "A", "watch", "acme", "job-1"], "A"),
+    ],
+)
+def test_stack_options_are_accepted_before_or_after_the_command(
+    argv: list[str], home: str | None
+) -> None:
+    from bench.cli import build_parser
+
+    assert build_parser().parse_args(argv).home == home
+
+
+def test_bench_options_pass_through_to_the_bench() -> None:
+    from bench.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "sft", "--tenants", "4", "--home", "x"])
+    assert (args.what, args.bench_args) == ("sft", ["--tenants", "4", "--home", "x"])
+
+
+def test_the_sdk_only_cli_has_the_tenant_commands_and_refuses_operator_ones() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "clients.cli", "up"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 2 and "invalid choice: 'up'" in out.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "clients.cli", "--help"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0
+    assert all(cmd in out.stdout for cmd in ("submit", "watch", "status", "cancel"))
 
 
 def test_submit_without_a_stack_says_how_to_start_one(tmp_path: Path) -> None:

@@ -375,7 +375,7 @@ def test_default_head_training_costs_under_a_tenth_of_the_backbone_forward(
 
 def test_bench_main_runs_as_a_subprocess_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "vla.bench", "--backbone", "tiny", "--tenants", "1,2"]
+    cmd = [sys.executable, "-m", "bench.grouping", "--backbone", "tiny", "--tenants", "1,2"]
     cmd += ["--local-batch", "1", "--repeats", "1", "--warmup", "0", "--threads", "1"]
     cmd += ["--json", str(out)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}

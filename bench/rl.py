@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bus.local import StackInfo
+from clients.sdk import Client
 from schemas.events import Progress
 from services.envs.adapters import make_adapter
 from services.launcher import LocalStack, wait_healthy
@@ -30,8 +31,6 @@ def env_dims(env_id: str, image_size: int, env_kwargs: dict[str, Any]) -> tuple[
 
 
 async def run_job(info: StackInfo, spec: dict[str, Any]) -> list[dict[str, float]]:
-    from clients.sdk import Client
-
     rows: list[dict[str, float]] = []
     async with await Client.connect(info.url, user=info.user, password=info.password) as client:
         job = await client.train_rl(spec)
@@ -126,3 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

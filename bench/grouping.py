@@ -14,7 +14,7 @@ the median of the per-pair speedups. Normalisation (image decode/resize, tokenis
 outside the timed region: both sides need it equally. On CUDA the backbone runs in bfloat16
 and timings synchronise the device.
 
-``python -m vla.bench --backbone tiny`` (also ``joynexus bench grouping``) prints the tables
+``python -m bench.grouping --backbone tiny`` (also ``joynexus bench grouping``) prints the tables
 shaped like the paper's group-batching figure: rows = tenants, columns = local batch.
 """
 

@@ -21,6 +21,7 @@ from bus.codec import decode
 from bus.connect import connect
 from bus.kv import kv_values
 from bus.local import StackInfo
+from clients.sdk import Client
 from schemas import subjects
 from schemas.health import HEARTBEAT_DECODER
 from services.envs.datasets import record
@@ -76,8 +77,6 @@ async def trainer_gauges(info: StackInfo) -> dict[str, float]:
 
 async def run_jobs(info: StackInfo, specs: list[dict[str, Any]], concurrent: bool) -> float:
     """Wall seconds from the first submit to the last job's success."""
-    from clients.sdk import Client
-
     async with await Client.connect(info.url, user=info.user, password=info.password) as client:
         t0 = time.perf_counter()
         if concurrent:
@@ -212,3 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Inference benchmark through the real bus: the (B, T) scheduler vs one forward per request.
 
-``joynexus bench inference`` (or ``python -m services.bench_inference``) starts an embedded
+``joynexus bench inference`` (or ``python -m bench.inference``) starts an embedded
 ``nats-server`` in a temporary directory, commits policies for 8 tenants with mixed heads
 (OFT with a value head, discrete, flow; different action and proprio dims) exactly as the
 trainer would, and starts one real inferencer subprocess per mode, each on its own backbone
@@ -40,17 +40,17 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 
+from bus import checkpoints as ckpt
 from bus.codec import decode, encode
 from bus.connect import connect
 from bus.declare import declare
+from bus.inference import PolicyClient, observation
 from bus.server import EmbeddedServer
 from schemas import subjects
 from schemas.health import HEARTBEAT_DECODER
 from schemas.model import HeadConfig, Observation, OptimizerConfig
 from schemas.train import OpenSlot, PolicyRecord
-from services.inferencer.client import PolicyClient, observation
 from services.inferencer.service import InferencerConfig
-from services.trainer import checkpoints as ckpt
 from vla.backbone import Backbone
 from vla.slot import TenantSlot
 
@@ -58,7 +58,7 @@ MODES = ("grouped", "per_request")
 MAX_TENANTS = 8
 JOB = "bench"
 TOKEN_BUDGET = 16
-#: Tenant i's head; kinds and action schemas cycle so a group mixes them (as in vla.bench).
+#: Tenant i's head; kinds and action schemas cycle so a group mixes them (as in bench.grouping).
 HEADS = (
     HeadConfig(kind="oft", action_dim=7, chunk_len=4, proprio_dim=7, value_head=True),
     HeadConfig(kind="discrete", action_dim=3, chunk_len=4, proprio_dim=0),

@@ -1,0 +1,167 @@
+"""The ``joynexus`` command: the tenant commands of :mod:`clients.cli` plus the operator ones.
+
+``up`` runs the local stack, ``scale`` resizes a role in it, ``demo`` and ``bench`` drive one,
+``data`` records and inspects offline datasets, ``model init`` writes a tiny backbone
+checkpoint. Each imports what it needs (the launcher, the model core, a benchmark) inside
+its command, so ``joynexus submit`` loads no more than the SDK.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from clients import cli as tenant_cli
+from clients.cli import Command, add_command, home_of
+
+if TYPE_CHECKING:
+    from clients.cli import Subcommands
+
+
+def _up(args: argparse.Namespace) -> int:
+    from services import launcher
+
+    if args.check:
+        return int(launcher.check_stack(home_of(args), timeout=args.timeout))
+    return int(launcher.run_stack(home_of(args)))
+
+
+def _scale(args: argparse.Namespace) -> int:
+    from services import launcher
+
+    return int(launcher.request_scale(home_of(args), args.role, args.count))
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from bench import demo
+
+    return int(demo.main(home_of(args)))
+
+
+def _bench_grouping(args: argparse.Namespace) -> int:
+    from bench import grouping
+
+    return int(grouping.main(args.bench_args) or 0)
+
+
+def _bench_sft(args: argparse.Namespace) -> int:
+    from bench import sft
+
+    return int(sft.main(args.bench_args) or 0)
+
+
+def _bench_inference(args: argparse.Namespace) -> int:
+    from bench import inference
+
+    return int(inference.main(args.bench_args) or 0)
+
+
+def _bench_rl(args: argparse.Namespace) -> int:
+    from bench import rl
+
+    return int(rl.main(args.bench_args) or 0)
+
+
+#: name -> (its command, what it measures)
+BENCHES: dict[str, tuple[Command, str]] = {
+    "grouping": (_bench_grouping, "one grouped backbone forward vs one per tenant, in-process"),
+    "sft": (_bench_sft, "N tenants' SFT jobs on one trainer vs one after another, over the bus"),
+    "inference": (_bench_inference, "the (B, T) inference scheduler vs one forward per request"),
+    "rl": (_bench_rl, "one RL job over the bus: success rate and return per iteration"),
+}
+
+
+def _bench(args: argparse.Namespace) -> int:
+    return BENCHES[args.what][0](args)
+
+
+def _model_init(args: argparse.Namespace) -> int:
+    from vla import tiny
+
+    path = tiny.init_checkpoint(args.name, Path(args.out))
+    print(f"wrote {args.name} checkpoint to {path}")
+    return 0
+
+
+def _data_record(args: argparse.Namespace) -> int:
+    from services.envs.datasets import record
+
+    info = record(args.env, args.episodes, Path(args.out), seed=args.seed)
+    print(f"recorded {info.total_episodes} episodes, {info.total_frames} frames to {args.out}")
+    return 0
+
+
+def _data_inspect(args: argparse.Namespace) -> int:
+    from vla.data import inspect
+
+    print(inspect(Path(args.dir)).format())
+    return 0
+
+
+def add_operator_commands(sub: Subcommands) -> None:
+    """``up``, ``scale``, ``demo``, ``bench``, ``model``, ``data`` on ``sub``."""
+    up = add_command(
+        sub, "up", _up, home=True, help="run the local stack (embedded NATS + every role)"
+    )
+    up.add_argument("--check", action="store_true", help="start, wait for 5 healthy roles, stop")
+    up.add_argument("--timeout", type=float, default=90.0, help="--check's bound in seconds")
+
+    sc = add_command(
+        sub,
+        "scale",
+        _scale,
+        home=True,
+        help="change how many processes of a role the local stack runs",
+    )
+    sc.add_argument("role", choices=["envs", "inferencer"])
+    sc.add_argument("count", type=int)
+
+    add_command(sub, "demo", _demo, home=True, help="run the multi-tenant demo on a local stack")
+
+    b = add_command(
+        sub,
+        "bench",
+        _bench,
+        help="benchmarks (what follows the name goes to the bench: --help for its options)",
+        description="\n".join(f"{name}: {summary}" for name, (_, summary) in BENCHES.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    b.add_argument("what", choices=BENCHES, help="which benchmark")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own options")
+
+    m = sub.add_parser("model", help="backbone checkpoints")
+    msub = m.add_subparsers(dest="model_cmd", required=True, metavar="command")
+    mi = add_command(msub, "init", _model_init, help="write a tiny backbone checkpoint directory")
+    mi.add_argument("name", help="tiny, tiny-224 or tiny-llava")
+    mi.add_argument("--out", required=True)
+
+    d = sub.add_parser("data", help="offline datasets")
+    dsub = d.add_subparsers(dest="data_cmd", required=True, metavar="command")
+    dr = add_command(dsub, "record", _data_record, help="record scripted-expert demonstrations")
+    dr.add_argument("--env", required=True)
+    dr.add_argument("--episodes", type=int, required=True)
+    dr.add_argument("--out", required=True)
+    dr.add_argument("--seed", type=int, default=0)
+    di = add_command(dsub, "inspect", _data_inspect, help="summarise a dataset")
+    di.add_argument("dir")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every ``joynexus`` command."""
+    parser, sub = tenant_cli.build_parser(
+        "JoyNexus: multi-tenant VLA post-training over NATS JetStream."
+    )
+    add_operator_commands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``joynexus`` console script."""
+    return tenant_cli.main(argv, build_parser())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
