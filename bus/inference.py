@@ -31,16 +31,15 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from bus.codec import DecodeError, decode
 from bus.publish import publish
+from bus.records import get_policy
 from schemas import subjects
 from schemas.infer import ACT_REPLY_DECODER, ActReply, ActRequest
 from schemas.model import Observation
 from schemas.tensor import Tensor
-from schemas.train import POLICY_RECORD_DECODER
 
 #: Request ids become the last token of the reply subject.
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
@@ -124,7 +123,7 @@ class PolicyClient:
         await self.close()
 
     async def _on_reply(self, msg: Msg) -> None:
-        rid = msg.subject.rsplit(".", 1)[-1]
+        rid = msg.subject[len(self._inbox) + 1 :]  # the subscription is <inbox>.*
         future = self._waiting.pop(rid, None)
         if future is None or future.done():
             return  # a late reply to a call that timed out
@@ -140,15 +139,16 @@ class PolicyClient:
             if self._policies is None:
                 self._policies = await self.js.key_value(subjects.KV_POLICIES)
             try:
-                entry = await self._policies.get(f"{tenant}.{job_id}")
-            except KeyNotFoundError:
-                entry = None
-            if entry is None or not entry.value:
+                record, _ = await get_policy(self._policies, tenant, job_id)
+            except DecodeError as exc:
+                raise InferenceError(
+                    f"unreadable policy record of {tenant}/{job_id}: {exc}", request_id=""
+                ) from exc
+            if record is None:
                 raise InferenceError(
                     f"no committed policy for tenant {tenant!r} job {job_id!r}", request_id=""
                 )
-            spec = decode(POLICY_RECORD_DECODER, entry.value).slot
-            self._layouts[key] = (spec.num_views, spec.token_budget)
+            self._layouts[key] = (record.slot.num_views, record.slot.token_budget)
         return self._layouts[key]
 
     async def act(

@@ -13,8 +13,7 @@ from nats.js.api import PubAck
 
 from bus import tracing
 from bus.codec import encode
-
-MSG_ID = "Nats-Msg-Id"
+from schemas.headers import MSG_ID
 
 
 def msg_id(*parts: object) -> str:

@@ -25,15 +25,14 @@ from nats.aio.client import Client as NATS
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
-from nats.js.errors import KeyNotFoundError
 from pydantic import BaseModel
 
 from bus.codec import decode
 from bus.connect import connect
-from bus.kv import kv_values
 from bus.local import read_stack_info
 from bus.publish import msg_id, publish
-from schemas import subjects
+from bus.records import get_job, list_jobs
+from schemas import headers, subjects
 from schemas.events import (
     EVENT_DECODER,
     Event,
@@ -44,17 +43,8 @@ from schemas.events import (
     StateChanged,
 )
 from schemas.ids import validate_id
-from schemas.jobs import (
-    JOB_RECORD_DECODER,
-    TERMINAL_STATUSES,
-    JobCancel,
-    JobRecord,
-    JobSubmit,
-    job_key,
-)
+from schemas.jobs import TERMINAL_STATUSES, JobCancel, JobRecord, JobSubmit
 from schemas.specs import JobSpec, parse_job_spec
-
-JOB_ID_HEADER = "Joynexus-Job-Id"
 
 
 class JobFailed(RuntimeError):
@@ -201,7 +191,7 @@ class Client:
             subjects.job(parsed.tenant, "submit"),
             command,
             message_id=msg_id("submit", parsed.tenant, job_id),
-            headers={JOB_ID_HEADER: job_id},
+            headers={headers.JOB_ID: job_id},
         )
         return Job(self, parsed.tenant, job_id)
 
@@ -235,21 +225,14 @@ class Client:
             subjects.job(tenant, "cancel"),
             JobCancel(tenant, job_id, reason),
             message_id=msg_id("cancel", tenant, job_id),
-            headers={JOB_ID_HEADER: job_id},
+            headers={headers.JOB_ID: job_id},
         )
 
     async def status(self, tenant: str, job_id: str) -> JobRecord | None:
         """The job's record in the ``jobs`` KV (None if the master has not recorded it)."""
-        kv = await self.js.key_value(subjects.KV_JOBS)
-        try:
-            entry = await kv.get(job_key(tenant, job_id))
-        except KeyNotFoundError:
-            return None
-        return decode(JOB_RECORD_DECODER, entry.value) if entry.value else None
+        record, _ = await get_job(await self.js.key_value(subjects.KV_JOBS), tenant, job_id)
+        return record
 
     async def jobs(self, tenant: str | None = None) -> list[JobRecord]:
-        """All job records (of ``tenant`` if given)."""
-        prefix = f"{tenant}." if tenant is not None else ""
-        values = await kv_values(self.js, subjects.KV_JOBS, prefix)
-        records = [decode(JOB_RECORD_DECODER, v) for v in values.values()]
-        return sorted(records, key=lambda r: r.created_at)
+        """All job records (of ``tenant`` if given), oldest first."""
+        return await list_jobs(self.js, tenant)

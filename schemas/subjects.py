@@ -6,9 +6,9 @@ tenant can address another tenant's subjects with ``.``, ``*`` or ``>``.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
-from schemas.ids import validate_id
+from schemas.ids import InvalidIdError, validate_id
 
 PREFIX = "nexus"
 
@@ -92,3 +92,97 @@ def tenant_of(subject: str) -> str | None:
     if index is None or index >= len(parts):
         return None
     return parts[index]
+
+
+# -- parsing: the inverse of the builders above ----------------------------------------------
+
+
+class SubjectError(ValueError):
+    """A subject that is not of the expected family, or has a token no builder would write."""
+
+
+class JobSubject(NamedTuple):
+    tenant: str
+    verb: str
+
+
+class TrainSubject(NamedTuple):
+    backbone: str
+    tenant: str
+
+
+class InferSubject(NamedTuple):
+    backbone: str
+    tenant: str
+
+
+class EnvSubject(NamedTuple):
+    tenant: str
+    job_id: str
+
+
+class EventSubject(NamedTuple):
+    tenant: str
+    job_id: str
+    kind: str
+
+
+class DeadSubject(NamedTuple):
+    stream: str
+    tenant: str
+
+
+def _tokens(subject: str, family: str, count: int, kinds: tuple[str, ...]) -> list[str]:
+    """The ``count`` tokens after ``nexus.<family>.``, each checked as an id of its kind."""
+    parts = subject.split(".")
+    if parts[:2] != [PREFIX, family] or len(parts) != 2 + count:
+        raise SubjectError(
+            f"{subject!r} is not a {PREFIX}.{family} subject of {count} tokens after the family"
+        )
+    tokens = parts[2:]
+    try:
+        for token, kind in zip(tokens, kinds, strict=True):
+            validate_id(token, kind)
+    except InvalidIdError as exc:
+        raise SubjectError(f"{subject!r}: {exc}") from exc
+    return tokens
+
+
+def parse_job(subject: str) -> JobSubject:
+    """``nexus.job.<tenant>.<verb>`` → (tenant, verb); the verb is one of :data:`JOB_VERBS`."""
+    tenant, verb = _tokens(subject, "job", 2, ("tenant", "job verb"))
+    if verb not in JOB_VERBS:
+        raise SubjectError(f"{subject!r}: unknown job verb {verb!r}; expected one of {JOB_VERBS}")
+    return JobSubject(tenant, verb)
+
+
+def parse_train(subject: str) -> TrainSubject:
+    """``nexus.train.<backbone>.<tenant>`` → (backbone, tenant)."""
+    return TrainSubject(*_tokens(subject, "train", 2, ("backbone", "tenant")))
+
+
+def tenant_of_train(subject: str) -> str:
+    """The tenant of a Training Queue subject."""
+    return parse_train(subject).tenant
+
+
+def parse_infer(subject: str) -> InferSubject:
+    """``nexus.infer.<backbone>.<tenant>`` → (backbone, tenant)."""
+    return InferSubject(*_tokens(subject, "infer", 2, ("backbone", "tenant")))
+
+
+def parse_env(subject: str) -> EnvSubject:
+    """``nexus.env.<tenant>.<job>`` → (tenant, job_id)."""
+    return EnvSubject(*_tokens(subject, "env", 2, ("tenant", "job")))
+
+
+def parse_event(subject: str) -> EventSubject:
+    """``nexus.event.<tenant>.<job>.<kind>`` → (tenant, job_id, kind)."""
+    return EventSubject(*_tokens(subject, "event", 3, ("tenant", "job", "event kind")))
+
+
+def parse_dead(subject: str) -> DeadSubject:
+    """``nexus.dead.<stream>.<tenant>`` → (stream, tenant); ``stream`` is lower-case, as
+    :func:`dead` writes it."""
+    stream, tenant = _tokens(subject, "dead", 2, ("stream", "tenant"))
+    return DeadSubject(stream, tenant)

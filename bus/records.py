@@ -1,0 +1,123 @@
+"""The ``jobs`` and ``policies`` KV records, typed: one read and one compare-and-set each.
+
+Both buckets key a record by ``<tenant>.<job>`` (:func:`schemas.jobs.job_key`). A read
+returns ``(record, revision)``; revision 0 and ``None`` mean there is no record (never
+written, deleted or purged). A write names the revision its decision was based on:
+``last=0`` creates the record and fails if one exists, ``last=r`` replaces revision ``r`` and
+fails if anyone wrote since. Either failure raises :class:`RevisionConflict` (retryable):
+read again and decide again. A value that does not decode raises
+:class:`bus.codec.DecodeError`; bus failures are nats.py's errors, unchanged.
+
+Watchers of a bucket (the inferencer follows ``policies``, the trainer ``jobs``) decode each
+entry with :func:`policy_of` / :func:`job_of`.
+
+```python
+kv = await js.key_value(subjects.KV_POLICIES)
+record, revision = await get_policy(kv, "acme", "job-1")
+revision = await put_policy(kv, new_record, last=revision)
+```
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgspec
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from bus.codec import decode, encode
+from bus.errors import RetryableError
+from bus.kv import kv_values
+from schemas import subjects
+from schemas.jobs import JOB_RECORD_DECODER, JobRecord, job_key
+from schemas.train import POLICY_RECORD_DECODER, PolicyRecord
+
+R = TypeVar("R", bound=msgspec.Struct)
+
+
+class RevisionConflict(RetryableError):
+    """A compare-and-set lost: the record is not at revision ``last`` any more (or, for
+    ``last=0``, already exists). Read it again and decide again."""
+
+    def __init__(self, key: str, last: int) -> None:
+        super().__init__(f"record {key!r} changed since revision {last}", delay_s=0.1)
+        self.key = key
+        self.last = last
+
+
+async def _get(kv: KeyValue, key: str, decoder: msgspec.msgpack.Decoder[R]) -> tuple[R | None, int]:
+    try:
+        entry = await kv.get(key)
+    except KeyNotFoundError:  # also a deleted or purged key (nats.py maps those to it)
+        return None, 0
+    if not entry.value or not entry.revision:
+        return None, 0
+    return decode(decoder, entry.value), entry.revision
+
+
+async def _put(kv: KeyValue, key: str, record: msgspec.Struct, last: int) -> int:
+    if last < 0:
+        raise ValueError(f"last must be a revision >= 0, got {last}")
+    try:
+        if last == 0:
+            return await kv.create(key, encode(record))
+        return await kv.update(key, encode(record), last=last)
+    except KeyWrongLastSequenceError as exc:
+        raise RevisionConflict(key, last) from exc
+
+
+def _of_entry(entry: KeyValue.Entry, decoder: msgspec.msgpack.Decoder[R]) -> R | None:
+    if entry.operation in ("DEL", "PURGE") or not entry.value:
+        return None
+    return decode(decoder, entry.value)
+
+
+# -- policies: the latest committed version of a job's policy ---------------------------------
+
+
+async def get_policy(kv: KeyValue, tenant: str, job_id: str) -> tuple[PolicyRecord | None, int]:
+    """The job's committed policy record in ``kv`` (the ``policies`` bucket) and its
+    revision; ``(None, 0)`` when nothing is committed."""
+    return await _get(kv, job_key(tenant, job_id), POLICY_RECORD_DECODER)
+
+
+async def put_policy(kv: KeyValue, record: PolicyRecord, *, last: int) -> int:
+    """Commit ``record`` if the job's entry is still at revision ``last`` (0: no entry yet);
+    returns the new revision. Raises :class:`RevisionConflict` otherwise."""
+    return await _put(kv, job_key(record.tenant, record.job_id), record, last)
+
+
+def policy_of(entry: KeyValue.Entry) -> PolicyRecord | None:
+    """The record a ``policies`` watch entry carries; None for a deletion or purge."""
+    return _of_entry(entry, POLICY_RECORD_DECODER)
+
+
+# -- jobs: each job's state machine ----------------------------------------------------------
+
+
+async def get_job(kv: KeyValue, tenant: str, job_id: str) -> tuple[JobRecord | None, int]:
+    """The job's record in ``kv`` (the ``jobs`` bucket) and its revision; ``(None, 0)`` when
+    the master has not recorded the job."""
+    return await _get(kv, job_key(tenant, job_id), JOB_RECORD_DECODER)
+
+
+async def put_job(kv: KeyValue, record: JobRecord, *, last: int) -> int:
+    """Write ``record`` if the job's entry is still at revision ``last`` (0: no entry yet);
+    returns the new revision. Raises :class:`RevisionConflict` otherwise."""
+    return await _put(kv, job_key(record.tenant, record.job_id), record, last)
+
+
+def job_of(entry: KeyValue.Entry) -> JobRecord | None:
+    """The record a ``jobs`` watch entry carries; None for a deletion or purge."""
+    return _of_entry(entry, JOB_RECORD_DECODER)
+
+
+async def list_jobs(js: JetStreamContext, tenant: str | None = None) -> list[JobRecord]:
+    """Every live job record (of ``tenant`` if given), oldest first. Lists keys from the
+    bucket's stream state, so polling it leaves no consumers behind (:mod:`bus.kv`)."""
+    prefix = f"{tenant}." if tenant is not None else ""
+    values = await kv_values(js, subjects.KV_JOBS, prefix)
+    records = [decode(JOB_RECORD_DECODER, v) for v in values.values()]
+    return sorted(records, key=lambda r: r.created_at)
