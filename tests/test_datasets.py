@@ -17,16 +17,17 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from services.envs.datasets import (
-    DatasetError,
-    EpisodeRecord,
-    inspect,
-    load_dataset,
-    record,
-    write_dataset,
-)
+from services.envs.datasets import iter_batches, record
 from services.envs.sims import REACH2D_ID, make_env
 from services.envs.sims.reach import scripted_expert
+from vla.data import (
+    DatasetError,
+    EpisodeRecord,
+    check_dataset,
+    inspect,
+    load_dataset,
+    write_dataset,
+)
 
 DATA = "data/chunk-000/file-000.parquet"
 IMAGE_KEY = "observation.images.front"
@@ -163,7 +164,7 @@ def test_write_dataset_rejects_bad_episodes_and_leaves_nothing_behind(tmp_path: 
 
 
 def _all_batches(ds, **kwargs) -> list:
-    return list(ds.iter_batches(**kwargs))
+    return list(iter_batches(ds, **kwargs))
 
 
 def test_batches_are_deterministic_and_cover_every_frame_once_per_epoch(recorded: Path) -> None:
@@ -198,8 +199,8 @@ def test_batch_contents_match_the_frames(recorded: Path) -> None:
     ds = load_dataset(recorded)
     uncached = load_dataset(recorded, image_cache_mb=0)  # decodes per batch instead
     for batch, lazy in zip(
-        ds.iter_batches(5, 1, seed=0, epoch=3),
-        uncached.iter_batches(5, 1, seed=0, epoch=3),
+        iter_batches(ds, 5, 1, seed=0, epoch=3),
+        iter_batches(uncached, 5, 1, seed=0, epoch=3),
         strict=True,
     ):
         rows = batch.index_B
@@ -216,7 +217,7 @@ def test_batch_contents_match_the_frames(recorded: Path) -> None:
 def test_action_chunks_pad_with_the_last_action_at_episode_ends(recorded: Path) -> None:
     ds = load_dataset(recorded)
     chunk = 6
-    for batch in ds.iter_batches(16, chunk, seed=2, epoch=0):
+    for batch in iter_batches(ds, 16, chunk, seed=2, epoch=0):
         for b, row in enumerate(batch.index_B.tolist()):
             ep = ds.episodes[int(ds.episode_index_N[row])]
             for c in range(chunk):
@@ -224,7 +225,7 @@ def test_action_chunks_pad_with_the_last_action_at_episode_ends(recorded: Path) 
                 np.testing.assert_array_equal(batch.actions_B_C_A[b, c], ds.action_N_A[source])
                 assert batch.action_pad_B_C[b, c] == (row + c >= ep.to_index)
     last = np.array([ep.to_index - 1 for ep in ds.episodes])
-    (padded,) = ds.iter_batches(len(ds), chunk, seed=0, epoch=0)
+    (padded,) = iter_batches(ds, len(ds), chunk, seed=0, epoch=0)
     at_end = np.isin(padded.index_B, last)
     assert padded.action_pad_B_C[at_end, 1:].all() and not padded.action_pad_B_C[:, 0].any()
 
@@ -239,7 +240,7 @@ def test_split_by_episode_and_sample_one_split(recorded: Path) -> None:
     rows = np.concatenate(
         [np.arange(ds.episodes[e].from_index, ds.episodes[e].to_index) for e in val]
     )
-    seen = np.concatenate([b.index_B for b in ds.iter_batches(4, 2, 0, 0, episodes=val)])
+    seen = np.concatenate([b.index_B for b in iter_batches(ds, 4, 2, 0, 0, episodes=val)])
     np.testing.assert_array_equal(np.sort(seen), rows)
     assert ds.num_batches(4, episodes=val) == -(-len(rows) // 4)
     with pytest.raises(ValueError, match="episode 99"):
@@ -250,7 +251,7 @@ def test_streaming_batches_is_fast(recorded: Path) -> None:
     ds = load_dataset(recorded, image_cache_mb=0)  # the slow path: decode every batch
     start, frames = time.perf_counter(), 0
     for epoch in range(3):
-        for batch in ds.iter_batches(32, 8, seed=0, epoch=epoch):
+        for batch in iter_batches(ds, 32, 8, seed=0, epoch=epoch):
             frames += len(batch.index_B)
     rate = frames / (time.perf_counter() - start)
     assert rate > 1000, f"{rate:.0f} frames/s"
@@ -432,3 +433,107 @@ def test_foreign_pngs_with_row_filters_are_decoded_by_pillow(
     frames = ds.images(np.arange(len(ds)))[:, 0]
     _edit(root, DATA, lambda t: _replace(t, IMAGE_KEY, pa.array([_png_of(f) for f in frames])))
     np.testing.assert_array_equal(load_dataset(root).images(np.arange(len(ds)))[:, 0], frames)
+
+
+# -- the submit-time check (the master's) ----------------------------------------------------
+
+
+def test_submit_check_plans_the_same_batches_as_the_loaded_dataset(recorded: Path) -> None:
+    meta, ds = check_dataset(recorded), load_dataset(recorded)
+    assert meta.episodes == ds.episodes and meta.tasks == ds.tasks
+    assert (meta.action_dim, meta.state_dim, meta.num_frames) == (2, 4, len(ds))
+    assert meta.camera_keys == ds.camera_keys == (IMAGE_KEY,)
+    for fraction, seed in ((0.0, 0), (0.34, 1), (0.5, 2)):
+        train, val = meta.split(fraction, seed)
+        assert (train, val) == ds.split(fraction, seed)
+        for size in (1, 4, 7):
+            assert meta.num_batches(size, train, drop_last=True) == ds.num_batches(
+                size, train, drop_last=True
+            )
+
+
+def test_submit_check_decodes_a_sample_and_the_full_validation_names_a_later_bad_frame(
+    recorded: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "late"
+    shutil.copytree(recorded, root)
+    _edit(root, DATA, _set_image(EPISODES - 2, 2, lambda png: b"not a png"))
+    import vla.data.meta
+
+    decoded: list[str] = []
+    decode = vla.data.meta.decode_png
+
+    def counting(data: bytes, shape: tuple[int, ...], key: str, where: str) -> np.ndarray:
+        decoded.append(where)
+        return decode(data, shape, key, where)
+
+    monkeypatch.setattr(vla.data.meta, "decode_png", counting)
+    meta = check_dataset(root)  # accepted: the bad frame is not in the sample
+    assert meta.num_episodes == EPISODES
+    last = meta.episodes[-1]
+    assert decoded[0] == "episode 0, frame 0"
+    assert decoded[-1] == f"episode {last.episode_index}, frame {last.length - 1}"
+    assert len(decoded) == 4 < meta.num_frames
+    with pytest.raises(DatasetError, match=rf"unreadable image at episode {EPISODES - 2}, frame 2"):
+        load_dataset(root)
+
+
+def _one_frame_less_in_the_metadata(root: Path) -> None:
+    """episodes.parquet and info.json agree on one frame fewer than the data holds."""
+    lengths = pq.read_table(root / "meta/episodes.parquet").column("length").to_pylist()
+    shorter = pa.array([lengths[0] - 1, *lengths[1:]])
+    _edit(root, "meta/episodes.parquet", lambda t: _replace(t, "length", shorter))
+    _edit_info(total_frames=sum(lengths) - 1)(root)
+
+
+def _garbage_last_frame(root: Path) -> None:
+    last = pq.read_table(root / "meta/episodes.parquet").column("length").to_pylist()[-1]
+    _edit(root, DATA, _set_image(EPISODES - 1, last - 1, lambda png: b"not a png"))
+
+
+#: What the submit check finds without reading the frames: metadata, schemas, sampled frames.
+CHECKED: dict[str, tuple[Callable[[Path], None], list[str]]] = {
+    **{
+        name: CORRUPTIONS[name]
+        for name in (
+            "missing info.json",
+            "missing tasks",
+            "info field of the wrong type",
+            "missing action column",
+            "missing image column",
+            "state of the wrong shape",
+            "action of the wrong shape",
+        )
+    },
+    "info totals": (_edit_info(total_frames=1), ["total_frames=1", "episodes.parquet"]),
+    "episode missing from episodes.parquet": (
+        CORRUPTIONS["episode missing from episodes.parquet"][0],
+        [f"total_episodes={EPISODES}", "episodes.parquet"],
+    ),
+    "info totals agree with episodes.parquet but not with the data": (
+        _one_frame_less_in_the_metadata,
+        ["total_frames=", "the data files have"],
+    ),
+    "garbage image in the last frame": (
+        _garbage_last_frame,
+        [IMAGE_KEY, "unreadable image", f"episode {EPISODES - 1}, frame "],
+    ),
+    "image of the wrong size in the first frame": (
+        _in(DATA, _set_image(0, 0, lambda png: _png_of(np.zeros((8, 8, 3), np.uint8)))),
+        [IMAGE_KEY, "episode 0, frame 0", "(8, 8, 3)"],
+    ),
+}
+
+
+@pytest.mark.parametrize("corruption", list(CHECKED))
+def test_submit_check_raises_an_error_naming_the_problem(
+    recorded: Path, tmp_path: Path, corruption: str
+) -> None:
+    root = tmp_path / "corrupt"
+    shutil.copytree(recorded, root)
+    corrupt, needles = CHECKED[corruption]
+    corrupt(root)
+    with pytest.raises(DatasetError) as error:
+        check_dataset(root)
+    for needle in needles:
+        assert needle in str(error.value), f"{needle!r} not in {error.value}"

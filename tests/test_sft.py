@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from nats.js import JetStreamContext
@@ -12,7 +16,7 @@ from nats.js import JetStreamContext
 from bus.server import EmbeddedServer
 from clients.sdk import Client, JobFailed
 from tests.conftest import Procs
-from tests.helpers import uid
+from tests.helpers import start_service, uid
 from tests.sft_helpers import (
     DISCRETE_3D,
     OFT_2D,
@@ -22,6 +26,7 @@ from tests.sft_helpers import (
     sft_spec,
     start_stack,
 )
+from vla.data import check_dataset
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +91,38 @@ async def test_bad_dataset_is_rejected_at_submit_with_a_specific_error(
             JobFailed, match=r"head\.action_dim: 3 does not match the dataset's action dimension 2"
         ):
             await wrong_dim.wait(60)
+
+
+async def test_a_bad_frame_the_submit_check_misses_fails_the_job_naming_the_frame(
+    nats_server: EmbeddedServer,
+    js: JetStreamContext,
+    datasets: dict[str, Path],
+    procs: Procs,
+    tmp_path: Path,
+) -> None:
+    # The master checks metadata and a sample; the env worker validates every frame.
+    root = tmp_path / "late-bad-frame"
+    shutil.copytree(datasets["reach"], root)
+    data, key = root / "data/chunk-000/file-000.parquet", "observation.images.front"
+    table = pq.read_table(data)
+    episode_N, frame_N = table["episode_index"].to_numpy(), table["frame_index"].to_numpy()
+    images = table[key].to_pylist()
+    images[int(np.flatnonzero((episode_N == 14) & (frame_N == 1))[0])] = b"not a png"
+    column = pa.array(images, pa.binary())
+    pq.write_table(table.set_column(table.schema.get_field_index(key), key, column), data)
+    check_dataset(root)  # the sample does not include that frame
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    procs.add(start_service("master", nats_server.url, logs / "master.log"))
+    procs.add(start_service("envs", nats_server.url, logs / "envs.log"))
+    tenant = uid("frame")
+    async with await Client.connect(nats_server.url) as client:
+        job = await client.train_sft(sft_spec(tenant, root, OFT_2D, 5))
+        with pytest.raises(JobFailed, match=r"unreadable image at episode 14, frame 1") as failed:
+            await job.wait(120)
+        assert failed.value.result.status == "failed"  # accepted at submit, failed in the env
+        kinds = [type(event).__name__ async for event in job.events(idle_timeout=10)]
+    assert kinds[0] == "Accepted" and "ErrorEvent" in kinds, kinds
 
 
 async def test_cancel_mid_run_frees_the_slot(

@@ -36,8 +36,9 @@ from schemas.model import Observation
 from schemas.tensor import Tensor
 from schemas.train import POLICY_RECORD_DECODER, SFTBatch
 from services.envs.adapters import EnvUnavailableError
-from services.envs.datasets import Dataset, DatasetError, load_dataset
+from services.envs.datasets import iter_batches
 from services.envs.rollouts import AdapterPool, collect, evaluate_env
+from vla.data import Dataset, DatasetError, load_dataset
 
 log = logging.getLogger(__name__)
 DURABLE = "envs"
@@ -75,6 +76,8 @@ class EnvWorker:
                     await self.evaluate(task)
         except EnvUnavailableError as exc:
             raise PoisonError(str(exc)) from exc
+        except DatasetError as exc:  # a frame that became unreadable after the dataset loaded
+            raise PoisonError(f"dataset: {exc}") from exc
         except InferenceError as exc:
             raise (RetryableError if exc.retryable else PoisonError)(
                 f"inference: {exc}", delay_s=2.0
@@ -120,7 +123,7 @@ class EnvWorker:
         if not held_out:
             raise PoisonError(f"val_fraction {task.val_fraction} holds out no episode")
         sq_err, abs_err, count = 0.0, 0.0, 0
-        for batch in ds.iter_batches(16, task.chunk_len, seed=task.seed, episodes=held_out):
+        for batch in iter_batches(ds, 16, task.chunk_len, seed=task.seed, episodes=held_out):
             observations = [
                 Observation(
                     [
@@ -159,6 +162,8 @@ class EnvWorker:
         }
 
     async def dataset(self, path: str) -> Dataset:
+        """The dataset at ``path``, fully validated: the master checked only its metadata and a
+        sample, so a bad frame anywhere is found here and fails the job, naming the frame."""
         if path not in self.datasets:
             try:
                 self.datasets[path] = await asyncio.to_thread(load_dataset, path)
@@ -219,7 +224,8 @@ class EnvWorker:
             want_epoch, index = divmod(step, per_epoch)
             if want_epoch != epoch:
                 epoch = want_epoch
-                batches = ds.iter_batches(
+                batches = iter_batches(
+                    ds,
                     task.batch_size,
                     task.chunk_len,
                     seed=task.seed,

@@ -1,7 +1,9 @@
 """Compiling validated job specs into the messages that run them.
 
 * SFT: an :class:`~schemas.train.OpenSlot` on the tenant's Training Queue subject and a
-  :class:`~schemas.env.StreamDataset` task. The dataset is validated here, at submit.
+  :class:`~schemas.env.StreamDataset` task. The dataset is checked here, at submit, from its
+  metadata, its files' schemas and a few decoded frames (:func:`vla.data.check_dataset`); the
+  env worker validates every frame before it streams one.
 * RL: an OpenSlot with the PPO settings; rollout tasks are issued per iteration as the
   trainer publishes policy versions (:func:`rollout_tasks`).
 * Eval: one read-only :class:`~schemas.env.EvalTask` against a pinned policy version.
@@ -16,7 +18,7 @@ from bus.errors import PoisonError
 from schemas.env import EnvTask, EvalTask, RolloutTask, StreamDataset
 from schemas.specs import EvalJobSpec, RLJobSpec, SFTJobSpec
 from schemas.train import OpenSlot, PolicyRecord
-from services.envs.datasets import Dataset, DatasetError, load_dataset
+from vla.data import DatasetError, DatasetMeta, check_dataset
 
 #: Batches beyond one commit interval a stream may have waiting in TRAIN.
 PREFETCH_ALLOWANCE = 4
@@ -31,10 +33,10 @@ class Plan:
     env_tasks: list[EnvTask] = field(default_factory=list)
 
 
-def check_dataset_fits(ds: Dataset, spec: SFTJobSpec) -> None:
+def check_dataset_fits(ds: DatasetMeta, spec: SFTJobSpec) -> None:
     """Raise PoisonError naming the mismatch between a dataset and the job's head."""
-    action_dim = ds.action_N_A.shape[1]
-    state_dim = ds.state_N_S.shape[1]
+    action_dim = ds.action_dim
+    state_dim = ds.state_dim
     if spec.head.action_dim != action_dim:
         raise PoisonError(
             f"head.action_dim: {spec.head.action_dim} does not match the dataset's action "
@@ -49,9 +51,10 @@ def check_dataset_fits(ds: Dataset, spec: SFTJobSpec) -> None:
         raise PoisonError(f"dataset {spec.dataset} has no camera images")
 
 
-async def open_dataset(path: str) -> Dataset:
+async def open_dataset(path: str) -> DatasetMeta:
+    """The dataset at ``path`` checked from its metadata and a sample (not every frame)."""
     try:
-        return await asyncio.to_thread(load_dataset, path)
+        return await asyncio.to_thread(check_dataset, path)
     except DatasetError as exc:
         raise PoisonError(f"dataset: {exc}") from exc
     except OSError as exc:
