@@ -88,6 +88,10 @@ class LocalStack:
             PYTHONUNBUFFERED="1",
         )
         env.setdefault("OMP_NUM_THREADS", "1")
+        # ManiSkill fixes its asset directory from MS_ASSET_DIR at import, so the env worker
+        # gets it here, in its environment (nothing sets it in a running process); an
+        # operator's own MS_ASSET_DIR wins.
+        env.setdefault("MS_ASSET_DIR", str(self.home.resolve() / "maniskill"))
         env.update(self.extra_env)
         return env
 

@@ -11,17 +11,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bus.local import StackInfo
+from services.envs import maniskill
 from services.envs.adapters import (
-    MANISKILL_TASKS,
     EnvAdapter,
     EnvUnavailableError,
     GymDictAdapter,
-    ManiSkillAdapter,
     StepObs,
     make_adapter,
-    maniskill_asset_dir,
 )
+from services.envs.maniskill import MANISKILL_TASKS, ManiSkillAdapter, ManiSkillTask
 from services.envs.sims import REACH2D_ID, REACH_GRASP_ID
+from services.launcher import LocalStack
 
 
 def _assert_step_obs(obs: StepObs, adapter: EnvAdapter, image_size: int) -> None:
@@ -127,16 +128,18 @@ def test_unknown_id_names_the_supported_ones(maniskill_home: Path) -> None:
     assert REACH2D_ID in message and all(task in message for task in MANISKILL_TASKS)
 
 
-def test_maniskill_asset_dir_follows_joynexus_home(
+def test_the_local_stack_gives_its_roles_a_maniskill_asset_dir_under_home(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    # ManiSkill reads MS_ASSET_DIR once, at import: the launcher passes it in each child's
+    # environment (nothing sets it in a running process), unless the operator chose one.
+    stack = LocalStack(tmp_path / "home")
+    stack.info = StackInfo("nats://127.0.0.1:4222", "u", "p", 1)
     monkeypatch.delenv("MS_ASSET_DIR", raising=False)
-    monkeypatch.setenv("JOYNEXUS_HOME", str(tmp_path))
-    assert maniskill_asset_dir() == tmp_path / "maniskill"
-    monkeypatch.delenv("JOYNEXUS_HOME")
-    assert maniskill_asset_dir() == Path.home() / ".joynexus" / "maniskill"
+    assert stack.child_env()["MS_ASSET_DIR"] == str((tmp_path / "home").resolve() / "maniskill")
+    assert "MS_SKIP_ASSET_DOWNLOAD_PROMPT" not in stack.child_env()
     monkeypatch.setenv("MS_ASSET_DIR", str(tmp_path / "explicit"))
-    assert maniskill_asset_dir() == tmp_path / "explicit"
+    assert stack.child_env()["MS_ASSET_DIR"] == str(tmp_path / "explicit")
 
 
 # -- ManiSkill3 ---------------------------------------------------------------------------------
@@ -150,8 +153,10 @@ def maniskill_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     reads it once at import, so this must come before any test here imports ManiSkill."""
     asset_dir = tmp_path_factory.mktemp("maniskill-assets")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MS_ASSET_DIR", str(asset_dir))
-        mp.setenv("MS_SKIP_ASSET_DOWNLOAD_PROMPT", "1")  # restored after the module
+        mp.setenv("MS_ASSET_DIR", str(asset_dir))  # restored after the module
+        # Unset, ManiSkill's download prompt reads stdin (at EOF here) instead of answering
+        # "yes" and downloading: a refusal we failed to make cannot turn into a download.
+        mp.delenv("MS_SKIP_ASSET_DOWNLOAD_PROMPT", raising=False)
         yield asset_dir
 
 
@@ -250,3 +255,20 @@ def test_asset_needing_task_fails_fast_with_a_clear_message(
 def test_unvetted_maniskill_task_is_refused(push_cube: ManiSkillAdapter) -> None:
     with pytest.raises(EnvUnavailableError, match=r"PokeCube-v1 is not vetted.*PushCube-v1"):
         make_adapter("PokeCube-v1")
+
+
+@pytest.mark.maniskill
+def test_a_download_prompt_we_fail_to_foresee_fails_fast_and_downloads_nothing(
+    push_cube: ManiSkillAdapter, maniskill_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Pretend an asset-needing task were vetted and our asset check missed its assets:
+    # ManiSkill's own prompt is reached, reads our closed stdin, and the build is refused.
+    monkeypatch.setitem(
+        MANISKILL_TASKS, "PickSingleYCB-v1", ManiSkillTask("pick up the object", "pd_ee_delta_pos")
+    )
+    monkeypatch.setattr(maniskill, "_missing_assets", lambda env_id: [])
+    start = time.perf_counter()
+    with pytest.raises(EnvUnavailableError, match=r"asked to download assets for PickSingleYCB"):
+        make_adapter("PickSingleYCB-v1")
+    assert time.perf_counter() - start < 5.0
+    assert not any(maniskill_home.iterdir()), "nothing may be downloaded"
