@@ -41,10 +41,11 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 
 from bus import checkpoints as ckpt
-from bus.codec import decode, encode
+from bus.codec import decode
 from bus.connect import connect
 from bus.declare import declare
 from bus.inference import PolicyClient, observation
+from bus.records import put_policy
 from bus.server import EmbeddedServer
 from schemas import subjects
 from schemas.health import HEARTBEAT_DECODER
@@ -87,7 +88,7 @@ async def commit_policies(js: JetStreamContext, hidden_size: int, count: int) ->
         await ckpt.put_checkpoint(store, name, data)
         spec = OpenSlot(tenant, JOB, head, OptimizerConfig(), i, 1, token_budget=TOKEN_BUDGET)
         record = PolicyRecord(tenant, JOB, version, 0, name, sha, 0, spec, time.time())
-        await kv.put(f"{tenant}.{JOB}", encode(record))
+        await put_policy(kv, record, last=0)
 
 
 def _observation(head: HeadConfig, rng: np.random.Generator) -> Observation:

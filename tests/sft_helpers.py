@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 from nats.js import JetStreamContext
 
-from bus.codec import decode
+from bus.records import get_policy
 from clients.sdk import Client, Job
 from schemas import subjects
 from schemas.events import PolicyPublished, Progress
-from schemas.train import POLICY_RECORD_DECODER, PolicyRecord
+from schemas.train import PolicyRecord
 from services.envs.datasets import record
 from services.envs.sims import REACH2D_ID, REACH_GRASP_ID
 from tests.conftest import Procs
@@ -87,10 +87,8 @@ async def final_policy(
     js: JetStreamContext, tenant: str, job_id: str
 ) -> tuple[PolicyRecord, dict[str, torch.Tensor]]:
     """The job's committed policy record and its module's parameters."""
-    kv = await js.key_value(subjects.KV_POLICIES)
-    entry = await kv.get(f"{tenant}.{job_id}")
-    assert entry.value is not None
-    rec = decode(POLICY_RECORD_DECODER, entry.value)
+    rec, _ = await get_policy(await js.key_value(subjects.KV_POLICIES), tenant, job_id)
+    assert rec is not None
     store = await js.object_store(subjects.OBJ_CHECKPOINTS)
     buf = io.BytesIO()
     await store.get(rec.object_name, writeinto=buf)

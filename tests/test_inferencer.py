@@ -35,6 +35,7 @@ from bus.inference import (
     PolicyClient,
     observation,
 )
+from bus.records import get_policy, put_policy
 from bus.server import EmbeddedServer
 from schemas import subjects
 from schemas.dead import DEAD_LETTER_DECODER, DeadLetter
@@ -84,7 +85,8 @@ async def commit_policy(
     )
     record = PolicyRecord(tenant, job_id, version, slot.step, name, sha, 0, spec, time.time())
     kv = await js.key_value(subjects.KV_POLICIES)
-    await kv.put(f"{tenant}.{job_id}", encode(record))
+    _, revision = await get_policy(kv, tenant, job_id)
+    await put_policy(kv, record, last=revision)
     return slot
 
 

@@ -9,10 +9,12 @@ from typing import Any
 import pytest
 from nats.js import JetStreamContext
 
+from bus.records import get_policy
 from bus.server import EmbeddedServer
 from clients.sdk import Client, JobFailed
 from schemas import subjects
 from schemas.events import Progress
+from schemas.train import PolicyRecord
 from tests.conftest import Procs
 from tests.helpers import start_service, uid
 
@@ -59,11 +61,10 @@ async def iterations_of(client: Client, tenant: str, job_id: str) -> list[Progre
     ]
 
 
-async def policy_entry(js: JetStreamContext, tenant: str, job_id: str) -> tuple[int, bytes]:
-    kv = await js.key_value(subjects.KV_POLICIES)
-    entry = await kv.get(f"{tenant}.{job_id}")
-    assert entry.revision is not None and entry.value is not None
-    return entry.revision, entry.value
+async def policy_entry(
+    js: JetStreamContext, tenant: str, job_id: str
+) -> tuple[PolicyRecord | None, int]:
+    return await get_policy(await js.key_value(subjects.KV_POLICIES), tenant, job_id)
 
 
 @pytest.mark.timeout(400)
@@ -82,7 +83,8 @@ async def test_rl_loop_publishes_versions_and_evaluation_is_read_only(
             assert p.metrics["episodes"] == 8 and p.metrics["policy_lag_max"] == 0
             assert {"return_mean", "success_rate", "policy_loss", "approx_kl"} <= set(p.metrics)
 
-        revision, value = await policy_entry(js, tenant, job.job_id)
+        record, revision = await policy_entry(js, tenant, job.job_id)
+        assert record is not None
         store = await js.object_store(subjects.OBJ_CHECKPOINTS)
         objects_before = sorted(i.name or "" for i in await store.list())
         evaluation = await client.evaluate(
@@ -99,7 +101,7 @@ async def test_rl_loop_publishes_versions_and_evaluation_is_read_only(
         assert outcome.metrics["episodes"] == 8
         assert 0.0 <= outcome.metrics["success_rate"] <= 1.0
         assert outcome.metrics["policy_version"] == 4
-        assert await policy_entry(js, tenant, job.job_id) == (revision, value)
+        assert await policy_entry(js, tenant, job.job_id) == (record, revision)
         assert sorted(i.name or "" for i in await store.list()) == objects_before
 
 
@@ -259,9 +261,9 @@ async def test_pipeline_sft_then_rl_then_eval(
         assert rl_stage["init_from"] == f"{job.job_id}-s0"
         assert eval_stage["policy_job"] == f"{job.job_id}-s1"
         # The RL stage started from the SFT stage's final weights.
-        kv = await js.key_value(subjects.KV_POLICIES)
-        entry = await kv.get(f"{tenant}.{job.job_id}-s1")
-        assert entry.value is not None and b"s0/v" in entry.value
+        rl_policy, _ = await policy_entry(js, tenant, f"{job.job_id}-s1")
+        assert rl_policy is not None
+        assert rl_policy.slot.init_object.startswith(f"{tenant}/{job.job_id}-s0/v")
 
 
 def parse(record: Any) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.errors import NotFoundError
 from pydantic import Field
 
 from bus.codec import DecodeError, decode
@@ -27,14 +27,15 @@ from bus.consume import PullConsumer
 from bus.errors import PoisonError, RetryableError
 from bus.inference import InferenceError, PolicyClient
 from bus.publish import Outgoing, msg_id, publish, publish_all
+from bus.records import get_job, get_policy
 from bus.service import Runtime, serve
 from schemas import subjects
 from schemas.env import ENV_DECODER, EvalTask, RolloutTask, StreamDataset
 from schemas.events import ErrorEvent, Metrics
-from schemas.jobs import JOB_RECORD_DECODER, TERMINAL_STATUSES, job_key
+from schemas.jobs import TERMINAL_STATUSES
 from schemas.model import Observation
 from schemas.tensor import Tensor
-from schemas.train import POLICY_RECORD_DECODER, SFTBatch
+from schemas.train import SFTBatch
 from services.envs.adapters import EnvUnavailableError
 from services.envs.datasets import iter_batches
 from services.envs.rollouts import AdapterPool, collect, evaluate_env
@@ -174,23 +175,12 @@ class EnvWorker:
     async def consumed(self, task: StreamDataset) -> int:
         """Batches of the job the trainer has committed (where a restarted stream resumes)."""
         kv = await self.js.key_value(subjects.KV_POLICIES)
-        try:
-            entry = await kv.get(f"{task.tenant}.{task.job_id}")
-        except KeyNotFoundError:
-            return 0
-        if not entry.value:
-            return 0
-        return decode(POLICY_RECORD_DECODER, entry.value).batches_done
+        record, _ = await get_policy(kv, task.tenant, task.job_id)
+        return record.batches_done if record is not None else 0
 
     async def job_ended(self, tenant: str, job_id: str) -> bool:
-        kv = await self.js.key_value(subjects.KV_JOBS)
-        try:
-            entry = await kv.get(job_key(tenant, job_id))
-        except KeyNotFoundError:
-            return False
-        if not entry.value:
-            return False
-        return decode(JOB_RECORD_DECODER, entry.value).status in TERMINAL_STATUSES
+        record, _ = await get_job(await self.js.key_value(subjects.KV_JOBS), tenant, job_id)
+        return record is not None and record.status in TERMINAL_STATUSES
 
     async def unconsumed(self, subject: str) -> int:
         try:
