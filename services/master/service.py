@@ -16,17 +16,17 @@ import time
 import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from pydantic import Field
 
-from bus.codec import DecodeError, decode, encode
+from bus.codec import DecodeError, decode
 from bus.config import BusConfig
 from bus.consume import PullConsumer
 from bus.errors import PoisonError
 from bus.publish import msg_id, publish
+from bus.records import get_job, get_policy, put_job
 from bus.service import Runtime, serve
-from schemas import subjects
+from schemas import headers, subjects
 from schemas.events import (
     EVENT_DECODER,
     Accepted,
@@ -41,14 +41,12 @@ from schemas.events import (
 from schemas.ids import InvalidIdError, validate_id
 from schemas.jobs import (
     JOB_COMMAND_DECODER,
-    JOB_RECORD_DECODER,
     TERMINAL_STATUSES,
     JobCancel,
     JobCommand,
     JobRecord,
     JobStatus,
     JobSubmit,
-    job_key,
 )
 from schemas.specs import (
     EvalJobSpec,
@@ -59,7 +57,7 @@ from schemas.specs import (
     SFTJobSpec,
     parse_job_spec,
 )
-from schemas.train import POLICY_RECORD_DECODER, CloseSlot, PolicyRecord
+from schemas.train import CloseSlot, PolicyRecord
 from services.master.plans import Plan, compile_eval, compile_rl, compile_sft, rollout_tasks
 
 log = logging.getLogger(__name__)
@@ -67,7 +65,7 @@ log = logging.getLogger(__name__)
 #: Header the SDK sets so that even a command whose payload does not decode at all can be
 #: answered on its job's events. Optional: a command whose envelope decodes is answered
 #: from the job id it names (:meth:`Master.on_dead`).
-JOB_ID_HEADER = "Joynexus-Job-Id"
+JOB_ID_HEADER = headers.JOB_ID
 
 
 class _CommandEnvelope(msgspec.Struct):
@@ -113,8 +111,10 @@ class Master:
         self.policies = policies
 
     async def handle(self, msg: Msg) -> None:
-        verb = msg.subject.rsplit(".", 1)[-1]
-        subject_tenant = subjects.tenant_of(msg.subject)
+        try:
+            subject_tenant, verb = subjects.parse_job(msg.subject)
+        except subjects.SubjectError as exc:
+            raise PoisonError(str(exc)) from exc
         try:
             command = decode(JOB_COMMAND_DECODER, msg.data)
         except DecodeError as exc:
@@ -143,13 +143,8 @@ class Master:
                 raise PoisonError(f"{type(command).__name__} is not supported yet")
 
     async def record(self, tenant: str, job_id: str) -> tuple[JobRecord, int] | None:
-        try:
-            entry = await self.jobs.get(job_key(tenant, job_id))
-        except KeyNotFoundError:
-            return None
-        if entry.value is None or entry.revision is None:
-            return None
-        return decode(JOB_RECORD_DECODER, entry.value), entry.revision
+        record, revision = await get_job(self.jobs, tenant, job_id)
+        return None if record is None else (record, revision)
 
     async def submit(self, command: JobSubmit) -> None:
         existing = await self.record(command.tenant, command.job_id)
@@ -185,7 +180,7 @@ class Master:
         )
         found = await self.record(spec.tenant, job_id)
         if found is None:
-            await self.jobs.create(job_key(spec.tenant, job_id), encode(record))
+            await put_job(self.jobs, record, last=0)
             log.info("accepted %s job %s/%s", spec.kind, spec.tenant, job_id)
         else:
             record = found[0]  # a replayed submit (the job is recorded, not started yet)
@@ -320,7 +315,7 @@ class Master:
             metrics=metrics if metrics is not None else record.metrics,
             policy_version=record.policy_version if policy_version is None else policy_version,
         )
-        await self.jobs.update(job_key(tenant, job_id), encode(updated), revision)
+        await put_job(self.jobs, updated, last=revision)
         if status != record.status:
             # A job enters each status once (accepted -> running -> a terminal one).
             await publish_event(
@@ -396,11 +391,8 @@ class Master:
                 )
 
     async def policy_record(self, tenant: str, job_id: str) -> PolicyRecord | None:
-        try:
-            entry = await self.policies.get(f"{tenant}.{job_id}")
-        except KeyNotFoundError:
-            return None
-        return decode(POLICY_RECORD_DECODER, entry.value) if entry.value else None
+        record, _ = await get_policy(self.policies, tenant, job_id)
+        return record
 
     async def cancel(self, command: JobCancel) -> None:
         if await self.record(command.tenant, command.job_id) is None:
