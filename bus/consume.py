@@ -36,6 +36,7 @@ from bus.codec import DecodeError, encode
 from bus.errors import HandlerError
 from schemas import subjects
 from schemas.dead import DeadLetter
+from schemas.headers import MSG_ID
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ async def dead_letter(
     await js.publish(
         subjects.dead(stream, record.tenant),
         encode(record),
-        headers={"Nats-Msg-Id": f"dead:{stream}:{record.stream_seq}"},
+        headers={MSG_ID: f"dead:{stream}:{record.stream_seq}"},
     )
 
 
