@@ -21,7 +21,7 @@ from bus.codec import decode, encode
 from bus.connect import connect
 from bus.declare import declare
 from bus.server import EmbeddedServer
-from schemas import subjects
+from schemas import headers, subjects
 from schemas.events import EVENT_DECODER, Accepted, Rejected, StateChanged
 from schemas.jobs import JobSubmit
 from services.master.service import Master, publish_event
@@ -140,7 +140,7 @@ async def test_rejection_of_a_redelivered_dead_command_is_stored_once(
     await own_js.publish(
         subjects.job(tenant, "submit"),
         encode(JobSubmit(tenant, job, b"{}", 0.0)),
-        headers={"Joynexus-Job-Id": job},
+        headers={headers.JOB_ID: job},
     )
     sub = await own_js.pull_subscribe(subjects.job(tenant, "submit"), durable=uid("d"))
     (msg,) = await sub.fetch(1, timeout=5)

@@ -20,7 +20,7 @@ from bus.declare import declare
 from bus.kv import kv_values
 from bus.server import EmbeddedServer
 from clients.sdk import Client, JobFailed
-from schemas import subjects
+from schemas import headers, subjects
 from schemas.health import HEALTH_REPORT_DECODER, HEALTH_SUBJECT, HEARTBEAT_DECODER, ROLES
 from schemas.jobs import JobSubmit
 from schemas.specs import JobSpecError
@@ -102,7 +102,7 @@ async def test_master_rejects_bad_spec_naming_the_field_and_dead_letters_it(
         await js.publish(
             subjects.job(tenant, "submit"),
             encode(JobSubmit(tenant, "bad-job", spec, 0.0)),
-            headers={"Joynexus-Job-Id": "bad-job"},
+            headers={headers.JOB_ID: "bad-job"},
         )
         from clients.sdk import Job
 
@@ -121,7 +121,7 @@ async def test_malformed_message_never_stops_the_master(
 ) -> None:
     tenant = uid("acme")
     await js.publish(
-        subjects.job(tenant, "submit"), b"\x00garbage", headers={"Joynexus-Job-Id": "junk"}
+        subjects.job(tenant, "submit"), b"\x00garbage", headers={headers.JOB_ID: "junk"}
     )
     await js.publish(
         subjects.job(tenant, "cancel"), encode(JobSubmit(tenant, "wrong-verb", b"{}", 0.0))
