@@ -1,18 +1,32 @@
-"""The pull-consume loop and the one function that decides a message's fate.
+"""The one consume runtime: binds durables, fetches, and alone decides every message's fate.
 
-Fate rules (DESIGN.md §2):
+Every role consumes through a :class:`Consumer`. It serves three shapes:
 
-* handler returned → ``ack``;
-* :class:`~bus.errors.HandlerError` with ``retryable`` → ``nak`` with its delay, until the
-  consumer's ``max_deliver`` is reached, then dead-letter;
+* a plain loop, one message at a time (master, health) — :meth:`Consumer.run`;
+* a concurrent handler pool (env workers) — :meth:`Consumer.run` with ``concurrency > 1``;
+* a scheduler that prefetches from a set of durables and picks what to apply itself (the
+  trainer's per-tenant consumers, the inferencer's batcher) — :class:`DurableSet`,
+  :meth:`Consumer.fetch` and :meth:`Consumer.process`.
+
+Fate rules (DESIGN.md §2), decided in :meth:`Consumer.settle` and nowhere else:
+
+* handler returned None → ``ack``;
+* handler returned :data:`HOLD` → the effect is not durable yet: the message is kept alive
+  with in-progress acks until the owner calls :meth:`Consumer.release` (after its commit);
+* :class:`~bus.errors.Interrupted` (the service is stopping) → ``nak`` without delay, for
+  another instance (at the consumer's last delivery it is dead-lettered instead: the server
+  would not deliver it again);
+* :class:`~bus.errors.HandlerError` with ``retryable`` → ``nak`` with its delay until the
+  consumer's ``max_deliver``, then dead-letter;
 * ``retryable`` False (poison: bad schema, bad shapes, unknown tenant) → ``term`` + a
-  :class:`~schemas.dead.DeadLetter` on ``nexus.dead.<stream>.<tenant>`` + the ``on_dead``
-  hook (which tells the tenant on ``EVENTS``);
-* any other exception is a bug of ours: retried with backoff (logged with traceback), and
-  dead-lettered once ``max_deliver`` is reached — never silently acked.
+  :class:`~schemas.dead.DeadLetter` on ``nexus.dead.<stream>.<tenant>`` + the durable's
+  ``on_dead`` hook (which tells the sender);
+* any other exception is a bug of ours: retried with backoff (logged with its traceback) and
+  dead-lettered at ``max_deliver`` — never silently acked.
 
-Long handlers get in-progress acks every ``ack_wait / 3`` so they are not redelivered while
-still working.
+Messages being handled or held get in-progress acks every ``ack_wait / 3`` from one ticker
+(:meth:`Consumer.keep_alive`), which, like every loop here, ends on the stop event: nothing in
+this module stops a task by cancelling it (a cancel can be lost on Python 3.11, PITFALLS).
 """
 
 from __future__ import annotations
@@ -22,18 +36,19 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator
+from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import FetchTimeoutError, NotFoundError
+from nats.js.errors import BadRequestError, FetchTimeoutError, NotFoundError
 
 from bus import tracing
 from bus.codec import DecodeError, encode
-from bus.errors import HandlerError
+from bus.errors import HandlerError, Interrupted
 from schemas import subjects
 from schemas.dead import DeadLetter
 from schemas.headers import MSG_ID
@@ -43,8 +58,24 @@ log = logging.getLogger(__name__)
 #: Dead letters keep at most this many payload bytes (the rest is in the source stream's
 #: history only for limits streams; for work queues it is gone, so keep a generous slice).
 DEAD_PAYLOAD_LIMIT = 512 * 1024
+#: How long a stopping pool waits for its running handlers before handing their messages back.
+DRAIN_S = 2.0
+#: Bound on any single bus call made while stopping (nak, unsubscribe).
+STOP_CALL_S = 0.5
 
-Handler = Callable[[Msg], Awaitable[None]]
+
+class Hold:
+    """Returned by a handler whose message's effect is not durable yet (the trainer applied a
+    batch that the next checkpoint will contain). The runtime keeps the message alive until
+    :meth:`Consumer.release` settles it."""
+
+    def __repr__(self) -> str:
+        return "HOLD"
+
+
+HOLD = Hold()
+
+Handler = Callable[[Msg], Awaitable[Hold | None]]
 DeadHook = Callable[[Msg, str, BaseException], Awaitable[None]]
 
 
@@ -52,6 +83,8 @@ class Fate(enum.Enum):
     ACKED = "acked"
     RETRY = "retry"
     DEAD = "dead"
+    HELD = "held"
+    HANDED_BACK = "handed back"
 
 
 def error_reason(error: BaseException) -> str:
@@ -67,6 +100,15 @@ def _tenant_of(msg: Msg) -> str:
         return subjects.validate_id(tenant or "", "tenant")
     except ValueError:
         return "unknown"
+
+
+def retry_decision(error: BaseException, delivered: int) -> tuple[bool, float]:
+    """(retryable, nak delay) for ``error`` on its ``delivered``-th delivery."""
+    if isinstance(error, HandlerError | DecodeError):
+        retryable = isinstance(error, HandlerError) and error.retryable
+        delay = error.delay_s if isinstance(error, HandlerError) else 0.0
+        return retryable, delay
+    return True, min(30.0, 0.5 * 2 ** (delivered - 1))
 
 
 async def dead_letter(
@@ -96,68 +138,19 @@ async def dead_letter(
     )
 
 
-async def settle(
-    js: JetStreamContext,
-    msg: Msg,
-    error: BaseException | None,
-    *,
-    consumer: str,
-    max_deliver: int,
-    on_dead: DeadHook | None = None,
-) -> Fate:
-    """Decide and carry out ``msg``'s fate after handling ended with ``error`` (None: ok).
-    This is the only place in the code base that acks, naks or terminates on a consumer."""
-    if error is None:
-        await msg.ack()
-        return Fate.ACKED
-    delivered = msg.metadata.num_delivered
-    if isinstance(error, HandlerError | DecodeError):
-        retryable = isinstance(error, HandlerError) and error.retryable
-        delay = error.delay_s if isinstance(error, HandlerError) else 0.0
-    else:
-        log.error(
-            "unexpected error handling %s (delivery %d)", msg.subject, delivered, exc_info=error
-        )
-        retryable, delay = True, min(30.0, 0.5 * 2 ** (delivered - 1))
-    if retryable and (max_deliver <= 0 or delivered < max_deliver):
-        await msg.nak(delay=delay)
-        return Fate.RETRY
-    reason = error_reason(error)
-    if retryable:
-        reason = f"gave up after {delivered} deliveries: {reason}"
-    await dead_letter(js, msg, consumer=consumer, reason=reason, error_type=type(error).__name__)
-    await msg.term()
-    if on_dead is not None:
-        try:
-            await on_dead(msg, reason, error)
-        except Exception:
-            log.exception("on_dead hook failed for %s", msg.subject)  # block the consumer
-    return Fate.DEAD
+@dataclass(frozen=True)
+class ConsumerSpec:
+    """A durable pull consumer's identity and delivery settings."""
 
-
-@dataclass
-class PullConsumer:
-    """A durable pull consumer with a per-message handler.
-
-    ``run(stop)`` fetches in batches until ``stop`` is set; messages fetched but not started
-    when stopping are released (nak without delay) for another instance.
-    """
-
-    js: JetStreamContext
     stream: str
     durable: str
     filter_subject: str
-    handler: Handler
-    max_deliver: int = 5
+    #: Redelivery after this long without an ack or in-progress ack.
     ack_wait_s: float = 30.0
-    batch: int = 32
-    fetch_timeout_s: float = 0.5
+    #: Deliveries before a retried message is dead-lettered.
+    max_deliver: int = 5
+    #: Unacked messages the server lets this consumer have at once.
     max_ack_pending: int = 1000
-    on_dead: DeadHook | None = None
-    #: Messages handled at once (long-running tasks such as dataset streams need > 1).
-    concurrency: int = 1
-    #: Messages currently being handled (reported in heartbeats).
-    in_flight: int = 0
 
     def config(self) -> ConsumerConfig:
         return ConsumerConfig(
@@ -170,94 +163,329 @@ class PullConsumer:
             max_ack_pending=self.max_ack_pending,
         )
 
-    async def subscribe(self) -> JetStreamContext.PullSubscription:
+
+@dataclass
+class Durable:
+    """A bound durable: its spec, pull subscription and the hook told of its dead letters."""
+
+    spec: ConsumerSpec
+    sub: JetStreamContext.PullSubscription
+    on_dead: DeadHook | None = None
+    #: Messages of this durable being handled right now.
+    in_flight: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.durable
+
+
+@dataclass
+class _Alive:
+    msg: Msg
+    every_s: float
+    last: float
+
+
+class Consumer:
+    """The consume runtime of one service: the only code that acks, naks or terminates.
+
+    ``stop`` is the service's stop event; :meth:`run`, :meth:`keep_alive` and
+    :meth:`DurableSet.fill` return soon after it is set (each wait is bounded by a fetch
+    timeout), and :meth:`close` hands back whatever was fetched or held and not settled."""
+
+    def __init__(self, js: JetStreamContext, stop: asyncio.Event) -> None:
+        self.js = js
+        self.stop = stop
+        self.durables: dict[str, Durable] = {}
+        self._alive: dict[int, _Alive] = {}
+        #: Messages fetched and not settled yet (what close() hands back).
+        self._unsettled: dict[int, Msg] = {}
+
+    # -- binding and fetching ----------------------------------------------------------------
+    async def bind(self, spec: ConsumerSpec, on_dead: DeadHook | None = None) -> Durable:
+        """Bind ``spec``'s durable, creating it on first use."""
         try:
-            await self.js.consumer_info(self.stream, self.durable)
+            await self.js.consumer_info(spec.stream, spec.durable)
         except NotFoundError:
-            await self.js.add_consumer(self.stream, self.config())
-        return await self.js.pull_subscribe_bind(self.durable, stream=self.stream)
+            try:
+                await self.js.add_consumer(spec.stream, spec.config())
+            except BadRequestError as exc:
+                # A work-queue stream refuses overlapping filters, e.g. a consumer left by an
+                # older layout: say so instead of a bare API error.
+                raise RuntimeError(
+                    f"cannot create consumer {spec.durable} on {spec.stream} "
+                    f"({exc.description}); remove consumers whose filter overlaps "
+                    f"{spec.filter_subject}"
+                ) from exc
+        sub = await self.js.pull_subscribe_bind(spec.durable, stream=spec.stream)
+        durable = Durable(spec, sub, on_dead)
+        self.durables[spec.durable] = durable
+        return durable
 
-    async def run(self, stop: asyncio.Event) -> None:
-        sub = await self.subscribe()
-        if self.concurrency > 1:
-            await self._run_concurrent(sub, stop)
-            return
+    async def fetch(self, durable: Durable, n: int, timeout: float) -> list[Msg]:
+        """Up to ``n`` messages within ``timeout``; [] on timeout, on a broker error (the
+        connection reconnects on its own; the caller just tries again) or once stopping."""
+        if n <= 0 or self.stop.is_set():
+            return []
         try:
-            while not stop.is_set():
-                try:
-                    msgs = await sub.fetch(self.batch, timeout=self.fetch_timeout_s)
-                except (TimeoutError, FetchTimeoutError, NatsTimeoutError):
-                    continue
-                for i, msg in enumerate(msgs):
-                    if stop.is_set():
-                        for rest in msgs[i:]:
-                            await rest.nak()
-                        break
-                    await self.handle(msg)
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            msgs = await durable.sub.fetch(n, timeout=timeout)
+        except (TimeoutError, FetchTimeoutError, NatsTimeoutError):
+            return []
+        except NatsError as exc:
+            log.warning("fetch on %s failed: %s", durable.name, exc)
+            await self._pause(min(timeout, 0.2))
+            return []
+        for msg in msgs:
+            self._unsettled[id(msg)] = msg
+        if self.stop.is_set():
+            await self.hand_back(msgs)
+            return []
+        return msgs
 
-    async def _run_concurrent(
-        self, sub: JetStreamContext.PullSubscription, stop: asyncio.Event
-    ) -> None:
-        """Up to ``concurrency`` handlers at once; only fetch what can start now. On stop,
-        running handlers are cancelled, which hands their messages back (nak)."""
-        running: set[asyncio.Task[Fate]] = set()
-        try:
-            while not stop.is_set():
-                running = {t for t in running if not t.done()}
-                free = self.concurrency - len(running)
-                if free <= 0:
-                    stop_wait = asyncio.create_task(stop.wait())
-                    await asyncio.wait({*running, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-                    stop_wait.cancel()
-                    continue
-                try:
-                    msgs = await sub.fetch(min(free, self.batch), timeout=self.fetch_timeout_s)
-                except (TimeoutError, FetchTimeoutError, NatsTimeoutError):
-                    continue
-                for msg in msgs:
-                    running.add(asyncio.create_task(self.handle(msg)))
-        finally:
-            for task in running:
-                task.cancel()
-            await asyncio.gather(*running, return_exceptions=True)
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stop.wait(), seconds)
 
-    async def handle(self, msg: Msg) -> Fate:
-        """Run the handler with in-progress acks, then settle the message."""
-        self.in_flight += 1
-        ticker = asyncio.create_task(self._keep_alive(msg))
+    # -- handling ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def span(self, msg: Msg) -> Iterator[object]:
+        """The CONSUMER span of handling ``msg`` (continues the sender's trace)."""
+        with tracing.consumer_span(f"{msg.metadata.consumer} {msg.subject}", msg.headers) as s:
+            yield s
+
+    async def process(self, msg: Msg, handler: Handler) -> Fate:
+        """Run ``handler`` on ``msg`` inside its span with in-progress acks, then settle it
+        (or hold it, if the handler returned :data:`HOLD`)."""
+        durable = self.durables.get(msg.metadata.consumer)
+        if durable is not None:
+            durable.in_flight += 1
+        self._keep(msg)
         error: BaseException | None = None
+        held = False
         try:
-            with tracing.consumer_span(f"{self.durable} {msg.subject}", msg.headers):
-                await self.handler(msg)
+            with self.span(msg):
+                held = isinstance(await handler(msg), Hold)
         except asyncio.CancelledError:
-            # Shutting down mid-message: hand it back for redelivery, then propagate.
-            ticker.cancel()
-            self.in_flight -= 1
-            with contextlib.suppress(Exception):
-                await msg.nak()
+            # Only close() cancels, after handing the message back.
             raise
         except Exception as exc:  # noqa: BLE001 - every exception's fate is decided by settle()
             error = exc
-        ticker.cancel()
-        try:
-            return await settle(
-                self.js,
-                msg,
-                error,
-                consumer=self.durable,
-                max_deliver=self.max_deliver,
-                on_dead=self.on_dead,
-            )
         finally:
-            self.in_flight -= 1
+            if durable is not None:
+                durable.in_flight -= 1
+        if held and error is None:
+            return Fate.HELD
+        return await self.settle(msg, error)
 
-    async def _keep_alive(self, msg: Msg) -> None:
-        interval = max(0.5, self.ack_wait_s / 3)
-        while True:
-            await asyncio.sleep(interval)
-            await msg.in_progress()
+    def hold(self, msg: Msg) -> None:
+        """Keep ``msg`` alive (in-progress acks) until it is released or handed back."""
+        self._unsettled[id(msg)] = msg
+        self._keep(msg)
+
+    async def release(self, msgs: Iterable[Msg], error: BaseException | None = None) -> None:
+        """Settle held messages now that their effect is durable (``error`` None: ack)."""
+        await asyncio.gather(*(self.settle(m, error) for m in msgs))
+
+    # -- fates -------------------------------------------------------------------------------
+    async def settle(self, msg: Msg, error: BaseException | None) -> Fate:
+        """Decide and carry out ``msg``'s fate after handling ended with ``error`` (None: ok).
+        The only place in the code base that acks, naks or terminates a message."""
+        self._alive.pop(id(msg), None)
+        self._unsettled.pop(id(msg), None)
+        if error is None:
+            await msg.ack()
+            return Fate.ACKED
+        name = msg.metadata.consumer
+        durable = self.durables.get(name)
+        max_deliver = durable.spec.max_deliver if durable is not None else 1
+        delivered = msg.metadata.num_delivered
+        if isinstance(error, Interrupted) and (max_deliver <= 0 or delivered < max_deliver):
+            # The server would not redeliver a message past max_deliver: at its last
+            # delivery an interrupted message is dead-lettered instead, so it is not lost.
+            with contextlib.suppress(NatsError):
+                await msg.nak()
+            return Fate.HANDED_BACK
+        retryable, delay = retry_decision(error, delivered)
+        if not isinstance(error, HandlerError | DecodeError):
+            log.error(
+                "unexpected error handling %s (delivery %d)", msg.subject, delivered, exc_info=error
+            )
+        if retryable and (max_deliver <= 0 or delivered < max_deliver):
+            await msg.nak(delay=delay)
+            return Fate.RETRY
+        reason = error_reason(error)
+        if retryable:
+            reason = f"gave up after {delivered} deliveries: {reason}"
+        error_type = type(error).__name__
+        await dead_letter(self.js, msg, consumer=name, reason=reason, error_type=error_type)
+        await msg.term()
+        if durable is not None and durable.on_dead is not None:
+            try:
+                await durable.on_dead(msg, reason, error)
+            except Exception:  # telling the sender must not block the consumer
+                log.exception("on_dead hook failed for %s", msg.subject)
+        return Fate.DEAD
+
+    def is_last_delivery(self, msg: Msg, error: BaseException) -> bool:
+        """Whether settling ``msg`` with ``error`` will dead-letter it (no redelivery)."""
+        durable = self.durables.get(msg.metadata.consumer)
+        max_deliver = durable.spec.max_deliver if durable is not None else 1
+        retryable, _ = retry_decision(error, msg.metadata.num_delivered)
+        return not retryable or (0 < max_deliver <= msg.metadata.num_delivered)
+
+    async def hand_back(self, msgs: Iterable[Msg]) -> None:
+        """Nak without delay (another instance takes them); bounded, errors ignored."""
+        pending = list(msgs)
+        for msg in pending:
+            self._alive.pop(id(msg), None)
+            self._unsettled.pop(id(msg), None)
+        if pending:
+            await _bounded(asyncio.gather(*(m.nak() for m in pending), return_exceptions=True))
+
+    # -- keep-alive --------------------------------------------------------------------------
+    def _keep(self, msg: Msg) -> None:
+        durable = self.durables.get(msg.metadata.consumer)
+        ack_wait = durable.spec.ack_wait_s if durable is not None else 30.0
+        self._alive[id(msg)] = _Alive(msg, max(0.3, ack_wait / 3), time.monotonic())
+
+    async def keep_alive(self) -> None:
+        """In-progress acks for messages being handled or held; returns on stop."""
+        while not self.stop.is_set():
+            now = time.monotonic()
+            due = [a for a in self._alive.values() if now - a.last >= a.every_s]
+            for alive in due:
+                alive.last = now
+            if due:
+                await asyncio.gather(*(a.msg.in_progress() for a in due), return_exceptions=True)
+            every = min((a.every_s for a in self._alive.values()), default=1.0)
+            await self._pause(min(1.0, every / 2))
+
+    # -- loops -------------------------------------------------------------------------------
+    async def run(
+        self,
+        durable: Durable,
+        handler: Handler,
+        *,
+        concurrency: int = 1,
+        batch: int = 32,
+        fetch_timeout_s: float = 0.5,
+    ) -> None:
+        """Handle ``durable``'s messages until stop: one at a time, or up to ``concurrency``
+        at once (only what can start now is fetched). On stop, running handlers get
+        :data:`DRAIN_S` to finish (long ones should watch the stop event and raise
+        :class:`~bus.errors.Interrupted`); the messages of those still running are handed
+        back."""
+        running: dict[asyncio.Task[Fate], Msg] = {}
+        while not self.stop.is_set():
+            for task in [t for t in running if t.done()]:
+                del running[task]
+            free = concurrency - len(running)
+            if free <= 0:
+                await asyncio.wait(
+                    running, timeout=fetch_timeout_s, return_when=asyncio.FIRST_COMPLETED
+                )
+                continue
+            msgs = await self.fetch(durable, min(free, batch), fetch_timeout_s)
+            for i, msg in enumerate(msgs):
+                if self.stop.is_set():
+                    await self.hand_back(msgs[i:])
+                    break
+                if concurrency == 1:
+                    await self.process(msg, handler)
+                else:
+                    running[asyncio.create_task(self.process(msg, handler))] = msg
+        if running:
+            _, still = await asyncio.wait(running, timeout=DRAIN_S)
+            if still:
+                log.warning("%d handlers still running at stop; handing back", len(still))
+                await self.hand_back(running[t] for t in still)
+                for task in still:
+                    task.cancel()  # their messages are already back; not awaited (see module)
+
+    async def close(self) -> None:
+        """Hand back everything fetched or held and not settled; unsubscribe (bounded)."""
+        await self.hand_back(list(self._unsettled.values()))
+        for durable in self.durables.values():
+            await _bounded(durable.sub.unsubscribe())
+
+    def in_flight(self) -> int:
+        """Messages fetched and not settled (being handled, buffered or held)."""
+        return len(self._unsettled)
+
+    def unsettled(self, durable: str) -> int:
+        """Messages of ``durable`` fetched and not settled."""
+        return sum(1 for m in self._unsettled.values() if m.metadata.consumer == durable)
+
+
+async def _bounded(awaitable: Awaitable[object], seconds: float = STOP_CALL_S) -> None:
+    try:
+        await asyncio.wait_for(awaitable, seconds)
+    except (TimeoutError, NatsError, OSError) as exc:
+        log.debug("bounded call at stop did not finish: %r", exc)
+
+
+@dataclass
+class DurableSet:
+    """One durable per key (the trainer's per-tenant consumers), discovered from the stream's
+    subjects as keys appear, each with its own prefetch.
+
+    Discovery reads the stream's per-subject message counts (one request for all keys); a key
+    whose last fetch came back empty is not fetched again until discovery sees messages on
+    its subject that it has not fetched, so idle tenants cost nothing per round."""
+
+    consumer: Consumer
+    stream: str
+    #: Subjects to discover keys from (e.g. ``nexus.train.<backbone>.>``).
+    subject_filter: str
+    #: The key's consumer spec, from the key (e.g. the tenant).
+    spec_for: Callable[[str], ConsumerSpec]
+    #: The key a subject belongs to (None: not ours).
+    key_of: Callable[[str], str | None]
+    on_dead: DeadHook | None = None
+    durables: dict[str, Durable] = field(default_factory=dict)
+    #: Keys with messages to fetch (last fetch was non-empty, or discovery saw more).
+    active: set[str] = field(default_factory=set)
+
+    async def discover(self) -> list[str]:
+        """Bind durables for new keys; mark keys with unfetched messages active. Returns the
+        newly bound keys."""
+        try:
+            info = await self.consumer.js.stream_info(
+                self.stream, subjects_filter=self.subject_filter
+            )
+        except NotFoundError:
+            return []
+        except (NatsError, TimeoutError) as exc:
+            log.warning("discovery on %s failed: %s", self.stream, exc)
+            return []
+        new = []
+        for subject, count in (info.state.subjects or {}).items():
+            key = self.key_of(subject)
+            if key is None:
+                continue
+            if key not in self.durables:
+                self.durables[key] = await self.consumer.bind(self.spec_for(key), self.on_dead)
+                new.append(key)
+            if count > self.consumer.unsettled(self.durables[key].name):
+                self.active.add(key)
+        return new
+
+    async def fill(
+        self, wants: dict[str, int], timeout: float, also: Collection[str] = ()
+    ) -> dict[str, list[Msg]]:
+        """Fetch up to ``wants[key]`` messages for every active key and every key in ``also``
+        (keys expecting work, such as tenants with a live job), concurrently."""
+        keys = [
+            k
+            for k, n in wants.items()
+            if n > 0 and k in self.durables and (k in self.active or k in also)
+        ]
+
+        async def one(key: str) -> list[Msg]:
+            msgs = await self.consumer.fetch(self.durables[key], wants[key], timeout)
+            if len(msgs) < wants[key] and (not msgs or msgs[-1].metadata.num_pending == 0):
+                self.active.discard(key)
+            return msgs
+
+        results = await asyncio.gather(*(one(k) for k in keys))
+        return dict(zip(keys, results, strict=True))

@@ -31,3 +31,13 @@ class PoisonError(HandlerError):
     terminate it, dead-letter it with the reason, tell the tenant."""
 
     retryable = False
+
+
+class Interrupted(HandlerError):
+    """The service is stopping before the handler finished: hand the message back at once
+    (nak without delay) for another instance."""
+
+    retryable = True
+
+    def __init__(self, message: str = "service stopping") -> None:
+        super().__init__(message, delay_s=0.0)

@@ -1,9 +1,21 @@
-"""The service runtime every role runs in: connect, declare, heartbeat, clean stop.
+"""The service runtime every role runs in: connect, declare, heartbeat, one stop protocol.
 
-``await serve(role, config, body)`` connects to the bus, declares the layout, heartbeats into
-the ``heartbeats`` KV every ``heartbeat_interval_s`` and runs ``body(runtime)`` until it
-returns or SIGTERM/SIGINT sets ``runtime.stop``; the body is expected to stop pulling, finish
-or release in-flight work and return. The heartbeat key is deleted on a clean stop.
+``await serve(role, config, body)`` installs the SIGTERM/SIGINT handlers first (before
+anything slow), connects to the bus, declares the layout, heartbeats into the ``heartbeats``
+KV and runs ``body(runtime)``. Stop protocol (Temporal's worker shape):
+
+* a signal sets ``runtime.stop``; every loop (the body's, the heartbeat, the consumer's
+  keep-alive, KV followers) checks it and returns — nothing is stopped by ``task.cancel()``,
+  whose cancel Python 3.11 can lose inside nats.py's ``wait_for`` calls (PITFALLS);
+* background work runs in one ``TaskGroup`` (:meth:`Runtime.spawn`); a crash in any of it
+  sets ``stop`` so the rest winds down, and is re-raised once everything has returned (exit
+  non-zero);
+* slow blocking work (loading the model) runs in a daemon thread via :meth:`Runtime.slow`,
+  which gives up waiting as soon as ``stop`` is set;
+* on the way out the consumer hands back whatever it fetched and did not settle, the
+  heartbeat key is deleted, and the connection is drained with a bound;
+* a last-resort watchdog ends the process (exit 3, logged) if a stop takes longer than
+  :data:`STOP_DEADLINE_S`, so a hang is visible and never outlives the deadline.
 """
 
 from __future__ import annotations
@@ -15,10 +27,12 @@ import os
 import signal
 import socket
 import ssl
+import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -26,9 +40,11 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from bus import stopping
 from bus.codec import encode
 from bus.config import BusConfig
 from bus.connect import connect
+from bus.consume import Consumer
 from bus.declare import BusLayout, declare
 from bus.tracing import setup_tracing
 from schemas import subjects
@@ -38,9 +54,24 @@ log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 
 
+P = ParamSpec("P")
+T = TypeVar("T")
+
+#: A stop that has not finished after this long ends the process (exit 3).
+STOP_DEADLINE_S = 4.5
+#: Exit status of a stop the watchdog had to end.
+EXIT_STOP_DEADLINE = 3
+
+
+class ServiceStopping(Exception):
+    """Raised by :meth:`Runtime.slow` when the service is told to stop while it waits; a body
+    that lets it escape ends cleanly."""
+
+
 @dataclass
 class Runtime:
-    """What a running service holds: its connection, JetStream context and stop event."""
+    """What a running service holds: its connection, JetStream context, stop event and the
+    consume runtime every handler's message goes through."""
 
     role: str
     config: BusConfig
@@ -48,11 +79,14 @@ class Runtime:
     js: JetStreamContext
     instance: str
     started_at: float
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    stop: asyncio.Event
+    consumer: Consumer
     #: Callables reporting in-flight work and gauges for the heartbeat.
     in_flight: Callable[[], int] = lambda: 0
     gauges: Callable[[], dict[str, float]] = dict
     heartbeats_kv: KeyValue | None = None
+    _tasks: asyncio.TaskGroup | None = None
+    crash: BaseException | None = None
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(
@@ -71,6 +105,54 @@ class Runtime:
     def heartbeat_key(self) -> str:
         return f"{self.role}.{self.instance}"
 
+    def spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """Run ``work`` in the service's task group. It must return once ``stop`` is set; if
+        it raises, the service stops and exits non-zero."""
+        assert self._tasks is not None, "spawn() is for the body, inside serve()"
+        self._tasks.create_task(self._guard(work, name), name=name)
+
+    async def _guard(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        try:
+            await work
+        except ServiceStopping:
+            pass
+        except Exception as exc:  # recorded, stops the service, re-raised by serve()
+            log.error("%s crashed", name, exc_info=exc)
+            if self.crash is None:
+                self.crash = exc
+        finally:
+            self.stop.set()  # the body ended or something crashed: the service stops
+
+    async def slow(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """``fn(*args, **kwargs)`` in a daemon thread; raises :class:`ServiceStopping` if the
+        service is told to stop first (the thread is left to finish on its own and cannot keep
+        the process alive)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+
+        def deliver(result: T | None, error: BaseException | None) -> None:
+            if done.done():
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)  # type: ignore[arg-type]
+
+        def work() -> None:
+            try:
+                result, error = fn(*args, **kwargs), None
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                result, error = None, exc
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                loop.call_soon_threadsafe(deliver, result, error)
+
+        threading.Thread(target=work, name=f"{self.role}-slow", daemon=True).start()
+        while not done.done():
+            if self.stop.is_set():
+                raise ServiceStopping(f"{self.role} stopping")
+            await asyncio.wait({done}, timeout=0.1)
+        return done.result()
+
 
 def default_instance(role: str) -> str:
     host = "".join(c if c.isalnum() or c == "-" else "-" for c in socket.gethostname().lower())
@@ -82,7 +164,7 @@ async def _heartbeat_loop(rt: Runtime) -> None:
     while not rt.stop.is_set():
         try:
             await rt.heartbeats_kv.put(rt.heartbeat_key, encode(rt.heartbeat()))
-        except (NatsError, OSError) as exc:
+        except (NatsError, OSError, TimeoutError) as exc:
             # A broker restart must not kill the service; the next tick retries.
             log.warning("heartbeat failed: %s", exc)
         with contextlib.suppress(TimeoutError):
@@ -91,7 +173,7 @@ async def _heartbeat_loop(rt: Runtime) -> None:
 
 #: Longest a stopping service waits for its subscriptions to drain. nats.py's own default is
 #: 30 s, and a push subscription (a KV watcher's) that keeps receiving can use all of it.
-DRAIN_TIMEOUT_S = 3.0
+DRAIN_TIMEOUT_S = 1.5
 
 
 async def close_connection(nc: NATS) -> None:
@@ -101,7 +183,8 @@ async def close_connection(nc: NATS) -> None:
     except (TimeoutError, NatsError) as exc:
         log.warning("drain did not finish (%s); closing", exc or "timeout")
     if not nc.is_closed:
-        await nc.close()
+        with contextlib.suppress(TimeoutError, NatsError):
+            await asyncio.wait_for(nc.close(), 1.0)
 
 
 def setup_logging(config: BusConfig, role: str) -> None:
@@ -111,53 +194,144 @@ def setup_logging(config: BusConfig, role: str) -> None:
     )
 
 
+def _arm_watchdog(role: str) -> None:
+    """Once a stop begins: end the process if it is still running after the deadline."""
+
+    def expire() -> None:
+        log.error("%s: stop took longer than %.1f s; exiting", role, STOP_DEADLINE_S)
+        logging.shutdown()
+        os._exit(EXIT_STOP_DEADLINE)
+
+    timer = threading.Timer(STOP_DEADLINE_S, expire)
+    timer.daemon = True
+    timer.start()
+
+
+#: Connections that arrived after a stop, being closed (kept referenced until done).
+_late_closes: set[asyncio.Future[None]] = set()
+
+
+async def _connect_or_stop(config: BusConfig, role: str, stop: asyncio.Event) -> NATS | None:
+    """Connect, unless told to stop first (None). The connect attempt is not cancelled: a
+    late connection is closed as soon as it arrives."""
+    tls = ssl.create_default_context(cafile=config.tls_ca) if config.tls_ca else None
+    attempt = asyncio.ensure_future(
+        connect(
+            config.url,
+            name=f"joynexus-{role}",
+            creds=config.creds,
+            user=config.user,
+            password=config.password,
+            tls=tls,
+        )
+    )
+    while not attempt.done() and not stop.is_set():
+        await asyncio.wait({attempt}, timeout=0.1)
+    if attempt.done():
+        return attempt.result()
+
+    def close_late(fut: asyncio.Future[NATS]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            closing = asyncio.ensure_future(fut.result().close())
+            _late_closes.add(closing)
+            closing.add_done_callback(_late_closes.discard)
+
+    attempt.add_done_callback(close_late)
+    return None
+
+
 async def serve(
     role: str, config: BusConfig, body: Callable[[Runtime], Coroutine[Any, Any, None]]
 ) -> None:
     """Run ``body`` as role ``role`` until it returns or a stop signal arrives."""
     setup_logging(config, role)
-    setup_tracing(f"joynexus-{role}")
-    tls = ssl.create_default_context(cafile=config.tls_ca) if config.tls_ca else None
-    nc = await connect(
-        config.url,
-        name=f"joynexus-{role}",
-        creds=config.creds,
-        user=config.user,
-        password=config.password,
-        tls=tls,
-    )
-    js = nc.jetstream()
-    rt = Runtime(role, config, nc, js, config.instance or default_instance(role), time.time())
+    stop = asyncio.Event()
+    stop_began = threading.Event()
+
+    def request_stop() -> None:
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, rt.stop.set)
-    heartbeat_task: asyncio.Task[None] | None = None
+        loop.add_signal_handler(sig, request_stop)
+    if stopping.requested():  # a signal arrived during start-up imports
+        stop.set()
+
+    async def watch_stop() -> None:
+        await stop.wait()
+        if not stop_began.is_set():
+            stop_began.set()
+            _arm_watchdog(role)
+
+    watcher = asyncio.ensure_future(watch_stop())
     try:
-        await declare(js, BusLayout(replicas=config.replicas))
-        rt.heartbeats_kv = await js.key_value(subjects.KV_HEARTBEATS)
-        heartbeat_task = asyncio.create_task(_heartbeat_loop(rt))
-        log.info("%s %s started (pid %d) on %s", role, rt.instance, os.getpid(), config.url)
-        body_task = asyncio.create_task(body(rt))
-        stop_task = asyncio.create_task(rt.stop.wait())
-        done, _ = await asyncio.wait({body_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-        if body_task in done:
-            rt.stop.set()
-            body_task.result()  # re-raise a crash so the process exits non-zero
-        else:
-            # The body sees rt.stop and winds down (release in-flight work) on its own.
-            await body_task
-        stop_task.cancel()
-        log.info("%s %s stopping", role, rt.instance)
+        setup_tracing(f"joynexus-{role}")
+        nc = await _connect_or_stop(config, role, stop)
+        if nc is None:
+            log.info("%s stopped before connecting", role)
+            return
+        try:
+            await _serve_connected(role, config, body, nc, stop)
+        finally:
+            await close_connection(nc)
     finally:
-        rt.stop.set()
-        if heartbeat_task is not None:
-            await heartbeat_task
-        if rt.heartbeats_kv is not None:
-            with contextlib.suppress(Exception):
-                await rt.heartbeats_kv.delete(rt.heartbeat_key)
+        stop.set()
+        await watcher
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-        await close_connection(nc)
+
+
+async def _serve_connected(
+    role: str,
+    config: BusConfig,
+    body: Callable[[Runtime], Coroutine[Any, Any, None]],
+    nc: NATS,
+    stop: asyncio.Event,
+) -> None:
+    js = nc.jetstream()
+    rt = Runtime(
+        role,
+        config,
+        nc,
+        js,
+        config.instance or default_instance(role),
+        time.time(),
+        stop,
+        Consumer(js, stop),
+    )
+    rt.in_flight = rt.consumer.in_flight
+    try:
+        if not stop.is_set():
+            await declare(js, BusLayout(replicas=config.replicas))
+            rt.heartbeats_kv = await js.key_value(subjects.KV_HEARTBEATS)
+        if stop.is_set():
+            return
+        log.info("%s %s started (pid %d) on %s", role, rt.instance, os.getpid(), config.url)
+        async with asyncio.TaskGroup() as tasks:
+            rt._tasks = tasks
+            rt.spawn(_heartbeat_loop(rt), "heartbeat")
+            rt.spawn(rt.consumer.keep_alive(), "keep-alive")
+            rt.spawn(body(rt), f"{role} body")
+        log.info("%s %s stopped", role, rt.instance)
+    finally:
+        stop.set()
+        await rt.consumer.close()
+        if rt.heartbeats_kv is not None:
+            with contextlib.suppress(NatsError, TimeoutError):
+                await asyncio.wait_for(rt.heartbeats_kv.delete(rt.heartbeat_key), 0.5)
+    if rt.crash is not None:
+        raise rt.crash
+
+
+def main(run: Callable[[Any], Coroutine[Any, Any, None]], config: BusConfig) -> None:
+    """A role's process entry: run it; exit 0 on a clean stop, 1 on a crash."""
+    try:
+        asyncio.run(run(config))
+    except KeyboardInterrupt:
+        pass
+    except Exception:
+        log.exception("service crashed")
+        sys.exit(1)
 
 
 @contextlib.asynccontextmanager

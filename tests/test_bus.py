@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
@@ -16,11 +17,12 @@ from opentelemetry import trace
 from bus import tracing
 from bus.codec import decode
 from bus.connect import connect
-from bus.consume import PullConsumer
+from bus.consume import HOLD, Consumer, ConsumerSpec, Handler
 from bus.declare import BusLayout, DeclareConflict, declare
-from bus.errors import PoisonError, RetryableError
+from bus.errors import Interrupted, PoisonError, RetryableError
 from bus.publish import Outgoing, publish, publish_all
 from bus.server import EmbeddedServer, ServerError
+from bus.watch import follow_kv
 from schemas import subjects
 from schemas.dead import DEAD_LETTER_DECODER, DeadLetter
 from schemas.events import Accepted
@@ -88,8 +90,30 @@ async def test_publish_all_keeps_order_and_dedupes(js: JetStreamContext) -> None
     assert len(acks) == 20 and sum(not a.duplicate for a in acks) == 5
 
 
-async def _run_consumer(consumer: PullConsumer, until: asyncio.Event) -> asyncio.Task[None]:
-    return asyncio.create_task(consumer.run(until))
+async def _run_consumer(
+    js: JetStreamContext,
+    stop: asyncio.Event,
+    tenant: str,
+    handler: Handler,
+    concurrency: int = 1,
+    **spec: object,
+) -> tuple[asyncio.Task[None], Consumer, str]:
+    """A consume runtime on one durable of ``tenant``'s TRAIN subject, with its keep-alive,
+    running until ``stop`` (then closed, as serve() does)."""
+    consumer = Consumer(js, stop)
+    on_dead = spec.pop("on_dead", None)
+    durable = await consumer.bind(
+        ConsumerSpec("TRAIN", uid("c"), subjects.train("tiny", tenant), **spec),  # type: ignore[arg-type]
+        on_dead,  # type: ignore[arg-type]
+    )
+
+    async def run() -> None:
+        await asyncio.gather(
+            consumer.run(durable, handler, concurrency=concurrency), consumer.keep_alive()
+        )
+        await consumer.close()
+
+    return asyncio.create_task(run()), consumer, durable.name
 
 
 async def _dead_letters(js: JetStreamContext, tenant: str) -> list[DeadLetter]:
@@ -121,15 +145,7 @@ async def test_poison_goes_to_dead_with_reason_and_consumer_continues(
         told.append(reason)
 
     stop = asyncio.Event()
-    consumer = PullConsumer(
-        js,
-        stream="TRAIN",
-        durable=uid("c"),
-        filter_subject=subjects.train("tiny", tenant),
-        handler=handler,
-        on_dead=on_dead,
-    )
-    task = await _run_consumer(consumer, stop)
+    task, _, durable = await _run_consumer(js, stop, tenant, handler, on_dead=on_dead)
     for payload in (b"good-1", b"bad", b"good-2"):
         await js.publish(subjects.train("tiny", tenant), payload)
     await eventually(lambda: len(handled) == 2, what="both good messages handled")
@@ -139,7 +155,7 @@ async def test_poison_goes_to_dead_with_reason_and_consumer_continues(
     assert told == [dead[0].reason]
     stop.set()
     await task
-    info = await js.consumer_info("TRAIN", consumer.durable)
+    info = await js.consumer_info("TRAIN", durable)
     assert info.num_pending == 0 and info.num_ack_pending == 0
 
 
@@ -153,14 +169,7 @@ async def test_retryable_error_is_redelivered_then_succeeds(js: JetStreamContext
             raise RetryableError("trainer slot not ready", delay_s=0.05)
 
     stop = asyncio.Event()
-    consumer = PullConsumer(
-        js,
-        stream="TRAIN",
-        durable=uid("c"),
-        filter_subject=subjects.train("tiny", tenant),
-        handler=handler,
-    )
-    task = await _run_consumer(consumer, stop)
+    task, _, _ = await _run_consumer(js, stop, tenant, handler)
     await js.publish(subjects.train("tiny", tenant), b"x")
     await eventually(lambda: len(attempts) == 3, what="three deliveries")
     assert attempts == [1, 2, 3]
@@ -176,15 +185,7 @@ async def test_unexpected_errors_end_in_dead_after_max_deliver(js: JetStreamCont
         raise ZeroDivisionError("a bug of ours")
 
     stop = asyncio.Event()
-    consumer = PullConsumer(
-        js,
-        stream="TRAIN",
-        durable=uid("c"),
-        max_deliver=2,
-        filter_subject=subjects.train("tiny", tenant),
-        handler=handler,
-    )
-    task = await _run_consumer(consumer, stop)
+    task, _, _ = await _run_consumer(js, stop, tenant, handler, max_deliver=2)
     await js.publish(subjects.train("tiny", tenant), b"x")
     dead = await eventually(lambda: _dead_letters(js, tenant), timeout=15, what="dead letter")
     assert dead[0].reason == "gave up after 2 deliveries: ZeroDivisionError: a bug of ours"
@@ -201,20 +202,10 @@ async def test_long_work_sends_in_progress_acks(js: JetStreamContext) -> None:
         await asyncio.sleep(2.5)  # the work itself: longer than ack_wait
 
     stop = asyncio.Event()
-    consumer = PullConsumer(
-        js,
-        stream="TRAIN",
-        durable=uid("c"),
-        ack_wait_s=1.0,
-        filter_subject=subjects.train("tiny", tenant),
-        handler=handler,
-    )
-    task = await _run_consumer(consumer, stop)
+    task, _, durable = await _run_consumer(js, stop, tenant, handler, ack_wait_s=1.0)
     await js.publish(subjects.train("tiny", tenant), b"x")
     await eventually(lambda: deliveries, what="delivery")
-    info = await eventually(
-        lambda: _acked(js, consumer.durable), timeout=10, what="ack after long work"
-    )
+    info = await eventually(lambda: _acked(js, durable), timeout=10, what="ack after long work")
     assert info and deliveries == [1]
     stop.set()
     await task
@@ -237,18 +228,103 @@ async def test_trace_context_travels_in_headers(js: JetStreamContext) -> None:
         sent_trace = span.get_span_context().trace_id
         await publish(js, subjects.train("tiny", tenant), Accepted(tenant, "j", "sft", 1.0))
     stop = asyncio.Event()
-    consumer = PullConsumer(
-        js,
-        stream="TRAIN",
-        durable=uid("c"),
-        filter_subject=subjects.train("tiny", tenant),
-        handler=handler,
-    )
-    task = await _run_consumer(consumer, stop)
+    task, _, _ = await _run_consumer(js, stop, tenant, handler)
     await eventually(lambda: seen, what="handled")
     assert seen == [sent_trace] and sent_trace != 0
     stop.set()
     await task
+
+
+async def test_held_message_stays_alive_until_released_then_is_acked(
+    js: JetStreamContext,
+) -> None:
+    tenant = uid("hold")
+    held: list[Msg] = []
+
+    async def handler(msg: Msg) -> object:
+        held.append(msg)
+        return HOLD  # e.g. applied, waiting for the checkpoint that contains it
+
+    stop = asyncio.Event()
+    task, consumer, durable = await _run_consumer(js, stop, tenant, handler, ack_wait_s=1.0)
+    await js.publish(subjects.train("tiny", tenant), b"x")
+    await eventually(lambda: held, what="handled")
+    await asyncio.sleep(2.5)  # longer than ack_wait: only in-progress acks keep it ours
+    info = await js.consumer_info("TRAIN", durable)
+    assert info.num_ack_pending == 1 and info.num_redelivered == 0 and len(held) == 1
+    await consumer.release(held)
+    assert await eventually(lambda: _acked(js, durable), what="acked after release")
+    stop.set()
+    await task
+
+
+async def test_interrupted_work_is_handed_back_at_once_and_not_dead_lettered(
+    js: JetStreamContext,
+) -> None:
+    tenant = uid("interrupt")
+    deliveries: list[int] = []
+
+    async def handler(msg: Msg) -> None:
+        deliveries.append(msg.metadata.num_delivered)
+        if len(deliveries) < 3:
+            raise Interrupted()
+
+    stop = asyncio.Event()
+    task, _, _ = await _run_consumer(js, stop, tenant, handler, ack_wait_s=30.0)
+    await js.publish(subjects.train("tiny", tenant), b"x")
+    # Redelivered at once (nak without delay), not after the 30 s ack wait.
+    await eventually(lambda: len(deliveries) == 3, timeout=5, what="three deliveries")
+    stop.set()
+    await task
+    assert deliveries == [1, 2, 3] and await _dead_letters(js, tenant) == []
+
+
+async def test_stop_hands_back_the_messages_of_handlers_that_do_not_finish(
+    js: JetStreamContext,
+) -> None:
+    tenant = uid("drain")
+    started = asyncio.Event()
+
+    async def stuck(msg: Msg) -> None:
+        started.set()
+        await asyncio.sleep(3600)  # ignores the stop event
+
+    stop = asyncio.Event()
+    task, _, durable = await _run_consumer(js, stop, tenant, stuck, concurrency=4, ack_wait_s=30)
+    await js.publish(subjects.train("tiny", tenant), b"x")
+    await asyncio.wait_for(started.wait(), 10)
+    t0 = asyncio.get_running_loop().time()
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert asyncio.get_running_loop().time() - t0 < 4
+    # Handed back (nak), not left to the 30 s ack wait: another consumer gets it at once.
+    sub = await js.pull_subscribe_bind(durable, stream="TRAIN")
+    msgs = await sub.fetch(1, timeout=3)
+    assert msgs[0].data == b"x" and msgs[0].metadata.num_delivered == 2
+    await msgs[0].ack()
+    await sub.unsubscribe()
+
+
+async def test_kv_follower_stops_on_the_event_and_leaves_no_subscription(
+    nc: NATS, js: JetStreamContext
+) -> None:
+    kv = await js.key_value(subjects.KV_HEARTBEATS)
+    key = uid("k")
+    seen: list[str] = []
+    before = len(nc._subs)
+    for delay in (0.0, 0.001, 0.01, 0.05, 0.3):  # stop during set-up and while following
+        stop = asyncio.Event()
+        ready = asyncio.Event()
+        follower = asyncio.create_task(
+            follow_kv(kv, stop, lambda e: seen.append(e.key), on_ready=ready.set)
+        )
+        await kv.put(key, b"v")
+        await asyncio.sleep(delay)
+        stop.set()
+        await asyncio.wait_for(follower, 2)  # returns on the event: never cancelled
+    await kv.delete(key)
+    assert await eventually(lambda: len(nc._subs) == before, what="watchers unsubscribed")
+    assert key in seen
 
 
 def test_embedded_server_reports_fatal_start_errors(tmp_path: Path) -> None:

@@ -392,14 +392,21 @@ def explained_variance(values_N: torch.Tensor, returns_N: torch.Tensor) -> float
     return 1.0 - float((returns_N - values_N).var(correction=0)) / var_returns
 
 
-def ppo_update(slot: TenantSlot, data: RolloutData, config: PPOConfig) -> dict[str, float]:
+def ppo_update(
+    slot: TenantSlot,
+    data: RolloutData,
+    config: PPOConfig,
+    schedule_step: int | None = None,
+) -> dict[str, float]:
     """``config.epochs`` passes over ``data`` in shuffled minibatches, one optimizer step each.
 
     Minibatches split each epoch's permutation (drawn from ``slot.generator``) into
     ``ceil(N / minibatch_size)`` near-equal parts, so no tiny remainder batch takes a full
     step. Each step: :func:`ppo_loss`, backward, global-norm clipping to
-    ``slot.optim_config.grad_clip`` (0 = off), AdamW at ``lr_at(slot.optim_config, slot.step)``,
-    ``slot.step += 1``. The policy version is not bumped here: publishing is the caller's.
+    ``slot.optim_config.grad_clip`` (0 = off), AdamW at ``lr_at(slot.optim_config, slot.step)``
+    — or, with ``schedule_step`` (a schedule sized in iterations), at
+    ``lr_at(slot.optim_config, schedule_step)`` for every minibatch — then ``slot.step += 1``.
+    The policy version is not bumped here: publishing is the caller's.
 
     Raises :class:`NonFiniteLossError` for a non-finite input batch, loss or gradient; then (and
     on any other exception) the slot is restored to its state before the call.
@@ -428,7 +435,9 @@ def ppo_update(slot: TenantSlot, data: RolloutData, config: PPOConfig) -> dict[s
     sums = dict.fromkeys(
         ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction"), 0.0
     )
-    lr = lr_at(slot.optim_config, slot.step)
+    # The schedule counts what the job's optimizer config counts: RL jobs size it in
+    # iterations (``schedule_step``), so every minibatch of one update shares that update's lr.
+    lr = lr_at(slot.optim_config, slot.step if schedule_step is None else schedule_step)
     module.train()
     try:
         for _epoch in range(config.epochs):
@@ -443,7 +452,8 @@ def ppo_update(slot: TenantSlot, data: RolloutData, config: PPOConfig) -> dict[s
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm))
                 if not math.isfinite(grad_norm):
                     raise NonFiniteLossError(slot.tenant, slot.step, "grad norm", grad_norm)
-                lr = lr_at(slot.optim_config, slot.step)
+                if schedule_step is None:
+                    lr = lr_at(slot.optim_config, slot.step)
                 for group in slot.optimizer.param_groups:
                     group["lr"] = lr
                 slot.optimizer.step()

@@ -302,6 +302,14 @@ class SlotManager:
     def __contains__(self, tenant: object) -> bool:
         return tenant in self._resident or tenant in self.store
 
+    def footprint(self, tenant: str) -> int:
+        """Bytes the tenant's slot takes when resident (whether it is resident now or not)."""
+        if tenant in self._resident:
+            return self._resident[tenant].nbytes
+        if tenant not in self._sizes:
+            self._sizes[tenant] = TenantSlot.from_bytes(self.store[tenant], self.device).nbytes
+        return self._sizes[tenant]
+
     def create(
         self,
         tenant: str,

@@ -23,8 +23,8 @@ from pydantic import Field
 
 from bus.codec import DecodeError, decode
 from bus.config import BusConfig
-from bus.consume import PullConsumer
-from bus.errors import PoisonError, RetryableError
+from bus.consume import ConsumerSpec
+from bus.errors import Interrupted, PoisonError, RetryableError
 from bus.inference import InferenceError, PolicyClient
 from bus.publish import Outgoing, msg_id, publish, publish_all
 from bus.records import get_job, get_policy
@@ -56,8 +56,15 @@ class EnvsConfig(BusConfig):
 class EnvWorker:
     """Runs env tasks: dataset streams (SFT), rollouts (RL) and evaluations."""
 
-    def __init__(self, js: JetStreamContext, policies: dict[str, PolicyClient]) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        policies: dict[str, PolicyClient],
+        stop: asyncio.Event | None = None,
+    ) -> None:
         self.js = js
+        #: The service's stop event: a long stream hands its task back when it is set.
+        self.stop = stop or asyncio.Event()
         self.datasets: dict[str, Dataset] = {}
         self.pool = AdapterPool()
         self.policies = policies
@@ -205,6 +212,8 @@ class EnvWorker:
         batches: Any = None
         epoch = -1
         while step < task.total_steps:
+            if self.stop.is_set():
+                raise Interrupted(f"stopping at step {step} of {task.tenant}/{task.job_id}")
             if await self.job_ended(task.tenant, task.job_id):
                 log.info("job %s/%s ended; stream stops at step %d", task.tenant, task.job_id, step)
                 return
@@ -265,23 +274,21 @@ async def run(config: EnvsConfig) -> None:
 
     async def body(rt: Runtime) -> None:
         policies: dict[str, PolicyClient] = {}
-        worker = EnvWorker(rt.js, policies)
+        worker = EnvWorker(rt.js, policies, rt.stop)
         for backbone in config.backbones.split(","):
             policies[backbone] = await PolicyClient.create(rt.nc, backbone, rt.js)
-        consumer = PullConsumer(
-            rt.js,
-            stream=subjects.STREAM_ENV,
-            durable=DURABLE,
-            filter_subject=f"{subjects.PREFIX}.env.>",
-            handler=worker.handle,
-            max_deliver=config.max_deliver,
+        tasks = await rt.consumer.bind(
+            ConsumerSpec(
+                subjects.STREAM_ENV,
+                DURABLE,
+                f"{subjects.PREFIX}.env.>",
+                ack_wait_s=30.0,
+                max_deliver=config.max_deliver,
+            ),
             on_dead=worker.on_dead,
-            concurrency=config.concurrency,
-            ack_wait_s=30.0,
         )
-        rt.in_flight = lambda: consumer.in_flight
         try:
-            await consumer.run(rt.stop)
+            await rt.consumer.run(tasks, worker.handle, concurrency=config.concurrency)
         finally:
             for client in policies.values():
                 await client.close()

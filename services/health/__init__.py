@@ -1,5 +1,5 @@
-"""The health manager: tracks the liveness of every role instance from heartbeats."""
+"""The health manager: tracks the liveness of every role instance from heartbeats.
 
-from services.health.service import HealthConfig, LivenessTable, run
-
-__all__ = ["HealthConfig", "LivenessTable", "run"]
+Import :mod:`services.health.service` for the entry point; this package stays light so that
+``python -m services.health`` can take stop signals before its heavy imports.
+"""

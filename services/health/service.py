@@ -14,11 +14,14 @@ import time
 from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+from nats.js.kv import KeyValue
 from pydantic import Field
 
 from bus.codec import DecodeError, decode, encode
 from bus.config import BusConfig
 from bus.service import Runtime, serve
+from bus.watch import follow_kv
 from schemas import subjects
 from schemas.health import (
     HEALTH_SUBJECT,
@@ -81,26 +84,21 @@ async def run(config: HealthConfig) -> None:
     async def body(rt: Runtime) -> None:
         table = LivenessTable(config.stale_after_s)
         kv = await rt.js.key_value(subjects.KV_HEARTBEATS)
-        watcher = await kv.watchall()
 
         async def answer(msg: Msg) -> None:
             await msg.respond(encode(table.report(time.time())))
 
+        def observe(entry: KeyValue.Entry) -> None:
+            if entry.operation in ("DEL", "PURGE") or not entry.value:
+                table.observe(entry.key, None)
+                return
+            try:
+                table.observe(entry.key, decode(HEARTBEAT_DECODER, entry.value))
+            except DecodeError as exc:
+                log.warning("ignoring malformed heartbeat %s: %s", entry.key, exc)
+
         sub = await rt.nc.subscribe(HEALTH_SUBJECT, cb=answer)
-
-        async def follow() -> None:
-            async for entry in watcher:
-                if entry is None:  # end of the initial snapshot
-                    continue
-                if entry.operation in ("DEL", "PURGE") or not entry.value:
-                    table.observe(entry.key, None)
-                    continue
-                try:
-                    table.observe(entry.key, decode(HEARTBEAT_DECODER, entry.value))
-                except DecodeError as exc:
-                    log.warning("ignoring malformed heartbeat %s: %s", entry.key, exc)
-
-        follower = asyncio.create_task(follow())
+        rt.spawn(follow_kv(kv, rt.stop, observe), "heartbeats follower")
         try:
             while not rt.stop.is_set():
                 for key, alive in table.sweep(time.time()):
@@ -108,10 +106,7 @@ async def run(config: HealthConfig) -> None:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(rt.stop.wait(), 0.5)
         finally:
-            follower.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await follower
-            await watcher.stop()
-            await sub.unsubscribe()
+            with contextlib.suppress(NatsError, TimeoutError):
+                await asyncio.wait_for(sub.unsubscribe(), 0.5)
 
     await serve("health", config, body)

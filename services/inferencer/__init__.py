@@ -2,8 +2,8 @@
 
 ``python -m services.inferencer`` runs the service (:func:`run`, :class:`InferencerConfig`);
 requesters use :class:`bus.inference.PolicyClient`.
+
+
+Import :mod:`services.inferencer.service` for the entry point; this package stays light so that
+``python -m services.inferencer`` can take stop signals before its heavy imports.
 """
-
-from services.inferencer.service import InferencerConfig, run
-
-__all__ = ["InferencerConfig", "run"]

@@ -1,8 +1,11 @@
-"""``python -m services.inferencer [--target-batch B] [--max-wait-ms T] ...``"""
+"""``python -m services.inferencer``: parse the config, run the service; SIGTERM stops it cleanly."""
 
-import asyncio
+from bus.stopping import install_early
 
-from bus.config import main_config
-from services.inferencer import InferencerConfig, run
+install_early()  # before the heavy imports below: a stop during them still ends in exit 0
 
-asyncio.run(run(main_config(InferencerConfig, "python -m services.inferencer")))
+from bus.config import main_config  # noqa: E402
+from bus.service import main  # noqa: E402
+from services.inferencer.service import InferencerConfig, run  # noqa: E402
+
+main(run, main_config(InferencerConfig, "python -m services.inferencer"))

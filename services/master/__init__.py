@@ -1,5 +1,5 @@
-"""The master: consumes ``JOBS``, validates job specs, owns the ``jobs`` KV state machine."""
+"""The master: consumes ``JOBS``, validates job specs, owns the ``jobs`` KV state machine.
 
-from services.master.service import MasterConfig, run
-
-__all__ = ["MasterConfig", "run"]
+Import :mod:`services.master.service` for the entry point; this package stays light so that
+``python -m services.master`` can take stop signals before its heavy imports.
+"""

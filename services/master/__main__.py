@@ -1,6 +1,11 @@
-import asyncio
+"""``python -m services.master``: parse the config, run the service; SIGTERM stops it cleanly."""
 
-from bus.config import main_config
-from services.master import MasterConfig, run
+from bus.stopping import install_early
 
-asyncio.run(run(main_config(MasterConfig, "python -m services.master")))
+install_early()  # before the heavy imports below: a stop during them still ends in exit 0
+
+from bus.config import main_config  # noqa: E402
+from bus.service import main  # noqa: E402
+from services.master.service import MasterConfig, run  # noqa: E402
+
+main(run, main_config(MasterConfig, "python -m services.master"))

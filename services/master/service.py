@@ -3,12 +3,11 @@
 A submit is validated against :mod:`schemas.specs`; an accepted job is written to the
 ``jobs`` KV (status ``accepted``) and an ``accepted`` event is published; a bad one is
 dead-lettered and the tenant gets a ``rejected`` event naming the bad field. A malformed
-message never stops the master: its fate is decided by :func:`bus.consume.settle`.
+message never stops the master: its fate is decided by :meth:`bus.consume.Consumer.settle`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -21,7 +20,7 @@ from pydantic import Field
 
 from bus.codec import DecodeError, decode
 from bus.config import BusConfig
-from bus.consume import PullConsumer
+from bus.consume import ConsumerSpec
 from bus.errors import PoisonError
 from bus.publish import msg_id, publish
 from bus.records import get_job, get_policy, put_job
@@ -443,24 +442,24 @@ async def run(config: MasterConfig) -> None:
             await rt.js.key_value(subjects.KV_JOBS),
             await rt.js.key_value(subjects.KV_POLICIES),
         )
-        commands = PullConsumer(
-            rt.js,
-            stream=subjects.STREAM_JOBS,
-            durable="master",
-            filter_subject=f"{subjects.PREFIX}.job.>",
-            handler=master.handle,
-            max_deliver=config.max_deliver,
+        commands = await rt.consumer.bind(
+            ConsumerSpec(
+                subjects.STREAM_JOBS,
+                "master",
+                f"{subjects.PREFIX}.job.>",
+                max_deliver=config.max_deliver,
+            ),
             on_dead=master.on_dead,
         )
-        events = PullConsumer(
-            rt.js,
-            stream=subjects.STREAM_EVENTS,
-            durable="master-events",
-            filter_subject=f"{subjects.PREFIX}.event.*.*.>",
-            handler=master.handle_event,
-            max_deliver=config.max_deliver,
+        events = await rt.consumer.bind(
+            ConsumerSpec(
+                subjects.STREAM_EVENTS,
+                "master-events",
+                f"{subjects.PREFIX}.event.*.*.>",
+                max_deliver=config.max_deliver,
+            )
         )
-        rt.in_flight = lambda: commands.in_flight + events.in_flight
-        await asyncio.gather(commands.run(rt.stop), events.run(rt.stop))
+        rt.spawn(rt.consumer.run(events, master.handle_event), "master events")
+        await rt.consumer.run(commands, master.handle)
 
     await serve("master", config, body)

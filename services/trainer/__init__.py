@@ -1,5 +1,5 @@
-"""The trainer: holds the resident backbone and tenant slots, consumes the Training Queue."""
+"""The trainer: holds the resident backbone and tenant slots, consumes the Training Queue.
 
-from services.trainer.service import TrainerConfig, run
-
-__all__ = ["TrainerConfig", "run"]
+Import :mod:`services.trainer.service` for the entry point; this package stays light so that
+``python -m services.trainer`` can take stop signals before its heavy imports.
+"""

@@ -1,6 +1,11 @@
-import asyncio
+"""``python -m services.trainer``: parse the config, run the service; SIGTERM stops it cleanly."""
 
-from bus.config import main_config
-from services.trainer import TrainerConfig, run
+from bus.stopping import install_early
 
-asyncio.run(run(main_config(TrainerConfig, "python -m services.trainer")))
+install_early()  # before the heavy imports below: a stop during them still ends in exit 0
+
+from bus.config import main_config  # noqa: E402
+from bus.service import main  # noqa: E402
+from services.trainer.service import TrainerConfig, run  # noqa: E402
+
+main(run, main_config(TrainerConfig, "python -m services.trainer"))

@@ -8,9 +8,20 @@ from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 
+from bus.errors import HandlerError, PoisonError
 from schemas.train import OpenSlot, RolloutBatch
 from vla.normalize import Normaliser
 from vla.slot import TenantSlot
+
+
+class JobError(PoisonError):
+    """A training message that cannot be applied to its job. The tenant is told on the job's
+    events; ``fatal`` errors fail the job, others drop just this message."""
+
+    def __init__(self, message: str, job_id: str, *, fatal: bool = True) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+        self.fatal = fatal
 
 
 @dataclass
@@ -18,9 +29,10 @@ class JobSlot:
     """A tenant job's slot plus its commit bookkeeping.
 
     ``applied_seq`` is the highest TRAIN stream sequence applied to ``slot`` (committed or
-    not); ``committed_seq`` the highest one contained in the last committed checkpoint.
-    ``held`` are messages applied but not yet acknowledged: they are acked right after the
-    checkpoint that contains them is committed (and kept alive with in-progress acks until).
+    not; recorded in the checkpoint for operators); ``batches_done`` counts SFT batches or RL
+    iterations consumed, applied or dropped, and is what replays are recognised by.
+    ``held`` are messages whose effect (applied, or dropped with the error they will be
+    dead-lettered with) the next checkpoint contains: they are settled right after it commits.
     """
 
     spec: OpenSlot
@@ -30,13 +42,13 @@ class JobSlot:
     applied_seq: int = 0
     committed_seq: int = 0
     committed_step: int = 0
-    #: Batches consumed (applied or dropped); the next batch to apply has ``step`` >= this.
     batches_done: int = 0
     committed_batches: int = 0
-    held: list[Msg] = field(default_factory=list)
+    held: list[tuple[Msg, HandlerError | None]] = field(default_factory=list)
     last_commit_at: float = field(default_factory=time.monotonic)
     versions: deque[str] = field(default_factory=deque)
     metrics: dict[str, float] = field(default_factory=dict)
+    #: Closed (by CloseSlot) or failed here: its remaining messages are consumed unapplied.
     closed: bool = False
     #: RL: the current iteration's episodes collected so far (episode index → message, body).
     rollouts: dict[int, tuple[Msg, RolloutBatch]] = field(default_factory=dict)
@@ -54,11 +66,19 @@ class JobSlot:
     def finished(self) -> bool:
         return self.batches_done >= self.spec.total_steps
 
+    @property
+    def live(self) -> bool:
+        """Still expecting messages (its tenant's queue is worth fetching from)."""
+        return not self.closed and not self.finished
+
     def commit_due(self, every_s: float) -> bool:
-        if self.batches_done == self.committed_batches:
+        if self.batches_done == self.committed_batches and not self.held:
             return False
         return (
             self.finished
             or self.batches_done - self.committed_batches >= self.spec.checkpoint_every
             or time.monotonic() - self.last_commit_at >= every_s
         )
+
+    def error(self, message: str, *, fatal: bool = True) -> JobError:
+        return JobError(message, self.spec.job_id, fatal=fatal)

@@ -33,6 +33,8 @@ class Iteration:
     config: PPOConfig
     episodes: list[RolloutBatch]
     policy_version: int
+    #: Iterations the job has finished: where its learning-rate schedule stands.
+    iteration: int = 0
 
 
 def rollout_stats(episodes: list[RolloutBatch], current_version: int) -> dict[str, float]:
@@ -92,7 +94,7 @@ def update_iterations(
                 episodes = [Episode.from_rollout(e) for e in it.episodes]
                 data = build_rollout_data(feature, episodes, it.config)
                 gap = behaviour_gap(it.slot, data)
-                metrics = ppo_update(it.slot, data, it.config)
+                metrics = ppo_update(it.slot, data, it.config, schedule_step=it.iteration)
                 metrics["behaviour_log_prob_gap"] = gap
                 metrics.update(rollout_stats(it.episodes, it.policy_version))
                 results[it.key] = metrics

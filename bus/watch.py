@@ -1,0 +1,86 @@
+"""Following a KV bucket until the service stops, without ever cancelling a nats.py call.
+
+nats.py's ``watchall()`` and its ``updates()`` use ``asyncio.wait_for`` inside, which on
+Python 3.11 can swallow a cancel (PITFALLS): a follower stopped by ``task.cancel()`` may never
+return. :func:`follow_kv` instead polls ``updates()`` with a short timeout and checks the stop
+event between polls; a stop during the watch's set-up leaves the set-up to finish on its own
+and stops the watcher it returns, so no subscription is leaked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+
+from nats.errors import Error as NatsError
+from nats.js.kv import KeyValue
+
+log = logging.getLogger(__name__)
+
+#: How often a follower looks at the stop event while the bucket is quiet.
+POLL_S = 0.25
+
+#: Watchers being stopped after a stop during their set-up (kept referenced until done).
+_stopping: set[asyncio.Future[None]] = set()
+
+EntryHandler = Callable[[KeyValue.Entry], Awaitable[None] | None]
+
+
+async def _stop_watcher(watcher: KeyValue.KeyWatcher) -> None:
+    with contextlib.suppress(NatsError, TimeoutError, OSError):
+        await asyncio.wait_for(watcher.stop(), 0.5)
+
+
+def _stop_when_ready(setup: asyncio.Future[KeyValue.KeyWatcher]) -> None:
+    def done(fut: asyncio.Future[KeyValue.KeyWatcher]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            task = asyncio.ensure_future(_stop_watcher(fut.result()))
+            _stopping.add(task)
+            task.add_done_callback(_stopping.discard)
+
+    setup.add_done_callback(done)
+
+
+async def follow_kv(
+    kv: KeyValue,
+    stop: asyncio.Event,
+    on_entry: EntryHandler,
+    *,
+    on_ready: Callable[[], None] | None = None,
+    retry_s: float = 0.5,
+) -> None:
+    """Call ``on_entry`` for every current and future entry of ``kv`` until ``stop`` is set.
+    ``on_ready`` runs once the bucket's current entries have been seen. A failed watch is
+    started again (it replays the latest entries)."""
+    while not stop.is_set():
+        setup = asyncio.ensure_future(kv.watchall())
+        while not setup.done() and not stop.is_set():
+            await asyncio.wait({setup}, timeout=POLL_S)
+        if not setup.done():
+            _stop_when_ready(setup)
+            return
+        try:
+            watcher = setup.result()
+        except (NatsError, TimeoutError, OSError) as exc:
+            log.warning("watch on %s failed to start (%s); trying again", kv._name, exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), retry_s)
+            continue
+        try:
+            while not stop.is_set():
+                try:
+                    entry = await watcher.updates(timeout=POLL_S)
+                except (NatsError, TimeoutError):  # nats' TimeoutError: nothing new
+                    continue
+                if entry is None:  # end of the current entries
+                    if on_ready is not None:
+                        on_ready()
+                    continue
+                result = on_entry(entry)
+                if inspect.isawaitable(result):
+                    await result
+        finally:
+            await _stop_watcher(watcher)

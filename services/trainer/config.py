@@ -1,0 +1,30 @@
+"""The trainer's typed config (flags ``--prefetch 4`` or env ``JOYNEXUS_PREFETCH=4``)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from bus.config import BusConfig
+
+
+class TrainerConfig(BusConfig):
+    """Trainer settings."""
+
+    backbone: str = Field("tiny", description="Checkpoint dir or tiny name to load.")
+    backbone_id: str | None = Field(None, description="Subject id (default: derived).")
+    device: str = Field("cpu", description="torch device.")
+    dtype: str = Field("float32", description="Backbone dtype (bfloat16 on CUDA).")
+    deterministic: bool = Field(False, description="torch deterministic algorithms.")
+    memory_budget_mb: float = Field(1024.0, gt=0, description="Resident slot budget.")
+    prefetch: int = Field(4, ge=1, description="Messages fetched ahead per tenant.")
+    quantum: int = Field(8, ge=1, description="DRR quantum in samples per round.")
+    commit_every_s: float = Field(10.0, gt=0, description="Commit at least this often.")
+    keep_versions: int = Field(3, ge=1, description="Checkpoints kept per job.")
+    ack_wait_s: float = Field(
+        5.0, gt=1, description="Consumer ack wait; held messages get in-progress acks."
+    )
+    max_deliver: int = Field(10, ge=1, description="Deliveries before dead-lettering.")
+    discover_every_s: float = Field(0.5, gt=0, description="New-tenant discovery period.")
+    crash_after_commits: int = Field(
+        0, ge=0, description="Fault injection: SIGKILL self after this many commits, before acking."
+    )

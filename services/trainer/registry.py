@@ -1,0 +1,156 @@
+"""The trainer's jobs: which are open here, restored from their checkpoints on demand, and
+what the ``jobs`` KV says of the rest (a cancelled or failed job's messages are consumed
+unapplied)."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+
+from bus import checkpoints as ckpt
+from bus.codec import DecodeError, decode
+from schemas import subjects
+from schemas.jobs import JOB_RECORD_DECODER, TERMINAL_STATUSES
+from schemas.train import POLICY_RECORD_DECODER, OpenSlot, PolicyRecord
+from services.trainer.jobs import JobError, JobSlot
+from services.trainer.slots import Slots
+
+log = logging.getLogger(__name__)
+
+
+class _Wait:
+    """Marker: the job is live but its slot is not open here yet (its OpenSlot is being
+    redelivered); its messages wait in the buffer."""
+
+    def __repr__(self) -> str:
+        return "WAIT"
+
+
+WAIT = _Wait()
+
+
+class JobRegistry:
+    """Open jobs by ``tenant/job`` key, and the mirror of the ``jobs`` KV statuses."""
+
+    def __init__(self, js: JetStreamContext, slots: Slots, keep_versions: int) -> None:
+        self.js = js
+        self.slots = slots
+        self.keep_versions = keep_versions
+        self.jobs: dict[str, JobSlot] = {}
+        self.status: dict[str, str] = {}
+        self.policies: KeyValue
+        self.jobs_kv: KeyValue
+        self.store: ObjectStore
+
+    async def connect(self) -> None:
+        self.policies = await self.js.key_value(subjects.KV_POLICIES)
+        self.jobs_kv = await self.js.key_value(subjects.KV_JOBS)
+        self.store = await self.js.object_store(subjects.OBJ_CHECKPOINTS)
+
+    def observe_job(self, entry: KeyValue.Entry) -> None:
+        """One ``jobs`` KV entry (cancellations reach the trainer this way)."""
+        if not entry.value:
+            return
+        try:
+            record = decode(JOB_RECORD_DECODER, entry.value)
+        except DecodeError:
+            return
+        self.status[f"{record.tenant}/{record.job_id}"] = record.status
+
+    async def status_of(self, tenant: str, job_id: str) -> str | None:
+        """The job's status (the mirror, read through on a miss)."""
+        key = f"{tenant}/{job_id}"
+        if key not in self.status:
+            try:
+                entry = await self.jobs_kv.get(f"{tenant}.{job_id}")
+            except KeyNotFoundError:
+                return None
+            if entry.value:
+                self.status[key] = decode(JOB_RECORD_DECODER, entry.value).status
+        return self.status.get(key)
+
+    async def policy_record(self, tenant: str, job_id: str) -> tuple[PolicyRecord | None, int]:
+        try:
+            entry = await self.policies.get(f"{tenant}.{job_id}")
+        except KeyNotFoundError:
+            return None, 0
+        if not entry.value or entry.revision is None:
+            return None, 0
+        return decode(POLICY_RECORD_DECODER, entry.value), entry.revision
+
+    async def job_for(self, tenant: str, job_id: str) -> JobSlot | _Wait | None:
+        """The job's slot: resident, or restored from its latest checkpoint; None if the job
+        has ended; WAIT if it is live but its slot is not open yet. Raises :class:`JobError`
+        for a job nobody submitted or a slot that cannot be restored."""
+        key = f"{tenant}/{job_id}"
+        if key in self.jobs:
+            return self.jobs[key]
+        if self.status.get(key) in TERMINAL_STATUSES:
+            return None
+        record, revision = await self.policy_record(tenant, job_id)
+        if record is None:
+            status = await self.status_of(tenant, job_id)
+            if status in ("accepted", "running"):
+                return WAIT
+            if status in TERMINAL_STATUSES:
+                return None
+            raise JobError(f"no slot is open for job {job_id!r} of tenant {tenant!r}", job_id)
+        try:
+            data = await ckpt.get_checkpoint(self.store, record.object_name, record.sha256)
+        except ckpt.CheckpointError as exc:
+            raise JobError(f"cannot restore the slot: {exc}", job_id) from exc
+        slot = self.slots.restore(key, job_id, data)
+        job = JobSlot(
+            record.slot,
+            slot,
+            self.slots.normaliser(record.slot.num_views, record.slot.token_budget),
+            revision,
+            applied_seq=record.stream_seq,
+            committed_seq=record.stream_seq,
+            committed_step=record.step,
+            batches_done=record.batches_done,
+            committed_batches=record.batches_done,
+            versions=deque([record.object_name]),
+            metrics=dict(record.metrics),
+        )
+        self.jobs[key] = job
+        await ckpt.prune(self.store, tenant, job_id, slot.version - self.keep_versions + 1)
+        log.info(
+            "restored %s at step %d (v%d, seq %d)", key, slot.step, slot.version, record.stream_seq
+        )
+        return job
+
+    async def open_job(self, spec: OpenSlot, seq: int) -> JobSlot | None:
+        """Create the job's slot (None if it exists already: a replayed OpenSlot)."""
+        key = f"{spec.tenant}/{spec.job_id}"
+        if key in self.jobs or (await self.policy_record(spec.tenant, spec.job_id))[0]:
+            return None
+        init = None
+        if spec.init_object:
+            try:
+                init = await ckpt.get_checkpoint(self.store, spec.init_object, spec.init_sha256)
+            except ckpt.CheckpointError as exc:
+                raise JobError(f"cannot initialise the slot: {exc}", spec.job_id) from exc
+        slot = self.slots.create(key, spec, init)
+        job = JobSlot(
+            spec,
+            slot,
+            self.slots.normaliser(spec.num_views, spec.token_budget),
+            0,
+            applied_seq=seq,
+        )
+        self.jobs[key] = job
+        return job
+
+    def close(self, tenant: str, job_id: str) -> JobSlot | None:
+        key = f"{tenant}/{job_id}"
+        job = self.jobs.pop(key, None)
+        if job is not None:
+            job.closed = True
+            self.slots.remove(key)
+        return job

@@ -1,0 +1,174 @@
+"""Applying training work to slots: one grouped SFT step over the round's chosen batches, and
+one RL update per complete iteration. Each outcome is recorded on its job — applied, dropped
+(non-finite: the step still counts as consumed, durably from the next commit on) or failed
+(the job fails; the trainer serves everyone else)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from nats.aio.msg import Msg
+
+from schemas.events import Progress
+from schemas.train import RolloutBatch, SFTBatch
+from services.trainer import rl
+from services.trainer.jobs import JobSlot
+from services.trainer.ledger import Verdict, episode_verdict
+from services.trainer.sft import build_request
+from vla.backbone import Backbone
+from vla.grouping import TrainRequest, group_train_step
+from vla.slot import NonFiniteLossError
+
+if TYPE_CHECKING:
+    from services.trainer.service import Trainer
+
+
+class Stepper:
+    """Runs the trainer's compute (in a worker thread) and books its results."""
+
+    def __init__(self, trainer: Trainer, backbone: Backbone) -> None:
+        self.trainer = trainer
+        self.backbone = backbone
+        self.compute_s = 0.0
+        self.round_s = 0.0
+        self.samples = 0
+
+    # -- SFT ---------------------------------------------------------------------------------
+    async def step(self, chosen: list[tuple[Msg, SFTBatch, JobSlot]]) -> None:
+        """One grouped step over ``chosen`` (their slots fit the budget together)."""
+        consumer = self.trainer.consumer
+        t0 = time.perf_counter()
+        slots = self.trainer.slots.acquire([job.key for _, _, job in chosen])
+        requests: list[TrainRequest] = []
+        accepted: list[tuple[Msg, SFTBatch, JobSlot]] = []
+        for (msg, batch, job), slot in zip(chosen, slots, strict=True):
+            job.slot = slot
+            try:
+                requests.append(build_request(job, batch))
+                accepted.append((msg, batch, job))
+            except ValueError as exc:
+                job.closed = True
+                await consumer.settle(msg, job.error(f"bad batch at step {batch.step}: {exc}"))
+        if not requests:
+            return
+        compute_t0 = time.perf_counter()
+        results = await asyncio.to_thread(group_train_step, self.backbone, requests)
+        self.compute_s += time.perf_counter() - compute_t0
+        now = time.time()
+        events: list[Progress] = []
+        for (msg, batch, job), request in zip(accepted, requests, strict=True):
+            result = results[job.key]
+            if isinstance(result, NonFiniteLossError):
+                # Dropped, and consumed: the next commit records that, then dead-letters it.
+                job.batches_done = batch.step + 1
+                dropped = job.error(f"step {batch.step} dropped: {result}", fatal=False)
+                job.held.append((msg, dropped))
+                continue
+            if isinstance(result, Exception):
+                job.closed = True
+                await consumer.settle(msg, job.error(f"step {batch.step} failed: {result}"))
+                continue
+            job.applied_seq = max(job.applied_seq, msg.metadata.sequence.stream)
+            job.batches_done = batch.step + 1
+            job.held.append((msg, None))
+            samples = request.actions_B_C_A.shape[0]
+            self.samples += samples
+            job.metrics = {
+                "loss": result.loss,
+                "grad_norm": result.grad_norm,
+                "lr": result.lr,
+                "samples_per_s": samples / max(1e-9, time.perf_counter() - t0),
+            }
+            events.append(self.progress(job, result.step, now))
+        await asyncio.gather(*(self.trainer.emit(ev, step_id=ev.step) for ev in events))
+        self.round_s += time.perf_counter() - t0
+
+    def progress(self, job: JobSlot, step: int, now: float) -> Progress:
+        spec = job.spec
+        return Progress(spec.tenant, spec.job_id, step, spec.total_steps, dict(job.metrics), now)
+
+    # -- RL ----------------------------------------------------------------------------------
+    async def collect(self, msg: Msg, body: RolloutBatch, job: JobSlot) -> Verdict:
+        """Hold an episode of the job's current iteration; later iterations wait; earlier or
+        duplicate episodes are consumed. Raises the job's error for a stale rollout."""
+        rl_config = job.spec.rl
+        if rl_config is None:
+            raise job.error(f"rollout records sent to supervised job {body.job_id!r}")
+        verdict = episode_verdict(job.batches_done, job.rollouts, body.iteration, body.episode)
+        if verdict is Verdict.CONSUMED:
+            await self.trainer.consumer.settle(msg, None)
+        if verdict is not Verdict.COLLECT:
+            return verdict
+        lag = job.slot.version - body.policy_version
+        if lag > rl_config.max_policy_lag or lag < 0:
+            raise job.error(
+                f"stale rollout: episode {body.episode} of iteration {body.iteration} was "
+                f"collected with policy v{body.policy_version}, the job is at "
+                f"v{job.slot.version} and accepts a lag of {rl_config.max_policy_lag}"
+            )
+        job.rollouts[body.episode] = (msg, body)
+        return verdict
+
+    async def rl_updates(self) -> None:
+        """One PPO/GRPO update for every job whose iteration is complete (as many as fit the
+        slot budget at once; the rest go next round)."""
+        trainer = self.trainer
+        complete = {j.key: j for j in trainer.registry.jobs.values() if j.iteration_complete}
+        keys = trainer.slots.fits([k for k, j in complete.items() if not j.closed])
+        if not keys:
+            return
+        ready = [complete[k] for k in keys]
+        slots = trainer.slots.acquire(keys)
+        iterations = []
+        for job, slot in zip(ready, slots, strict=True):
+            job.slot = slot
+            assert job.spec.rl is not None
+            bodies = [job.rollouts[e][1] for e in sorted(job.rollouts)]
+            iterations.append(
+                rl.Iteration(
+                    job.key,
+                    slot,
+                    job.normaliser,
+                    job.spec.rl,
+                    bodies,
+                    slot.version,
+                    iteration=job.batches_done,
+                )
+            )
+        t0 = time.perf_counter()
+        results = await asyncio.to_thread(rl.update_iterations, self.backbone, iterations)
+        self.compute_s += time.perf_counter() - t0
+        events = []
+        for job in ready:
+            result = results[job.key]
+            iteration = job.batches_done
+            msgs = [m for m, _ in job.rollouts.values()]
+            job.rollouts.clear()
+            if isinstance(result, NonFiniteLossError):
+                # Skipped with the slot untouched: the iteration still counts, so the job
+                # gets a new version and its next rollouts.
+                job.batches_done += 1
+                skipped = job.error(f"iteration {iteration} skipped: {result}", fatal=False)
+                job.held.extend((m, skipped) for m in msgs)
+                continue
+            if isinstance(result, Exception):
+                job.closed = True
+                failed = job.error(f"RL update of iteration {iteration} failed: {result}")
+                await trainer.consumer.release(msgs, failed)
+                continue
+            job.applied_seq = max(job.applied_seq, *(m.metadata.sequence.stream for m in msgs))
+            job.batches_done += 1
+            job.held.extend((m, None) for m in msgs)
+            job.metrics = result
+            self.samples += int(result.get("episode_length", 0) * result.get("episodes", 0))
+            events.append(self.progress(job, job.batches_done, time.time()))
+        await asyncio.gather(*(trainer.emit(ev, step_id=ev.step) for ev in events))
+
+    def gauges(self) -> dict[str, float]:
+        return {
+            "samples": float(self.samples),
+            "compute_s": self.compute_s,
+            "round_s": self.round_s,
+        }

@@ -1,0 +1,263 @@
+"""Trainer defects B to F and H (issue 8), each shown over a real bus against the real
+``python -m services.trainer``: training messages are published straight to ``TRAIN`` (as the
+master and env workers would), and what the trainer commits and announces is read back."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from nats.js import JetStreamContext
+
+from bus.codec import decode
+from bus.publish import publish
+from bus.server import EmbeddedServer
+from schemas import subjects
+from schemas.events import EVENT_DECODER, ErrorEvent, Progress
+from schemas.model import HeadConfig, OptimizerConfig
+from schemas.tensor import Tensor
+from schemas.train import (
+    POLICY_RECORD_DECODER,
+    OpenSlot,
+    PolicyRecord,
+    PPOConfig,
+    RolloutBatch,
+    SFTBatch,
+)
+from tests.conftest import Procs
+from tests.helpers import eventually, start_service, uid
+from vla.slot import TenantSlot, lr_at
+
+IMAGE = 16  # any size: the normaliser resizes to the backbone's
+TOKENS = 8
+
+
+def trainer(url: str, log: Path, procs: Procs, *args: str) -> subprocess.Popen[bytes]:
+    return procs.add(start_service("trainer", url, log, "--deterministic", *args))
+
+
+def sft_open(tenant: str, job: str, steps: int, **kw: object) -> OpenSlot:
+    head = HeadConfig(kind="oft", action_dim=2, proprio_dim=3, hidden_dim=32)
+    return OpenSlot(
+        tenant, job, head, OptimizerConfig(lr=1e-3), 0, steps, token_budget=TOKENS, **kw
+    )  # type: ignore[arg-type]
+
+
+def sft_batch(tenant: str, job: str, step: int, *, nan: bool = False, b: int = 2) -> SFTBatch:
+    rng = np.random.default_rng(step)
+    proprio = rng.standard_normal((b, 3)).astype(np.float32)
+    if nan:
+        proprio[:] = np.nan
+    return SFTBatch(
+        tenant,
+        job,
+        step,
+        0,
+        step,
+        Tensor.from_numpy(rng.integers(0, 255, (b, 1, IMAGE, IMAGE, 3), dtype=np.uint8)),
+        ["reach"] * b,
+        Tensor.from_numpy(proprio),
+        Tensor.from_numpy(rng.uniform(-1, 1, (b, 1, 2)).astype(np.float32)),
+        Tensor.from_numpy(np.zeros((b, 1), bool)),
+    )
+
+
+def rl_open(tenant: str, job: str, iterations: int, lag: int, optim: OptimizerConfig) -> OpenSlot:
+    head = HeadConfig(kind="oft", action_dim=2, proprio_dim=3, hidden_dim=32, value_head=True)
+    rl = PPOConfig(epochs=4, minibatch_size=64, episodes_per_iteration=2, max_policy_lag=lag)
+    return OpenSlot(
+        tenant, job, head, optim, 0, iterations, token_budget=TOKENS, checkpoint_every=1, rl=rl
+    )
+
+
+def episode(
+    tenant: str, job: str, iteration: int, ep: int, version: int, t: int = 4, images: int = 4
+) -> RolloutBatch:
+    rng = np.random.default_rng(100 * iteration + ep)
+    f32 = np.float32
+    return RolloutBatch(
+        tenant,
+        job,
+        iteration,
+        ep,
+        version,
+        Tensor.from_numpy(rng.integers(0, 255, (images, 1, IMAGE, IMAGE, 3), dtype=np.uint8)),
+        "reach",
+        Tensor.from_numpy(rng.standard_normal((images, 3)).astype(f32)),
+        Tensor.from_numpy(rng.uniform(-1, 1, (t, 1, 2)).astype(f32)),
+        Tensor.from_numpy(np.full(t, -1.0, f32)),
+        Tensor.from_numpy(np.zeros(t, f32)),
+        Tensor.from_numpy(rng.standard_normal(t).astype(f32)),
+        terminated=True,
+        truncated=False,
+    )
+
+
+async def send(js: JetStreamContext, tenant: str, *bodies: object) -> None:
+    for body in bodies:
+        await publish(js, subjects.train("tiny", tenant), body)  # type: ignore[arg-type]
+
+
+async def record(js: JetStreamContext, tenant: str, job: str) -> PolicyRecord | None:
+    kv = await js.key_value(subjects.KV_POLICIES)
+    try:
+        entry = await kv.get(f"{tenant}.{job}")
+    except Exception:  # noqa: BLE001 - not committed yet
+        return None
+    return decode(POLICY_RECORD_DECODER, entry.value) if entry.value else None
+
+
+async def events_of(js: JetStreamContext, tenant: str, job: str) -> list[object]:
+    sub = await js.subscribe(f"{subjects.PREFIX}.event.{tenant}.{job}.*", ordered_consumer=True)
+    found = []
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=0.5)
+            found.append(decode(EVENT_DECODER, msg.data))
+    except Exception:  # noqa: BLE001 - nats TimeoutError: no more events
+        return found
+    finally:
+        await sub.unsubscribe()
+
+
+async def done(js: JetStreamContext, tenant: str, job: str, batches: int) -> PolicyRecord | None:
+    rec = await record(js, tenant, job)
+    return rec if rec is not None and rec.batches_done >= batches else None
+
+
+@pytest.mark.timeout(120)
+async def test_B_rl_with_policy_lag_keeps_every_episode_of_overlapping_iterations(
+    nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs, tmp_path: Path
+) -> None:
+    """Lag 1: iteration 1's episodes (collected with v1, like iteration 0's) arrive while
+    iteration 0's are held, with the same episode indices and interleaved stream sequences."""
+    tenant, job = uid("lag"), uid("j")
+    optim = OptimizerConfig(lr=1e-3, total_steps=3)
+    proc = trainer(nats_server.url, tmp_path / "trainer.log", procs)
+    await send(js, tenant, rl_open(tenant, job, 3, lag=1, optim=optim))
+    await send(
+        js,
+        tenant,
+        episode(tenant, job, 0, 0, 1),
+        episode(tenant, job, 1, 0, 1),
+        episode(tenant, job, 0, 1, 1),
+        episode(tenant, job, 1, 1, 1),
+    )
+    rec = await eventually(lambda: done(js, tenant, job, 2), timeout=60, what="2 iterations")
+    assert rec.version == 3 and proc.poll() is None
+    # F: the schedule is sized in iterations, so iteration i's update uses lr_at(i).
+    progress = [e for e in await events_of(js, tenant, job) if isinstance(e, Progress)]
+    lrs = {p.step: p.metrics["lr"] for p in progress}
+    assert lrs[1] == pytest.approx(lr_at(optim, 0)) and lrs[2] == pytest.approx(lr_at(optim, 1))
+
+
+@pytest.mark.timeout(120)
+async def test_C_a_failed_rl_update_fails_the_job_with_a_clear_error(
+    nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs, tmp_path: Path
+) -> None:
+    tenant, job = uid("rlfail"), uid("j")
+    proc = trainer(nats_server.url, tmp_path / "trainer.log", procs)
+    await send(js, tenant, rl_open(tenant, job, 3, lag=0, optim=OptimizerConfig()))
+    # 3 observations for 4 transitions: the update cannot be built.
+    await send(js, tenant, episode(tenant, job, 0, 0, 1), episode(tenant, job, 0, 1, 1, images=3))
+
+    async def fatal() -> list[ErrorEvent]:
+        evs = await events_of(js, tenant, job)
+        return [e for e in evs if isinstance(e, ErrorEvent) and e.fatal]
+
+    errors = await eventually(fatal, timeout=60, what="a fatal error event")
+    assert "iteration 0" in errors[0].message and "do not match" in errors[0].message
+    assert proc.poll() is None
+
+
+@pytest.mark.timeout(150)
+async def test_D_a_dropped_non_finite_batch_survives_a_crash_before_the_next_commit(
+    nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs, tmp_path: Path
+) -> None:
+    tenant, job = uid("nan"), uid("j")
+    args = ("--commit-every-s", "600")
+    proc = trainer(nats_server.url, tmp_path / "t1.log", procs, *args)
+    await send(js, tenant, sft_open(tenant, job, 3, checkpoint_every=100))
+    await send(js, tenant, sft_batch(tenant, job, 0, nan=True), sft_batch(tenant, job, 1))
+
+    async def stepped() -> bool:
+        evs = await events_of(js, tenant, job)
+        return any(isinstance(e, Progress) for e in evs)
+
+    await eventually(stepped, timeout=60, what="step 1 applied")
+    proc.send_signal(signal.SIGKILL)  # before any commit covers the dropped step 0
+    proc.wait(10)
+    trainer(nats_server.url, tmp_path / "t2.log", procs, *args)
+    await send(js, tenant, sft_batch(tenant, job, 2))
+    rec = await eventually(lambda: done(js, tenant, job, 3), timeout=60, what="3 batches")
+    assert rec.step == 2  # two applied, one dropped
+    errors = [e for e in await events_of(js, tenant, job) if isinstance(e, ErrorEvent)]
+    assert errors and not any(e.fatal for e in errors) and "step 0 dropped" in errors[0].message
+
+
+@pytest.mark.timeout(150)
+async def test_E_slots_that_do_not_fit_together_take_turns_instead_of_crashing(
+    nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs, tmp_path: Path
+) -> None:
+    spec = sft_open("x", "y", 4)
+    one = TenantSlot("x", spec.head, spec.optimizer, 128).nbytes
+    budget_mb = 1.5 * one / 2**20  # one slot fits, two do not
+    proc = trainer(nats_server.url, tmp_path / "t.log", procs, "--memory-budget-mb", str(budget_mb))
+    jobs = [(uid("budget"), uid("j")) for _ in range(2)]
+    for tenant, job in jobs:
+        await send(js, tenant, sft_open(tenant, job, 4))
+    for step in range(4):
+        for tenant, job in jobs:
+            await send(js, tenant, sft_batch(tenant, job, step))
+    for tenant, job in jobs:
+        await eventually(lambda t=tenant, j=job: done(js, t, j, 4), timeout=90, what="4 steps")
+    assert proc.poll() is None
+
+
+@pytest.mark.timeout(150)
+async def test_E_a_slot_larger_than_the_budget_fails_its_job_only(
+    nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs, tmp_path: Path
+) -> None:
+    proc = trainer(nats_server.url, tmp_path / "t.log", procs, "--memory-budget-mb", "0.01")
+    tenant, job = uid("huge"), uid("j")
+    await send(js, tenant, sft_open(tenant, job, 2))
+
+    async def fatal() -> list[ErrorEvent]:
+        evs = await events_of(js, tenant, job)
+        return [e for e in evs if isinstance(e, ErrorEvent) and e.fatal]
+
+    errors = await eventually(fatal, timeout=60, what="a fatal error event")
+    assert "budget" in errors[0].message and proc.poll() is None
+
+
+@pytest.mark.timeout(150)
+async def test_H_a_broker_restart_does_not_crash_the_trainer(
+    fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
+) -> None:
+    from bus.connect import connect
+    from bus.declare import declare
+
+    proc = trainer(fresh_server.url, tmp_path / "t.log", procs)
+    tenant, job = uid("restart"), uid("j")
+    nc = await connect(fresh_server.url)
+    js = nc.jetstream()
+    await declare(js)
+    await send(js, tenant, sft_open(tenant, job, 4), sft_batch(tenant, job, 0))
+    await eventually(lambda: done(js, tenant, job, 1), timeout=60, what="step 0")
+    await nc.close()
+    for _ in range(2):
+        fresh_server.kill()
+        await asyncio.sleep(1.0)  # the trainer's fetches fail while the broker is away
+        fresh_server.start()
+    nc = await connect(fresh_server.url)
+    js = nc.jetstream()
+    try:
+        await send(js, tenant, *(sft_batch(tenant, job, s) for s in (1, 2, 3)))
+        await eventually(lambda: done(js, tenant, job, 4), timeout=60, what="4 steps")
+        assert proc.poll() is None
+    finally:
+        await nc.close()
