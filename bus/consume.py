@@ -289,9 +289,18 @@ class Consumer:
     # -- fates -------------------------------------------------------------------------------
     async def settle(self, msg: Msg, error: BaseException | None) -> Fate:
         """Decide and carry out ``msg``'s fate after handling ended with ``error`` (None: ok).
-        The only place in the code base that acks, naks or terminates a message."""
+        The only place in the code base that acks, naks or terminates a message. If the broker
+        cannot take the decision (it is away), the message is left to be redelivered after its
+        ack wait, and decided again then: every handler recognises a replay."""
         self._alive.pop(id(msg), None)
         self._unsettled.pop(id(msg), None)
+        try:
+            return await self._settle(msg, error)
+        except (NatsError, TimeoutError) as exc:
+            log.warning("could not settle %s (%s); it will be redelivered", msg.subject, exc)
+            return Fate.RETRY
+
+    async def _settle(self, msg: Msg, error: BaseException | None) -> Fate:
         if error is None:
             await msg.ack()
             return Fate.ACKED

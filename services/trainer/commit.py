@@ -10,15 +10,24 @@ trainer does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
+from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from bus import checkpoints as ckpt
-from bus.codec import encode
+from bus import records
+from schemas.events import PolicyPublished
 from schemas.train import OpenSlot, PolicyRecord
 from vla.slot import TenantSlot
+
+if TYPE_CHECKING:
+    from services.trainer.jobs import JobSlot
+    from services.trainer.registry import JobRegistry
 
 
 async def write_version(
@@ -33,8 +42,8 @@ async def write_version(
     metrics: dict[str, float] | None = None,
 ) -> tuple[PolicyRecord, int]:
     """Publish the slot's next version: checkpoint object, then the KV entry (created when
-    ``revision`` is None, else updated only if still at ``revision``). Returns the record and
-    the entry's new revision."""
+    ``revision`` is None or 0, else updated only if still at ``revision``: a lost race raises
+    :class:`bus.records.RevisionConflict`). Returns the record and the new revision."""
     # Versions count from 1 (the initial weights): 0 means "none" / "latest" elsewhere.
     slot.publish_version()
     data = await asyncio.to_thread(slot.to_bytes)
@@ -54,9 +63,52 @@ async def write_version(
         dict(metrics or {}),
         batches_done,
     )
-    key = f"{spec.tenant}.{spec.job_id}"
-    if revision is None:
-        new_revision = await policies.create(key, encode(record))
-    else:
-        new_revision = await policies.update(key, encode(record), last=revision)
-    return record, new_revision
+    return record, await records.put_policy(policies, record, last=revision or 0)
+
+
+class Committer:
+    """The trainer's commit: :func:`write_version`, then the ``policy`` event; old versions
+    pruned to the retention setting once the new one is acked."""
+
+    def __init__(
+        self,
+        registry: JobRegistry,
+        emit: Callable[[PolicyPublished], Awaitable[None]],
+        keep_versions: int,
+    ) -> None:
+        self.registry = registry
+        self.emit = emit
+        self.keep_versions = keep_versions
+
+    async def commit(self, job: JobSlot, initial: bool) -> PolicyRecord:
+        record, job.kv_revision = await write_version(
+            self.registry.store,
+            self.registry.policies,
+            job.spec,
+            job.slot,
+            revision=None if initial else job.kv_revision,
+            stream_seq=job.applied_seq,
+            batches_done=job.batches_done,
+            metrics=job.metrics,
+        )
+        job.committed_seq, job.committed_step = record.stream_seq, record.step
+        job.committed_batches = record.batches_done
+        job.last_commit_at = time.monotonic()
+        await self.emit(
+            PolicyPublished(
+                job.spec.tenant,
+                job.spec.job_id,
+                record.version,
+                record.object_name,
+                record.step,
+                time.time(),
+                final=job.finished,
+            )
+        )
+        return record
+
+    async def prune(self, job: JobSlot, newest: str) -> None:
+        job.versions.append(newest)
+        while len(job.versions) > self.keep_versions:
+            with contextlib.suppress(NotFoundError):
+                await self.registry.store.delete(job.versions.popleft())

@@ -8,15 +8,15 @@ import logging
 from collections import deque
 
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from bus import checkpoints as ckpt
-from bus.codec import DecodeError, decode
+from bus import records
+from bus.codec import DecodeError
 from schemas import subjects
-from schemas.jobs import JOB_RECORD_DECODER, TERMINAL_STATUSES
-from schemas.train import POLICY_RECORD_DECODER, OpenSlot, PolicyRecord
+from schemas.jobs import TERMINAL_STATUSES
+from schemas.train import OpenSlot
 from services.trainer.jobs import JobError, JobSlot
 from services.trainer.slots import Slots
 
@@ -54,34 +54,21 @@ class JobRegistry:
 
     def observe_job(self, entry: KeyValue.Entry) -> None:
         """One ``jobs`` KV entry (cancellations reach the trainer this way)."""
-        if not entry.value:
-            return
         try:
-            record = decode(JOB_RECORD_DECODER, entry.value)
+            record = records.job_of(entry)
         except DecodeError:
             return
-        self.status[f"{record.tenant}/{record.job_id}"] = record.status
+        if record is not None:
+            self.status[f"{record.tenant}/{record.job_id}"] = record.status
 
     async def status_of(self, tenant: str, job_id: str) -> str | None:
         """The job's status (the mirror, read through on a miss)."""
         key = f"{tenant}/{job_id}"
         if key not in self.status:
-            try:
-                entry = await self.jobs_kv.get(f"{tenant}.{job_id}")
-            except KeyNotFoundError:
-                return None
-            if entry.value:
-                self.status[key] = decode(JOB_RECORD_DECODER, entry.value).status
+            record, _ = await records.get_job(self.jobs_kv, tenant, job_id)
+            if record is not None:
+                self.status[key] = record.status
         return self.status.get(key)
-
-    async def policy_record(self, tenant: str, job_id: str) -> tuple[PolicyRecord | None, int]:
-        try:
-            entry = await self.policies.get(f"{tenant}.{job_id}")
-        except KeyNotFoundError:
-            return None, 0
-        if not entry.value or entry.revision is None:
-            return None, 0
-        return decode(POLICY_RECORD_DECODER, entry.value), entry.revision
 
     async def job_for(self, tenant: str, job_id: str) -> JobSlot | _Wait | None:
         """The job's slot: resident, or restored from its latest checkpoint; None if the job
@@ -92,7 +79,7 @@ class JobRegistry:
             return self.jobs[key]
         if self.status.get(key) in TERMINAL_STATUSES:
             return None
-        record, revision = await self.policy_record(tenant, job_id)
+        record, revision = await records.get_policy(self.policies, tenant, job_id)
         if record is None:
             status = await self.status_of(tenant, job_id)
             if status in ("accepted", "running"):
@@ -128,7 +115,10 @@ class JobRegistry:
     async def open_job(self, spec: OpenSlot, seq: int) -> JobSlot | None:
         """Create the job's slot (None if it exists already: a replayed OpenSlot)."""
         key = f"{spec.tenant}/{spec.job_id}"
-        if key in self.jobs or (await self.policy_record(spec.tenant, spec.job_id))[0]:
+        if (
+            key in self.jobs
+            or (await records.get_policy(self.policies, spec.tenant, spec.job_id))[0]
+        ):
             return None
         init = None
         if spec.init_object:

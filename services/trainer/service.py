@@ -26,20 +26,19 @@ import time
 
 import torch
 from nats.aio.msg import Msg
-from nats.js.errors import NotFoundError
+from nats.errors import Error as NatsError
 
-from bus.codec import DecodeError, decode
 from bus.consume import ConsumerSpec, DurableSet
-from bus.errors import HandlerError, PoisonError
-from bus.publish import msg_id, publish
+from bus.errors import HandlerError
 from bus.service import Runtime, placed, serve
 from bus.watch import follow_kv
 from schemas import subjects
-from schemas.events import ErrorEvent, Event, PolicyPublished, event_kind
-from schemas.train import TRAIN_DECODER, CloseSlot, OpenSlot, RolloutBatch, SFTBatch
-from services.trainer.commit import write_version
+from schemas.train import CloseSlot, OpenSlot, RolloutBatch, SFTBatch
+from services.trainer.announce import Announcer
+from services.trainer.commit import Committer
 from services.trainer.config import TrainerConfig
-from services.trainer.jobs import JobError, JobSlot
+from services.trainer.intake import Intake, Waiting
+from services.trainer.jobs import JobSlot
 from services.trainer.ledger import Verdict, sft_verdict
 from services.trainer.registry import WAIT, JobRegistry
 from services.trainer.scheduler import Candidate, drr_round
@@ -48,8 +47,6 @@ from services.trainer.steps import Stepper
 from vla.backbone import Backbone
 
 log = logging.getLogger(__name__)
-#: Most messages buffered per tenant, waiting ones included.
-MAX_BUFFER = 256
 #: At stop, applied work is committed (so it is acked) only within this long.
 STOP_COMMIT_S = 1.5
 
@@ -66,17 +63,19 @@ class Trainer:
         self.bid = backbone.backbone_id
         self.slots = Slots(backbone, int(config.memory_budget_mb * 2**20), config.device)
         self.registry = JobRegistry(rt.js, self.slots, config.keep_versions)
+        self.announcer = Announcer(rt.js)
+        self.emit = self.announcer.emit
         self.stepper = Stepper(self, backbone)
+        self.committer = Committer(self.registry, self.emit, config.keep_versions)
         self.tenants = DurableSet(
             rt.consumer,
             subjects.STREAM_TRAIN,
             f"{subjects.PREFIX}.train.{self.bid}.>",
             spec_for=self.spec_for,
             key_of=subjects.tenant_of,
-            on_dead=self.tell_tenant,
+            on_dead=self.announcer.tell_tenant,
         )
-        #: Per tenant: fetched messages (decoded), in arrival order, until settled or held.
-        self.buffers: dict[str, list[tuple[Msg, object]]] = {}
+        self.intake = Intake(rt.consumer, self.tenants, config.prefetch)
         self.deficits: dict[str, float] = {}
         self.commits = 0
 
@@ -105,56 +104,28 @@ class Trainer:
                         log.info(
                             "serving tenant %s on %s", tenant, subjects.train(self.bid, tenant)
                         )
-                        self.buffers.setdefault(tenant, [])
+                        self.intake.add_tenant(tenant)
                     last_discovery = time.monotonic()
                 if not self.tenants.durables:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.rt.stop.wait(), self.config.discover_every_s)
                     continue
-                await self.fill()
-                await self.round()
+                live = {j.spec.tenant for j in self.registry.jobs.values() if j.live}
+                arrived = await self.intake.fill(live)
+                worked = await self.round()
                 await self.commit_due()
+                if not arrived and not worked:
+                    # Nothing to fetch from: new tenants' messages show up at discovery.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.rt.stop.wait(), 0.05)
         finally:
             await self.release()
 
-    async def fill(self) -> None:
-        """Top up the buffers of tenants with messages or live jobs (fetches run at once).
-        Only when no tenant has work buffered is it worth waiting for messages to arrive."""
-        waiting = {
-            t: sum(1 for _, item in buf if isinstance(item, _Waiting))
-            for t, buf in self.buffers.items()
-        }
-        wants = {
-            # Batches waiting for an earlier step do not use up the prefetch: the earlier
-            # step must still be fetched. MAX_BUFFER bounds memory all the same.
-            t: min(self.config.prefetch - (len(buf) - waiting[t]), MAX_BUFFER - len(buf))
-            for t, buf in self.buffers.items()
-        }
-        busy = any(self.buffers.values())
-        live = {j.spec.tenant for j in self.registry.jobs.values() if j.live}
-        fetched = await self.tenants.fill(wants, 0.001 if busy else 0.05, also=live)
-        for tenant, msgs in fetched.items():
-            for msg in msgs:
-                self.consumer.hold(msg)  # kept alive while buffered; settled exactly once
-                self.buffers[tenant].append((msg, self.decode(tenant, msg)))
-
-    def decode(self, tenant: str, msg: Msg) -> object:
-        """The message's body, or the error it will be dead-lettered with."""
-        with self.consumer.span(msg):
-            try:
-                body = decode(TRAIN_DECODER, msg.data)
-            except DecodeError as exc:
-                return PoisonError(f"malformed training message: {exc}")
-            if body.tenant != tenant:
-                return PoisonError(
-                    f"message for tenant {body.tenant!r} on tenant {tenant!r}'s subject"
-                )
-            return body
-
-    async def round(self) -> None:
-        """Triage every buffer; DRR picks the tenants served; one grouped step; RL updates."""
+    async def round(self) -> bool:
+        """Triage every buffer; DRR picks the tenants served; one grouped step; RL updates.
+        Returns whether anything was applied."""
         ready: dict[str, tuple[Msg, SFTBatch, JobSlot]] = {}
-        for tenant in list(self.buffers):
+        for tenant in list(self.intake.buffers):
             picked = await self.triage(tenant)
             if picked is not None:
                 ready[tenant] = picked
@@ -166,14 +137,13 @@ class Trainer:
         self.deficits = drr.deficits
         chosen = [ready[t] for t in drr.chosen]
         for tenant in drr.chosen:
-            self.unbuffer(tenant, ready[tenant][0])
+            self.intake.remove(tenant, ready[tenant][0])
         if chosen:
             await self.stepper.step(chosen)
-        if any(j.iteration_complete for j in self.registry.jobs.values()):
+        complete = any(j.iteration_complete for j in self.registry.jobs.values())
+        if complete:
             await self.stepper.rl_updates()
-
-    def unbuffer(self, tenant: str, msg: Msg) -> None:
-        self.buffers[tenant] = [(m, b) for m, b in self.buffers[tenant] if m is not msg]
+        return bool(chosen) or complete
 
     async def triage(self, tenant: str) -> tuple[Msg, SFTBatch, JobSlot] | None:
         """Settle what needs no training (control, poison, already consumed), hold RL episodes
@@ -182,24 +152,29 @@ class Trainer:
         stay buffered, marked WAIT."""
         ready: tuple[Msg, SFTBatch, JobSlot] | None = None
         kept: list[tuple[Msg, object]] = []
-        for msg, item in self.buffers[tenant]:
-            body = item.body if isinstance(item, _Waiting) else item
+        for msg, item in self.intake.buffers[tenant]:
+            body = item.body if isinstance(item, Waiting) else item
             try:
-                verdict = await self.decide(msg, body, ready is None)
+                verdict = await self.decide(msg, body)
             except HandlerError as exc:
                 await self.consumer.settle(msg, exc)
+                continue
+            except (NatsError, TimeoutError) as exc:  # the broker is away: try next round
+                log.warning("triage of %s failed: %s", msg.subject, exc)
+                kept.append((msg, item))
                 continue
             if verdict is Verdict.APPLY and ready is None:
                 assert isinstance(body, SFTBatch)
                 ready = (msg, body, self.registry.jobs[f"{body.tenant}/{body.job_id}"])
                 kept.append((msg, body))
             elif verdict is Verdict.WAIT or verdict is Verdict.APPLY:
-                kept.append((msg, _Waiting(body)))
+                kept.append((msg, Waiting(body)))
             # CONSUMED / COLLECT: settled or held by decide()
-        self.buffers[tenant] = kept
+        self.intake.buffers[tenant] = kept
         return ready
 
-    async def decide(self, msg: Msg, body: object, may_apply: bool) -> Verdict:
+    async def decide(self, msg: Msg, body: object) -> Verdict:
+        """Settle, hold or keep one buffered message; raises the error to settle it with."""
         if isinstance(body, HandlerError):
             raise body
         if isinstance(body, OpenSlot):
@@ -255,69 +230,22 @@ class Trainer:
                 await self.commit(job)
 
     async def commit(self, job: JobSlot, initial: bool = False) -> None:
-        """Checkpoint → policies KV CAS → policy event → settle what the checkpoint holds."""
+        """Checkpoint + policies KV CAS → policy event → settle what the checkpoint holds. A
+        commit the broker could not take is tried again next round (nothing was acked)."""
         covered, job.held = job.held, []
-        record, job.kv_revision = await write_version(
-            self.registry.store,
-            self.registry.policies,
-            job.spec,
-            job.slot,
-            revision=None if initial else job.kv_revision,
-            stream_seq=job.applied_seq,
-            batches_done=job.batches_done,
-            metrics=job.metrics,
-        )
-        job.committed_seq, job.committed_step = record.stream_seq, record.step
-        job.committed_batches = record.batches_done
-        job.last_commit_at = time.monotonic()
-        await self.emit(
-            PolicyPublished(
-                job.spec.tenant,
-                job.spec.job_id,
-                record.version,
-                record.object_name,
-                record.step,
-                time.time(),
-                final=job.finished,
-            )
-        )
+        try:
+            record = await self.committer.commit(job, initial)
+        except (NatsError, TimeoutError) as exc:
+            log.warning("commit of %s failed (%s); trying again", job.key, exc)
+            job.held = covered + job.held
+            return
         self.commits += 1
         if self.config.crash_after_commits and self.commits >= self.config.crash_after_commits:
             log.warning("fault injection: SIGKILL after commit %d, before its acks", self.commits)
             os.kill(os.getpid(), signal.SIGKILL)
         for msg, error in covered:
             await self.consumer.settle(msg, error)
-        job.versions.append(record.object_name)
-        while len(job.versions) > self.config.keep_versions:
-            with contextlib.suppress(NotFoundError):
-                await self.registry.store.delete(job.versions.popleft())
-
-    # -- telling tenants ---------------------------------------------------------------------
-    async def tell_tenant(self, msg: Msg, reason: str, error: BaseException) -> None:
-        """A dead-lettered message's job hears why (fatal errors fail the job)."""
-        tenant = subjects.tenant_of(msg.subject) or ""
-        if isinstance(error, JobError):
-            job_id, fatal = error.job_id, error.fatal
-        else:
-            try:
-                job_id, fatal = decode(TRAIN_DECODER, msg.data).job_id, True
-            except DecodeError:
-                return  # nothing to address: the dead letter is the record
-        event = ErrorEvent(tenant, job_id, reason, False, fatal, time.time())
-        await self.emit(event, step_id=f"dead-{msg.metadata.sequence.stream}")
-
-    async def emit(self, event: Event, step_id: int | str | None = None) -> None:
-        """Publish a job event; its ``Nats-Msg-Id`` comes from what it reports (a step, a
-        version, a dead letter's sequence), so a retried publish is a no-op."""
-        kind = event_kind(event)
-        ident = event.version if isinstance(event, PolicyPublished) else step_id
-        assert ident is not None, f"{kind} event needs an identity"
-        await publish(
-            self.rt.js,
-            subjects.event(event.tenant, event.job_id, kind),
-            event,
-            message_id=msg_id("ev", event.tenant, event.job_id, kind, ident),
-        )
+        await self.committer.prune(job, record.object_name)
 
     async def release(self) -> None:
         """On stop: commit what was applied (so it is acked), within a bound; the consume
@@ -340,15 +268,6 @@ class Trainer:
             "commits": float(self.commits),
             **self.stepper.gauges(),
         }
-
-
-class _Waiting:
-    """A buffered body that must wait (a later step or iteration, or a slot not open yet)."""
-
-    __slots__ = ("body",)
-
-    def __init__(self, body: object) -> None:
-        self.body = body
 
 
 async def run(config: TrainerConfig) -> None:

@@ -6,6 +6,7 @@ one RL update per complete iteration. Each outcome is recorded on its job — ap
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,8 @@ from services.trainer.sft import build_request
 from vla.backbone import Backbone
 from vla.grouping import TrainRequest, group_train_step
 from vla.slot import NonFiniteLossError
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from services.trainer.service import Trainer
@@ -82,7 +85,7 @@ class Stepper:
                 "samples_per_s": samples / max(1e-9, time.perf_counter() - t0),
             }
             events.append(self.progress(job, result.step, now))
-        await asyncio.gather(*(self.trainer.emit(ev, step_id=ev.step) for ev in events))
+        await self.announce(events)
         self.round_s += time.perf_counter() - t0
 
     def progress(self, job: JobSlot, step: int, now: float) -> Progress:
@@ -164,7 +167,17 @@ class Stepper:
             job.metrics = result
             self.samples += int(result.get("episode_length", 0) * result.get("episodes", 0))
             events.append(self.progress(job, job.batches_done, time.time()))
-        await asyncio.gather(*(trainer.emit(ev, step_id=ev.step) for ev in events))
+        await self.announce(events)
+
+    async def announce(self, events: list[Progress]) -> None:
+        """Progress events; one the broker cannot take now is skipped (the next step's, and
+        the commit's policy event, carry the job on)."""
+        results = await asyncio.gather(
+            *(self.trainer.emit(ev, step_id=ev.step) for ev in events), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                log.warning("progress event not published: %s", result)
 
     def gauges(self) -> dict[str, float]:
         return {
