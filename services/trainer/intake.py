@@ -1,0 +1,79 @@
+"""The trainer's intake: per-tenant prefetch buffers filled from the tenants' durables.
+
+Every fetched message is held by the consume runtime at once (kept alive with in-progress
+acks while it waits in a buffer) and decoded once; it leaves its buffer when it is settled,
+held for a commit, or chosen for a step."""
+
+from __future__ import annotations
+
+from nats.aio.msg import Msg
+
+from bus.codec import DecodeError, decode
+from bus.consume import Consumer, DurableSet
+from bus.errors import PoisonError
+from schemas.train import TRAIN_DECODER
+
+#: Most messages buffered per tenant, waiting ones included.
+MAX_BUFFER = 256
+
+
+class Waiting:
+    """A buffered body that must wait (a later step or iteration, or a slot not open yet)."""
+
+    __slots__ = ("body",)
+
+    def __init__(self, body: object) -> None:
+        self.body = body
+
+
+class Intake:
+    """Per tenant: fetched messages with their decoded bodies (or the error each will be
+    dead-lettered with), in arrival order."""
+
+    def __init__(self, consumer: Consumer, tenants: DurableSet, prefetch: int) -> None:
+        self.consumer = consumer
+        self.tenants = tenants
+        self.prefetch = prefetch
+        self.buffers: dict[str, list[tuple[Msg, object]]] = {}
+
+    def add_tenant(self, tenant: str) -> None:
+        self.buffers.setdefault(tenant, [])
+
+    @property
+    def busy(self) -> bool:
+        return any(self.buffers.values())
+
+    async def fill(self, live: set[str]) -> int:
+        """Top up the buffers of tenants with messages or with live jobs (fetches run at
+        once). Only when no tenant has work buffered is it worth waiting for messages.
+        Returns how many messages arrived."""
+        wants = {}
+        for tenant, buf in self.buffers.items():
+            waiting = sum(1 for _, item in buf if isinstance(item, Waiting))
+            # Batches waiting for an earlier step do not use up the prefetch: the earlier
+            # step must still be fetched. MAX_BUFFER bounds memory all the same.
+            wants[tenant] = min(self.prefetch - (len(buf) - waiting), MAX_BUFFER - len(buf))
+        fetched = await self.tenants.fill(wants, 0.001 if self.busy else 0.05, also=live)
+        arrived = 0
+        for tenant, msgs in fetched.items():
+            for msg in msgs:
+                self.consumer.hold(msg)  # kept alive while buffered; settled exactly once
+                self.buffers[tenant].append((msg, self.decode(tenant, msg)))
+            arrived += len(msgs)
+        return arrived
+
+    def decode(self, tenant: str, msg: Msg) -> object:
+        """The message's body, or the error it will be dead-lettered with."""
+        with self.consumer.span(msg):
+            try:
+                body = decode(TRAIN_DECODER, msg.data)
+            except DecodeError as exc:
+                return PoisonError(f"malformed training message: {exc}")
+            if body.tenant != tenant:
+                return PoisonError(
+                    f"message for tenant {body.tenant!r} on tenant {tenant!r}'s subject"
+                )
+            return body
+
+    def remove(self, tenant: str, msg: Msg) -> None:
+        self.buffers[tenant] = [(m, b) for m, b in self.buffers[tenant] if m is not msg]
