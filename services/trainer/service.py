@@ -20,8 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import signal
 import time
 
 import torch
@@ -66,7 +64,9 @@ class Trainer:
         self.announcer = Announcer(rt.js)
         self.emit = self.announcer.emit
         self.stepper = Stepper(self, backbone)
-        self.committer = Committer(self.registry, self.emit, config.keep_versions)
+        self.committer = Committer(
+            self.registry, rt.consumer, self.emit, config.keep_versions, config.crash_after_commits
+        )
         self.tenants = DurableSet(
             rt.consumer,
             subjects.STREAM_TRAIN,
@@ -77,7 +77,6 @@ class Trainer:
         )
         self.intake = Intake(rt.consumer, self.tenants, config.prefetch)
         self.deficits: dict[str, float] = {}
-        self.commits = 0
 
     def spec_for(self, tenant: str) -> ConsumerSpec:
         return ConsumerSpec(
@@ -119,7 +118,7 @@ class Trainer:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.rt.stop.wait(), 0.05)
         finally:
-            await self.release()
+            await self.committer.commit_applied(self.registry.jobs.values(), STOP_COMMIT_S)
 
     async def round(self) -> bool:
         """Triage every buffer; DRR picks the tenants served; one grouped step; RL updates.
@@ -212,7 +211,7 @@ class Trainer:
             await self.consumer.settle(msg, None)
             return
         job.held.append((msg, None))
-        await self.commit(job, initial=True)
+        await self.committer.commit(job, initial=True)
         log.info("opened slot %s (%s head, %d steps)", job.key, spec.head.kind, spec.total_steps)
 
     async def close_slot(self, close: CloseSlot) -> None:
@@ -223,49 +222,17 @@ class Trainer:
             await self.consumer.release([m for m, _ in job.rollouts.values()])
             log.info("closed slot %s (%s)", job.key, close.reason)
 
-    # -- commit protocol ---------------------------------------------------------------------
     async def commit_due(self) -> None:
         for job in list(self.registry.jobs.values()):
             if job.commit_due(self.config.commit_every_s):
-                await self.commit(job)
-
-    async def commit(self, job: JobSlot, initial: bool = False) -> None:
-        """Checkpoint + policies KV CAS → policy event → settle what the checkpoint holds. A
-        commit the broker could not take is tried again next round (nothing was acked)."""
-        covered, job.held = job.held, []
-        try:
-            record = await self.committer.commit(job, initial)
-        except (NatsError, TimeoutError) as exc:
-            log.warning("commit of %s failed (%s); trying again", job.key, exc)
-            job.held = covered + job.held
-            return
-        self.commits += 1
-        if self.config.crash_after_commits and self.commits >= self.config.crash_after_commits:
-            log.warning("fault injection: SIGKILL after commit %d, before its acks", self.commits)
-            os.kill(os.getpid(), signal.SIGKILL)
-        for msg, error in covered:
-            await self.consumer.settle(msg, error)
-        await self.committer.prune(job, record.object_name)
-
-    async def release(self) -> None:
-        """On stop: commit what was applied (so it is acked), within a bound; the consume
-        runtime hands back everything else."""
-        deadline = time.monotonic() + STOP_COMMIT_S
-        for job in list(self.registry.jobs.values()):
-            if time.monotonic() > deadline:
-                break
-            if job.batches_done > job.committed_batches or job.held:
-                try:
-                    await self.commit(job)
-                except Exception as exc:  # replayed on restart: nothing is lost
-                    log.warning("commit of %s at stop failed", job.key, exc_info=exc)
+                await self.committer.commit(job)
 
     def gauges(self) -> dict[str, float]:
         return {
             "tenants": float(len(self.tenants.durables)),
             "jobs": float(len(self.registry.jobs)),
             "resident_slot_bytes": float(self.slots.resident_bytes),
-            "commits": float(self.commits),
+            "commits": float(self.committer.commits),
             **self.stepper.gauges(),
         }
 
