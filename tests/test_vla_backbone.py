@@ -134,7 +134,13 @@ def test_feature_layer_equals_transformers_hidden_states_and_drops_unused_layers
         bb = Backbone.load("tiny", feature_layer=layer)
         feat = bb.encode(inputs)
         torch.testing.assert_close(feat.prefix_B_T_D, hidden[layer], rtol=0, atol=1e-6)
-        assert len(bb.model.model.text_model.layers) == bb.feature_layer
+        decoder = bb.model.model.text_model
+        # Layer 0 stays (unrun) for feature_layer 0; nothing above the feature layer is kept.
+        assert len(decoder.layers) == max(bb.feature_layer, 1)
+        calls = torch.zeros(())
+        decoder.norm.register_forward_hook(lambda *_, c=calls: c.add_(1))
+        bb.encode(inputs)
+        assert int(calls) == (1 if bb.feature_layer == 2 else 0)  # the forward stopped early
     with pytest.raises(ValueError, match="feature_layer 3 out of range"):
         Backbone.load("tiny", feature_layer=3)
 

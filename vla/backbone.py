@@ -1,12 +1,15 @@
 """The frozen, resident VLM backbone: load once, encode normalised batches into VLAFeatures.
 
-A backbone comes from a local checkpoint directory (``save_pretrained`` layout, e.g. a SmolVLM
-snapshot, which is Idefics3) or, for tests and the demo, from a tiny model built in-process
-(:data:`vla.tiny.TINY_NAMES`). Nothing is downloaded.
+A backbone comes from a local checkpoint directory (``save_pretrained`` layout) of any
+``AutoModelForImageTextToText`` architecture whose ``AutoProcessor`` loads offline (Idefics3 /
+SmolVLM, Llava, PaliGemma, Idefics2, LlavaNext are tested), or, for tests and the demo, from a
+tiny model built in-process (:data:`vla.tiny.TINY_NAMES`). Nothing is downloaded. The image-token
+layout is asked of the checkpoint's processor (:mod:`vla.layout`), not looked up per model.
 
 :meth:`Backbone.encode` runs one forward of the multimodal base model (no LM head, no KV cache)
 under ``torch.inference_mode()`` and returns the hidden states of ``feature_layer``. Decoder
-layers above ``feature_layer`` are dropped at load time, so they cost neither memory nor compute.
+layers above ``feature_layer`` are dropped at load time and a hook stops the forward there, so
+they (and the final norm) cost neither memory nor compute, for any architecture.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 from transformers import (
     AutoModelForImageTextToText,
     AutoProcessor,
@@ -27,11 +30,8 @@ from transformers import (
 
 from schemas.ids import validate_id
 from vla.feature import ModelInputs, VLAFeature
+from vla.layout import ImageLayout, probe_layout
 from vla.tiny import TINY_NAMES, build_tiny
-
-#: Architectures whose input layout :meth:`Backbone.encode` knows. Idefics3 covers SmolVLM(1)
-#: checkpoints; it takes pixels as ``(B, V, 3, H, W)``. Llava takes one flat ``(B*V, 3, H, W)``.
-_PIXELS_PER_SAMPLE = {"idefics3": True, "llava": False}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -76,7 +76,8 @@ class Backbone:
 
     * ``backbone_id``: subject-safe id (``[a-z0-9][a-z0-9-]{0,63}``), part of every CompatKey.
     * ``model`` / ``processor``: the transformers objects (frozen, eval mode).
-    * ``model_type``: ``config.model_type`` (``"idefics3"`` or ``"llava"``).
+    * ``model_type``: ``config.model_type`` (``"idefics3"``, ``"llava"``, ``"paligemma"``, ...).
+    * ``layout``: the processor's image layout (:class:`vla.layout.ImageLayout`).
     * ``hidden_size``: width D of the features; ``num_params``: parameters kept resident.
     * ``feature_layer``: the resolved hidden-state index (0 = embeddings, ``L`` = final normed
       output, as in transformers' ``hidden_states``).
@@ -97,25 +98,22 @@ class Backbone:
     ) -> None:
         """Wrap an already loaded model and processor; prefer :meth:`load`."""
         model_type = str(model.config.model_type)
-        if model_type not in _PIXELS_PER_SAMPLE:
-            raise ValueError(
-                f"unsupported backbone model_type {model_type!r}; supported: "
-                f"{sorted(_PIXELS_PER_SAMPLE)}"
-            )
         self.backbone_id = validate_id(backbone_id, "backbone_id")
         self.model = model
         self.processor = processor
         self.model_type = model_type
-        self._pixels_per_sample = _PIXELS_PER_SAMPLE[model_type]
         # The multimodal base model (vision tower + connector + decoder), without the LM head:
         # we never need logits, and for real vocabularies (49k for SmolVLM) they dominate.
-        self._base: nn.Module = model.model
-        decoder = self._base.get_decoder()
-        self.feature_layer = self._truncate_decoder(decoder, feature_layer)
+        base = getattr(model, "model", None)
+        if not isinstance(base, nn.Module):
+            raise ValueError(f"{model_type}: {type(model).__name__} has no base model (.model)")
+        self._base: nn.Module = base
+        text_config = model.config.get_text_config()
+        layers = _decoder_layers(base, int(text_config.num_hidden_layers), model_type)
+        self.feature_layer, self._hook = _stop_at_feature_layer(layers, feature_layer)
         model.requires_grad_(False)
         model.eval()
 
-        text_config = model.config.get_text_config()
         self.hidden_size = int(text_config.hidden_size)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.device = next(model.parameters()).device
@@ -129,7 +127,15 @@ class Backbone:
             pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         self.pad_token_id = int(pad)
 
-        self.image_size = int(model.config.vision_config.image_size)
+        vision_config = getattr(model.config, "vision_config", None)
+        guess = int(getattr(vision_config, "image_size", 224))
+        specials = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
+        try:
+            layout = probe_layout(processor, base.forward, guess, specials - {None})
+        except ValueError as e:
+            raise ValueError(f"backbone {self.backbone_id!r} ({model_type}): {e}") from e
+        self.layout: ImageLayout = layout
+        self.image_size = layout.image_size
         ip = processor.image_processor
         self.pixel_spec = PixelSpec(
             image_size=self.image_size,
@@ -138,8 +144,9 @@ class Backbone:
             mean=_channel_triple(ip.image_mean if ip.do_normalize else None, 0.0),
             std=_channel_triple(ip.image_std if ip.do_normalize else None, 1.0),
         )
-        self.image_block_ids = self._image_block_ids()
+        self.image_block_ids = layout.block_ids
         self.image_token_count = len(self.image_block_ids)
+        self._block_ids_N = torch.tensor(sorted(set(layout.block_ids)), device=self.device)
 
     @classmethod
     def load(
@@ -175,53 +182,13 @@ class Backbone:
                     f"backbone {str(path_or_name)!r} is neither a checkpoint directory nor a "
                     f"tiny model name {TINY_NAMES}"
                 )
-            model = AutoModelForImageTextToText.from_pretrained(
-                path, dtype=torch_dtype, local_files_only=True
-            )
-            processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+            model, processor = _load_checkpoint(path, torch_dtype)
             default_id = _id_from_path(path.resolve())
         # transformers' decorated ``to`` is mistyped for mypy (it sees an unbound wrapper).
         model = model.to(device=device, dtype=torch_dtype)  # type: ignore[call-arg]
         return cls(
             model, processor, backbone_id=backbone_id or default_id, feature_layer=feature_layer
         )
-
-    @staticmethod
-    def _truncate_decoder(decoder: nn.Module, feature_layer: int) -> int:
-        """Drop decoder layers above ``feature_layer``; return it as a non-negative index.
-
-        With ``k`` layers kept and the final norm replaced by identity, the decoder's
-        ``last_hidden_state`` *is* ``hidden_states[k]`` (hidden_states[L] is the normed output,
-        which needs no change), so no layer runs that we would throw away and we never ask
-        transformers to record every layer's output."""
-        layers = decoder.layers
-        num_layers = len(layers)  # type: ignore[arg-type]
-        k = feature_layer if feature_layer >= 0 else num_layers + 1 + feature_layer
-        if not 0 <= k <= num_layers:
-            raise ValueError(
-                f"feature_layer {feature_layer} out of range for a {num_layers}-layer decoder "
-                f"(valid: {-num_layers - 1}..{num_layers})"
-            )
-        if k < num_layers:
-            decoder.layers = layers[:k]  # type: ignore[index]
-            decoder.norm = nn.Identity()
-        return k
-
-    def _image_block_ids(self) -> tuple[int, ...]:
-        """The token ids one image expands to, asked of the processor itself (so a real
-        checkpoint's layout, e.g. SmolVLM's wrapper tokens, is reproduced exactly)."""
-        blank = np.zeros((self.image_size, self.image_size, 3), dtype=np.uint8)
-        image_token: str = getattr(self.processor, "image_token", "<image>")
-        extra: dict[str, bool] = {}
-        if self.model_type == "idefics3":
-            # Real SmolVLM processors split large images into tiles; we always feed one global
-            # image per view at the vision tower's size, so ask for exactly that layout.
-            extra["do_image_splitting"] = False
-        out = self.processor(
-            text=[image_token], images=[[blank]], add_special_tokens=False, **extra
-        )
-        ids = out["input_ids"][0]
-        return tuple(int(i) for i in ids)
 
     def model_kwargs(self, inputs: ModelInputs) -> dict[str, torch.Tensor]:
         """The base model's forward kwargs for ``inputs``, on this backbone's device and dtype."""
@@ -232,14 +199,30 @@ class Backbone:
                 f"(image size {self.image_size})"
             )
         t = inputs.tensors
-        pixels = t["pixel_values"].to(self.device, self.dtype, non_blocking=True)
-        if not self._pixels_per_sample:
-            pixels = pixels.flatten(0, 1)  # (B, V, 3, H, W) -> (B*V, 3, H, W), sample-major
-        return {
-            "input_ids": t["input_ids"].to(self.device, non_blocking=True),
+        layout = self.layout
+        input_ids_B_T = t["input_ids"].to(self.device, non_blocking=True)
+        pixels_B_V_3_S_S = t["pixel_values"].to(self.device, self.dtype, non_blocking=True)
+        b, v = pixels_B_V_3_S_S.shape[:2]
+        if layout.sub_images > 1:  # every sub-image is the whole view (checked at load)
+            pixels = pixels_B_V_3_S_S.unsqueeze(2).expand(-1, -1, layout.sub_images, -1, -1, -1)
+        else:
+            pixels = pixels_B_V_3_S_S
+        if not layout.per_sample_pixels:
+            pixels = pixels.flatten(0, 1)  # (B, V, ...) -> (B*V, ...), sample-major
+        kwargs = {
+            "input_ids": input_ids_B_T,
             "attention_mask": t["attention_mask"].to(self.device, non_blocking=True),
             "pixel_values": pixels,
         }
+        for name, one in layout.per_image.items():
+            one = one.to(self.device)
+            lead = (b, v) if name in layout.per_sample_keys else (b * v,)
+            kwargs[name] = one.expand(*lead, *one.shape).clone()
+        if layout.per_token:
+            on_block_B_T = torch.isin(input_ids_B_T, self._block_ids_N)
+            for name, (on, off) in layout.per_token.items():
+                kwargs[name] = torch.where(on_block_B_T, on, off)
+        return kwargs
 
     def encode(self, inputs: ModelInputs) -> VLAFeature:
         """One backbone forward over the whole batch -> :class:`VLAFeature`.
@@ -250,8 +233,15 @@ class Backbone:
         """
         kwargs = self.model_kwargs(inputs)
         with torch.inference_mode():
-            out = self._base(**kwargs, use_cache=False, return_dict=True)
-            hidden_B_T_D = out.last_hidden_state
+            if self._hook is None:
+                out = self._base(**kwargs, use_cache=False, return_dict=True)
+                hidden_B_T_D = out.last_hidden_state
+            else:
+                try:
+                    self._base(**kwargs, use_cache=False, return_dict=True)
+                    raise RuntimeError("the feature-layer hook did not fire")
+                except _FeatureReached as reached:
+                    hidden_B_T_D = reached.hidden_B_T_D
         # Outside inference mode: the copy is a normal tensor that autograd may save. It is also
         # the float32 cast for bf16 models, so it costs nothing extra there.
         prefix_B_T_D = hidden_B_T_D.to(torch.float32, copy=True)
@@ -260,3 +250,89 @@ class Backbone:
             mask_B_T=kwargs["attention_mask"],
             proprio_B_P=inputs.proprio_B_P.to(self.device),
         )
+
+
+class _FeatureReached(Exception):
+    """Raised by the feature-layer hook to stop the forward once the features exist."""
+
+    def __init__(self, hidden_B_T_D: torch.Tensor) -> None:
+        super().__init__("feature layer reached")
+        self.hidden_B_T_D = hidden_B_T_D
+
+
+def _load_checkpoint(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, ProcessorMixin]:
+    """Model and processor from a local directory; a processor that cannot load is refused."""
+    try:
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # any import/config failure: refuse with transformers' own reason
+        raise ValueError(
+            f"backbone {str(path)!r}: its processor cannot be loaded here ({type(e).__name__}: "
+            f"{e}); processors that need torchvision (Qwen2-VL, InternVL, Pixtral, video "
+            "processors) do not load beside this torch"
+        ) from e
+    if not isinstance(processor, ProcessorMixin) or getattr(processor, "tokenizer", None) is None:
+        raise ValueError(
+            f"backbone {str(path)!r}: {type(processor).__name__} is not a multimodal processor "
+            "with a tokenizer"
+        )
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, local_files_only=True)
+    return model, processor
+
+
+def _decoder_layers(base: nn.Module, num_layers: int, model_type: str) -> nn.ModuleList:
+    """The language model's decoder layer list: ``get_decoder().layers``, else the one
+    ``ModuleList`` under the decoder with ``num_hidden_layers`` entries."""
+    get_decoder = getattr(base, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else base
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers) == num_layers:
+        return layers
+    found = [m for m in decoder.modules() if isinstance(m, nn.ModuleList) and len(m) == num_layers]
+    if len(found) != 1:
+        raise ValueError(
+            f"{model_type}: cannot find the decoder's {num_layers}-layer list "
+            f"({len(found)} candidates)"
+        )
+    return found[0]
+
+
+def _stop_at_feature_layer(
+    layers: nn.ModuleList, feature_layer: int
+) -> tuple[int, RemovableHandle | None]:
+    """Resolve ``feature_layer`` and make the forward stop there; layers above it are dropped.
+
+    ``hidden_states[L]`` (L layers) is the decoder's normed output: nothing to change. For
+    ``k < L`` a hook on layer ``k - 1``'s output (or layer 0's input for ``k = 0``) raises
+    :class:`_FeatureReached` with the hidden states, so neither the layers above, the final
+    norm nor anything after the decoder runs, whatever the architecture calls them. The layers
+    above are deleted so they cost no memory either (layer 0 stays for ``k = 0``, unrun)."""
+    num_layers = len(layers)
+    k = feature_layer if feature_layer >= 0 else num_layers + 1 + feature_layer
+    if not 0 <= k <= num_layers:
+        raise ValueError(
+            f"feature_layer {feature_layer} out of range for a {num_layers}-layer decoder "
+            f"(valid: {-num_layers - 1}..{num_layers})"
+        )
+    if k == num_layers:
+        return k, None
+    del layers[max(k, 1) :]
+    if k == 0:
+        return k, layers[0].register_forward_pre_hook(_raise_with_input, with_kwargs=True)
+    return k, layers[k - 1].register_forward_hook(_raise_with_output)
+
+
+def _first_tensor(value: object) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, tuple | list) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    raise TypeError(f"decoder layer passed {type(value).__name__}, expected hidden states")
+
+
+def _raise_with_input(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+    hidden = args[0] if args else kwargs["hidden_states"]
+    raise _FeatureReached(_first_tensor(hidden))
+
+
+def _raise_with_output(_module: nn.Module, _args: tuple, output: object) -> None:
+    raise _FeatureReached(_first_tensor(output))
