@@ -9,13 +9,14 @@ its command, so ``joynexus submit`` loads no more than the SDK.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from clients import cli as tenant_cli
-from clients.cli import Command, add_command, home_of
+from clients.cli import Command, _client, add_command, home_of
 
 if TYPE_CHECKING:
     from clients.cli import Subcommands
@@ -24,9 +25,42 @@ if TYPE_CHECKING:
 def _up(args: argparse.Namespace) -> int:
     from services import launcher
 
+    try:
+        backbones = [launcher.backbone_of(b) for b in args.backbone or ["tiny"]]
+    except ValueError as exc:
+        print(f"joynexus up: {exc}", file=sys.stderr)
+        return 2
+    ids = [b.backbone_id for b in backbones]
+    if len(set(ids)) != len(ids):
+        print(f"joynexus up: two --backbone values share an id: {ids}", file=sys.stderr)
+        return 2
     if args.check:
-        return int(launcher.check_stack(home_of(args), timeout=args.timeout))
-    return int(launcher.run_stack(home_of(args)))
+        return int(launcher.check_stack(home_of(args), args.timeout, backbones))
+    return int(launcher.run_stack(home_of(args), backbones=backbones))
+
+
+async def _served(args: argparse.Namespace) -> int:
+    client = await _client(args)
+    try:
+        records = await client.backbones()
+    finally:
+        await client.close()
+    if not records:
+        print("no backbone is served (yet: a trainer announces its backbone once loaded)")
+        return 1
+    print(
+        f"{'id':<24} {'architecture':<14} {'params':>10} {'image':>6} {'img tok':>7} "
+        f"{'tokens':>7}  trainers inferencers"
+    )
+    for bid in sorted({r.backbone for r in records}):
+        mine = [r for r in records if r.backbone == bid]
+        r = mine[0]
+        roles = [sum(x.role == role for x in mine) for role in ("trainer", "inferencer")]
+        print(
+            f"{bid:<24} {r.model_type:<14} {r.num_params:>10,} {r.image_size:>6} "
+            f"{r.image_tokens:>7} {r.max_tokens:>7}  {roles[0]:>8} {roles[1]:>11}"
+        )
+    return 0
 
 
 def _scale(args: argparse.Namespace) -> int:
@@ -102,12 +136,26 @@ def _data_inspect(args: argparse.Namespace) -> int:
 
 
 def add_operator_commands(sub: Subcommands) -> None:
-    """``up``, ``scale``, ``demo``, ``bench``, ``model``, ``data`` on ``sub``."""
+    """``up``, ``backbones``, ``scale``, ``demo``, ``bench``, ``model``, ``data`` on ``sub``."""
     up = add_command(
         sub, "up", _up, home=True, help="run the local stack (embedded NATS + every role)"
     )
     up.add_argument("--check", action="store_true", help="start, wait for 5 healthy roles, stop")
     up.add_argument("--timeout", type=float, default=90.0, help="--check's bound in seconds")
+    up.add_argument(
+        "--backbone",
+        action="append",
+        metavar="DIR|NAME|ID=DIR",
+        help="serve this checkpoint directory or tiny name (repeatable; default: tiny); each "
+        "gets its own trainer and inferencer, and specs name it by the id `up` prints",
+    )
+    add_command(
+        sub,
+        "backbones",
+        lambda a: asyncio.run(_served(a)),
+        bus=True,
+        help="list the served backbones (id, architecture, parameters, image size, tokens)",
+    )
 
     sc = add_command(
         sub,

@@ -30,11 +30,10 @@ import ssl
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
-import msgspec
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
@@ -332,17 +331,3 @@ def main(run: Callable[[Any], Coroutine[Any, Any, None]], config: BusConfig) -> 
     except Exception:
         log.exception("service crashed")
         sys.exit(1)
-
-
-@contextlib.asynccontextmanager
-async def placed(rt: Runtime, backbone_id: str) -> AsyncIterator[None]:
-    """Announce in the ``placement`` KV that this instance serves ``backbone_id`` for as long
-    as the block runs (key ``<role>.<backbone>.<instance>``)."""
-    placement = await rt.js.key_value(subjects.KV_PLACEMENT)
-    key = f"{rt.role}.{backbone_id}.{rt.instance}"
-    await placement.put(key, msgspec.json.encode({"backbone": backbone_id, "role": rt.role}))
-    try:
-        yield
-    finally:
-        with contextlib.suppress(NatsError):
-            await placement.delete(key)

@@ -30,6 +30,7 @@ from pydantic import BaseModel
 from bus.codec import decode
 from bus.connect import connect
 from bus.local import read_stack_info
+from bus.placement import live_placements
 from bus.publish import msg_id, publish
 from bus.records import get_job, list_jobs
 from schemas import headers, subjects
@@ -44,6 +45,7 @@ from schemas.events import (
 )
 from schemas.ids import validate_id
 from schemas.jobs import TERMINAL_STATUSES, JobCancel, JobRecord, JobSubmit
+from schemas.placement import PlacementRecord
 from schemas.specs import JobSpec, parse_job_spec
 
 
@@ -232,6 +234,11 @@ class Client:
         """The job's record in the ``jobs`` KV (None if the master has not recorded it)."""
         record, _ = await get_job(await self.js.key_value(subjects.KV_JOBS), tenant, job_id)
         return record
+
+    async def backbones(self) -> list[PlacementRecord]:
+        """What is served now: one record per live trainer or inferencer instance, with
+        the backbone's id, architecture, parameter count, image size and token budget."""
+        return await live_placements(self.js)
 
     async def jobs(self, tenant: str | None = None) -> list[JobRecord]:
         """All job records (of ``tenant`` if given), oldest first."""

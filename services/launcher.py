@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -31,8 +32,40 @@ from bus.local import StackInfo, write_stack_info
 from bus.server import EmbeddedServer
 from schemas import subjects
 from schemas.health import HEARTBEAT_DECODER, ROLES
+from schemas.ids import validate_id
 
 log = logging.getLogger("joynexus.up")
+
+#: Roles that run once per served backbone (each process holds one resident backbone).
+PER_BACKBONE = ("trainer", "inferencer")
+#: Tiny names :meth:`vla.backbone.Backbone.load` builds in-process (no checkpoint directory).
+TINY_PREFIX = "tiny"
+
+
+@dataclass(frozen=True)
+class ServedBackbone:
+    """One backbone the stack serves: its id and what the trainer/inferencer load."""
+
+    backbone_id: str
+    source: str
+
+
+def backbone_of(arg: str) -> ServedBackbone:
+    """``--backbone`` value -> what to serve: ``ID=DIR`` names it; a checkpoint directory is
+    named after itself (as :meth:`vla.backbone.Backbone.load` names it); a tiny name is its
+    own id. Raises ValueError naming the value when it is neither."""
+    named, _, rest = arg.partition("=")
+    source = rest if rest else arg
+    path = Path(source).expanduser()
+    if path.is_dir():
+        source = str(path.resolve())
+        default = re.sub(r"[^a-z0-9-]+", "-", path.resolve().name.lower()).strip("-")[:64]
+    elif source.startswith(TINY_PREFIX) and "/" not in source:
+        default = source
+    else:
+        raise ValueError(f"--backbone {arg!r}: neither a checkpoint directory nor a tiny name")
+    backbone_id = (named if rest else default).strip("-") or "backbone"
+    return ServedBackbone(validate_id(backbone_id, "backbone id"), source)
 
 
 @dataclass
@@ -47,6 +80,8 @@ class Child:
     last_start: float = 0.0
     #: Stopped on purpose (scaled down): not restarted.
     retired: bool = False
+    #: The backbone id it serves (trainer and inferencer only).
+    backbone: str = ""
 
 
 @dataclass
@@ -57,6 +92,10 @@ class LocalStack:
     roles: dict[str, int] = field(default_factory=lambda: {r: 1 for r in ROLES})
     extra_env: dict[str, str] = field(default_factory=dict)
     role_args: dict[str, list[str]] = field(default_factory=dict)
+    #: What the trainers and inferencers serve, one process of each per backbone.
+    backbones: list[ServedBackbone] = field(
+        default_factory=lambda: [ServedBackbone("tiny", "tiny")]
+    )
     server: EmbeddedServer | None = None
     children: list[Child] = field(default_factory=list)
     info: StackInfo | None = None
@@ -109,13 +148,38 @@ class LocalStack:
             )
         child.last_start = time.monotonic()
 
+    def args_of(self, role: str, backbone: ServedBackbone | None) -> list[str]:
+        """A child's flags: the role's own, then what it serves (the backbone it loads, or the
+        ids of every served backbone for the master and env workers)."""
+        args = list(self.role_args.get(role, []))
+        if backbone is not None:
+            return [*args, "--backbone", backbone.source, "--backbone-id", backbone.backbone_id]
+        if role in ("master", "envs"):
+            return [*args, "--backbones", ",".join(b.backbone_id for b in self.backbones)]
+        return args
+
+    def groups(self, role: str) -> list[ServedBackbone | None]:
+        return list(self.backbones) if role in PER_BACKBONE else [None]
+
+    def base_name(self, role: str, backbone: ServedBackbone | None) -> str:
+        """``trainer`` with one backbone, ``trainer-<id>`` with several (its log's name)."""
+        if backbone is not None and len(self.backbones) > 1:
+            return f"{role}-{backbone.backbone_id}"
+        return role
+
+    def new_child(self, role: str, backbone: ServedBackbone | None, name: str) -> Child:
+        child = Child(role, name, self.args_of(role, backbone))
+        child.backbone = backbone.backbone_id if backbone else ""
+        return child
+
     def start_roles(self) -> None:
         for role, count in self.roles.items():
-            for i in range(count):
-                name = role if count == 1 else f"{role}-{i}"
-                child = Child(role, name, list(self.role_args.get(role, [])))
-                self.spawn(child)
-                self.children.append(child)
+            for backbone in self.groups(role):
+                base = self.base_name(role, backbone)
+                for i in range(count):
+                    child = self.new_child(role, backbone, base if count == 1 else f"{base}-{i}")
+                    self.spawn(child)
+                    self.children.append(child)
 
     def supervise_once(self) -> list[str]:
         """Restart children that exited; return the names restarted."""
@@ -137,28 +201,33 @@ class LocalStack:
         return [c for c in self.children if c.role == role and not c.retired]
 
     def scale(self, role: str, count: int) -> None:
-        """Run ``count`` processes of ``role``: start new ones, or SIGTERM the newest extras
-        (they release their in-flight work, which other instances then pick up)."""
-        live = self.live(role)
-        for i in range(len(live), count):
-            names = {c.name for c in self.children}
-            n = i
-            while f"{role}-{n}" in names:
-                n += 1
-            child = Child(role, f"{role}-{n}", list(self.role_args.get(role, [])))
-            self.spawn(child)
-            self.children.append(child)
-        for child in live[count:][::-1]:
-            child.retired = True
-            if child.proc is not None and child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
+        """Run ``count`` processes of ``role`` (per backbone, for a trainer or inferencer):
+        start new ones, or SIGTERM the newest extras (they release their in-flight work,
+        which other instances then pick up)."""
+        for backbone in self.groups(role):
+            bid = backbone.backbone_id if backbone else ""
+            live = [c for c in self.live(role) if c.backbone == bid]
+            base = self.base_name(role, backbone)
+            for i in range(len(live), count):
+                names = {c.name for c in self.children}
+                n = i
+                while f"{base}-{n}" in names:
+                    n += 1
+                child = self.new_child(role, backbone, f"{base}-{n}")
+                self.spawn(child)
+                self.children.append(child)
+            for child in live[count:][::-1]:
+                child.retired = True
+                if child.proc is not None and child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
         self.write_process_table()
 
     def write_process_table(self) -> None:
-        table = {
+        table: dict[str, list[int] | int] = {
             role: [c.proc.pid for c in self.live(role) if c.proc is not None]
             for role in {c.role for c in self.children}
         }
+        table["per_backbone"] = len(self.backbones)  # trainers/inferencers per scale count
         tmp = self.home / "processes.json.tmp"
         tmp.write_text(json.dumps(table))
         os.replace(tmp, self.home / "processes.json")
@@ -171,7 +240,7 @@ class LocalStack:
         except (FileNotFoundError, json.JSONDecodeError):
             return
         for role, count in desired.items():
-            if len(self.live(role)) != count:
+            if len(self.live(role)) != count * len(self.groups(role)):
                 log.info("scaling %s to %d", role, count)
                 self.scale(role, int(count))
 
@@ -228,10 +297,13 @@ async def wait_healthy(
         await nc.close()
 
 
-def check_stack(home: Path, timeout: float = 60.0) -> int:
+def check_stack(
+    home: Path, timeout: float = 60.0, backbones: list[ServedBackbone] | None = None
+) -> int:
     """Start the stack, wait for five heartbeating roles, print them and a JSON summary line,
     stop everything; exit code 0 only if all are healthy."""
     stack = LocalStack(home)
+    stack.backbones = backbones or stack.backbones
     try:
         info = stack.start_server()
         print(f"bus: {info.url}", flush=True)
@@ -248,9 +320,15 @@ def check_stack(home: Path, timeout: float = 60.0) -> int:
     return 0 if not missing and not bad_exits else 1
 
 
-def run_stack(home: Path, roles: dict[str, int] | None = None) -> int:
-    """Run the stack until Ctrl-C / SIGTERM; supervise children meanwhile."""
+def run_stack(
+    home: Path,
+    roles: dict[str, int] | None = None,
+    backbones: list[ServedBackbone] | None = None,
+) -> int:
+    """Run the stack until Ctrl-C / SIGTERM; supervise children meanwhile. ``backbones``
+    (default: the tiny one) each get their own trainer and inferencer."""
     stack = LocalStack(home, roles=roles or {r: 1 for r in ROLES})
+    stack.backbones = backbones or stack.backbones
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -263,6 +341,11 @@ def run_stack(home: Path, roles: dict[str, int] | None = None) -> int:
         info = stack.start_server()
         stack.start_roles()
         print(f"JoyNexus local stack up. bus: {info.url}  (credentials in {home}/stack.json)")
+        for b in stack.backbones:
+            print(
+                f"serving backbone {b.backbone_id}  ({b.source}); specs name it "
+                f"`backbone: {b.backbone_id}`"
+            )
         print(f"logs: {home}/logs/   stop with Ctrl-C", flush=True)
         (home / "desired.json").unlink(missing_ok=True)
         stack.write_process_table()
@@ -301,7 +384,8 @@ def request_scale(home: Path, role: str, count: int, timeout: float = 30.0) -> i
             table = json.loads((home / "processes.json").read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             table = {}
-        if len(table.get(role, [])) == count:
+        copies = table.get("per_backbone", 1) if role in PER_BACKBONE else 1
+        if len(table.get(role, [])) == count * copies:
             print(f"{role}: {count} running (pids {table.get(role, [])})")
             return 0
         time.sleep(0.1)

@@ -42,8 +42,9 @@ from bus.codec import DecodeError, decode, encode
 from bus.config import BusConfig
 from bus.consume import error_reason, settle
 from bus.errors import HandlerError, PoisonError
+from bus.placement import placed
 from bus.publish import msg_id, publish
-from bus.service import Runtime, placed, serve
+from bus.service import Runtime, serve
 from schemas import subjects
 from schemas.events import ErrorEvent
 from schemas.infer import INFER_DECODER, ActReply, ActRequest
@@ -478,7 +479,7 @@ async def run(config: InferencerConfig) -> None:
             config.target_batch,
             config.max_wait_ms,
         )
-        async with placed(rt, inferencer.bid):
+        async with placed(rt, backbone):
             await inferencer.run()
 
     await serve("inferencer", config, body)

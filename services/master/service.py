@@ -57,6 +57,7 @@ from schemas.specs import (
     parse_job_spec,
 )
 from schemas.train import CloseSlot, PolicyRecord
+from services.master.backbones import BackboneWatch
 from services.master.plans import Plan, compile_eval, compile_rl, compile_sft, rollout_tasks
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,10 @@ class MasterConfig(BusConfig):
     """Master settings."""
 
     max_deliver: int = Field(5, ge=1, description="Deliveries before a job command is dead.")
+    backbones: str = Field("tiny", description="Backbone ids this stack serves (a,b).")
+    backbone_deadline_s: float = Field(
+        60.0, gt=0, description="Fail a job whose backbone's trainer is down this long."
+    )
 
 
 async def publish_event(js: JetStreamContext, event: Event, *identity: object) -> None:
@@ -104,10 +109,18 @@ async def publish_event(js: JetStreamContext, event: Event, *identity: object) -
 class Master:
     """Handlers of the master; state lives in the bus (KV), not in this object."""
 
-    def __init__(self, js: JetStreamContext, jobs: KeyValue, policies: KeyValue) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        jobs: KeyValue,
+        policies: KeyValue,
+        backbones: BackboneWatch | None = None,
+    ) -> None:
         self.js = js
         self.jobs = jobs
         self.policies = policies
+        #: Checks a spec's backbone at submit (None: any id is accepted).
+        self.backbones = backbones
 
     async def handle(self, msg: Msg) -> None:
         try:
@@ -194,6 +207,9 @@ class Master:
         await self.start(plan, job_id)
 
     async def compile(self, job_id: str, spec: JobSpec) -> Plan | None:
+        if self.backbones is not None:
+            for stage in spec.stages if isinstance(spec, PipelineSpec) else [spec]:
+                await self.backbones.check(stage.backbone)
         match spec:
             case SFTJobSpec():
                 init = await self.init_policy(spec.tenant, spec.init_from)
@@ -393,6 +409,10 @@ class Master:
         record, _ = await get_policy(self.policies, tenant, job_id)
         return record
 
+    async def fail(self, tenant: str, job_id: str, reason: str) -> None:
+        if await self.transition(tenant, job_id, "failed", reason=reason):
+            await self.close_slot(tenant, job_id, "failed")
+
     async def cancel(self, command: JobCancel) -> None:
         if await self.record(command.tenant, command.job_id) is None:
             raise PoisonError(f"unknown job {command.tenant}/{command.job_id}")
@@ -437,10 +457,12 @@ async def run(config: MasterConfig) -> None:
     """Entry point: serve the master until SIGTERM/SIGINT."""
 
     async def body(rt: Runtime) -> None:
+        watch = BackboneWatch(rt.js, config.backbones.split(","), config.backbone_deadline_s)
         master = Master(
             rt.js,
             await rt.js.key_value(subjects.KV_JOBS),
             await rt.js.key_value(subjects.KV_POLICIES),
+            watch,
         )
         commands = await rt.consumer.bind(
             ConsumerSpec(
@@ -460,6 +482,7 @@ async def run(config: MasterConfig) -> None:
             )
         )
         rt.spawn(rt.consumer.run(events, master.handle_event), "master events")
+        rt.spawn(watch.run(rt.stop, master.fail), "backbone watch")
         await rt.consumer.run(commands, master.handle)
 
     await serve("master", config, body)

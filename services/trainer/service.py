@@ -28,7 +28,8 @@ from nats.errors import Error as NatsError
 
 from bus.consume import ConsumerSpec, DurableSet
 from bus.errors import HandlerError
-from bus.service import Runtime, placed, serve
+from bus.placement import placed
+from bus.service import Runtime, serve
 from bus.watch import follow_kv
 from schemas import subjects
 from schemas.train import CloseSlot, OpenSlot, RolloutBatch, SFTBatch
@@ -253,7 +254,7 @@ async def run(config: TrainerConfig) -> None:
         )
         trainer = Trainer(rt, config, backbone)
         rt.gauges = trainer.gauges
-        async with placed(rt, trainer.bid):
+        async with placed(rt, backbone):
             await trainer.run()
 
     await serve("trainer", config, body)
