@@ -44,7 +44,7 @@ def obs(
 
 
 def test_tiny_models_build_deterministically_with_stated_sizes() -> None:
-    assert TINY_NAMES == ("tiny", "tiny-224", "tiny-llava")
+    assert TINY_NAMES[:3] == ("tiny", "tiny-224", "tiny-llava")
     counts = {}
     for name in TINY_NAMES:
         model, processor = build_tiny(name)

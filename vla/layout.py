@@ -89,7 +89,8 @@ def probe_layout(
     one, two = run(1), run(2)
     ids1, ids2 = one["input_ids"][0].tolist(), two["input_ids"][0].tolist()
     prefix, block, suffix = _split_repeat(ids1, ids2)
-    keep = set(processor.tokenizer.all_special_ids) - text_specials
+    added = processor.tokenizer.added_tokens_decoder  # id -> AddedToken
+    keep = {i for i, t in added.items() if t.special} - text_specials
     block_ids = [i for i in prefix if i in keep] + block + [i for i in suffix if i in keep]
 
     pv1, pv2 = one["pixel_values"], two["pixel_values"]

@@ -11,6 +11,11 @@ on a built-in corpus of robot instructions, so every code path (processor, save_
   (49 tokens per image).
 * ``tiny-llava``: a second architecture behind the same interface: Llava with a CLIP vision
   tower and a Llama text model, 64x64 images, patch 8 (64 tokens per image).
+* ``tiny-paligemma``: PaliGemma (SigLIP tower, Gemma text model), 64x64, patch 8 (64 tokens).
+* ``tiny-idefics2``: Idefics2 (SigLIP-style tower, perceiver resampler to 16 latents, Mistral
+  text model), 64x64, patch 8 (18 tokens with the wrappers).
+* ``tiny-llava-next``: LlavaNext (CLIP tower, Llama text) with one any-res tile at 64x64, so
+  each view is the base image plus one identical tile (2 x 64 tokens + row newlines).
 
 Widths are chosen so the backbone dominates the compute of the small heads trained on it
 (DESIGN.md section 3); do not shrink them.
@@ -28,20 +33,39 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     CLIPImageProcessorPil,
+    Idefics2Config,
+    Idefics2ForConditionalGeneration,
+    Idefics2ImageProcessorPil,
+    Idefics2Processor,
     Idefics3Config,
     Idefics3ForConditionalGeneration,
     Idefics3ImageProcessorPil,
     Idefics3Processor,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaNextConfig,
+    LlavaNextForConditionalGeneration,
+    LlavaNextImageProcessorPil,
+    LlavaNextProcessor,
     LlavaProcessor,
+    PaliGemmaConfig,
+    PaliGemmaForConditionalGeneration,
+    PaliGemmaProcessor,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     ProcessorMixin,
+    SiglipImageProcessorPil,
 )
 
 #: Names accepted by :func:`build_tiny`, :func:`init_checkpoint` and ``Backbone.load``.
-TINY_NAMES: tuple[str, ...] = ("tiny", "tiny-224", "tiny-llava")
+TINY_NAMES: tuple[str, ...] = (
+    "tiny",
+    "tiny-224",
+    "tiny-llava",
+    "tiny-paligemma",
+    "tiny-idefics2",
+    "tiny-llava-next",
+)
 
 #: Weight seed: the same name always gives the same weights (and checkpoints compare equal).
 DEFAULT_SEED = 0
@@ -74,7 +98,7 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 class TinySpec:
     """Widths of one tiny model."""
 
-    arch: str  # "idefics3" or "llava"
+    arch: str  # a key of _BUILDERS: "idefics3", "llava", "paligemma", "idefics2", "llava_next"
     image_size: int
     patch_size: int
     vision_hidden: int
@@ -90,6 +114,9 @@ SPECS: dict[str, TinySpec] = {
         "idefics3", image_size=224, patch_size=16, vision_hidden=128, text_hidden=256
     ),
     "tiny-llava": TinySpec("llava", image_size=64, patch_size=8, vision_hidden=64, text_hidden=128),
+    "tiny-paligemma": TinySpec("paligemma", 64, patch_size=8, vision_hidden=64, text_hidden=128),
+    "tiny-idefics2": TinySpec("idefics2", 64, patch_size=8, vision_hidden=64, text_hidden=128),
+    "tiny-llava-next": TinySpec("llava_next", 64, patch_size=8, vision_hidden=64, text_hidden=128),
 }
 
 
@@ -244,6 +271,101 @@ def _build_llava(
     return model, processor
 
 
+def _build_paligemma(
+    spec: TinySpec, tok: PreTrainedTokenizerFast
+) -> tuple[PreTrainedModel, ProcessorMixin]:
+    text = {**_text_config(spec, tok), "model_type": "gemma", "head_dim": spec.text_hidden // 4}
+    vision = {"model_type": "siglip_vision_model", **_vision_config(spec)}
+    config = PaliGemmaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=_token_id(tok, IMAGE),
+        projection_dim=spec.text_hidden,
+        tie_word_embeddings=True,
+    )
+    model = PaliGemmaForConditionalGeneration(config)
+    image_processor = SiglipImageProcessorPil(
+        size={"height": spec.image_size, "width": spec.image_size}
+    )
+    # PaliGemmaProcessor reads the token count per image from its image processor.
+    image_processor.image_seq_length = (spec.image_size // spec.patch_size) ** 2  # type: ignore[attr-defined]
+    processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=tok)
+    return model, processor
+
+
+def _build_idefics2(
+    spec: TinySpec, tok: PreTrainedTokenizerFast
+) -> tuple[PreTrainedModel, ProcessorMixin]:
+    latents = 16
+    perceiver = {
+        "hidden_size": spec.text_hidden,
+        "resampler_n_latents": latents,
+        "resampler_depth": 1,
+        "resampler_n_heads": spec.heads,
+        "resampler_head_dim": spec.text_hidden // spec.heads,
+        "num_key_value_heads": spec.heads,
+    }
+    config = Idefics2Config(
+        vision_config=_vision_config(spec),
+        text_config={**_text_config(spec, tok), "model_type": "mistral"},
+        perceiver_config=perceiver,
+        image_token_id=_token_id(tok, IMAGE),
+        tie_word_embeddings=True,
+    )
+    model = Idefics2ForConditionalGeneration(config)
+    image_processor = Idefics2ImageProcessorPil(
+        do_image_splitting=False,
+        size={"shortest_edge": spec.image_size, "longest_edge": spec.image_size},
+    )
+    processor = Idefics2Processor(
+        image_processor=image_processor, tokenizer=tok, image_seq_len=latents
+    )
+    return model, processor
+
+
+def _build_llava_next(
+    spec: TinySpec, tok: PreTrainedTokenizerFast
+) -> tuple[PreTrainedModel, ProcessorMixin]:
+    vision = {"model_type": "clip_vision_model", **_vision_config(spec)}
+    vision["projection_dim"] = spec.vision_hidden
+    # One any-res tile at the tower's size: a view's tile equals its base image, so features of
+    # one normalised view are exactly what the processor's layout computes.
+    grid = [[spec.image_size, spec.image_size]]
+    config = LlavaNextConfig(
+        vision_config=vision,
+        text_config=_text_config(spec, tok),
+        image_token_index=_token_id(tok, IMAGE),
+        image_grid_pinpoints=grid,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        tie_word_embeddings=True,
+    )
+    model = LlavaNextForConditionalGeneration(config)
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": spec.image_size},
+        crop_size={"height": spec.image_size, "width": spec.image_size},
+        image_grid_pinpoints=grid,
+    )
+    processor = LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=spec.patch_size,
+        vision_feature_select_strategy="default",
+        image_token=IMAGE,
+        num_additional_image_tokens=1,
+    )
+    return model, processor
+
+
+_BUILDERS = {
+    "idefics3": _build_idefics3,
+    "llava": _build_llava,
+    "paligemma": _build_paligemma,
+    "idefics2": _build_idefics2,
+    "llava_next": _build_llava_next,
+}
+
+
 def build_tiny(name: str, seed: int = DEFAULT_SEED) -> tuple[PreTrainedModel, ProcessorMixin]:
     """Build tiny model ``name`` (one of :data:`TINY_NAMES`) and its processor.
 
@@ -256,10 +378,7 @@ def build_tiny(name: str, seed: int = DEFAULT_SEED) -> tuple[PreTrainedModel, Pr
     tok = build_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if spec.arch == "idefics3":
-            model, processor = _build_idefics3(spec, tok)
-        else:
-            model, processor = _build_llava(spec, tok)
+        model, processor = _BUILDERS[spec.arch](spec, tok)
     model.eval()
     return model, processor
 
