@@ -1,9 +1,9 @@
 """The ``joynexus`` command: the tenant commands of :mod:`clients.cli` plus the operator ones.
 
 ``up`` runs the local stack, ``scale`` resizes a role in it, ``demo`` and ``bench`` drive one,
-``data`` records and inspects offline datasets, ``model init`` writes a tiny backbone
-checkpoint. Each imports what it needs (the launcher, the model core, a benchmark) inside
-its command, so ``joynexus submit`` loads no more than the SDK.
+``data`` records and inspects offline datasets, ``env describe`` prints an env's layout,
+``model init`` writes a tiny backbone checkpoint. Each imports what it needs (the launcher,
+the model core, a benchmark) inside its command, so ``joynexus submit`` loads no more than the SDK.
 """
 
 from __future__ import annotations
@@ -135,6 +135,22 @@ def _data_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _env_describe(args: argparse.Namespace) -> int:
+    import json
+
+    from services.envs.adapters import EnvUnavailableError
+    from services.envs.describe import describe_env, format_description
+
+    try:
+        kwargs = json.loads(args.kwargs)
+        description = describe_env(args.env, kwargs, args.image_size)
+    except (EnvUnavailableError, ValueError, TypeError) as exc:
+        print(f"env describe: {exc}", file=sys.stderr)
+        return 2
+    print(format_description(description))
+    return 0
+
+
 def add_operator_commands(sub: Subcommands) -> None:
     """``up``, ``backbones``, ``scale``, ``demo``, ``bench``, ``model``, ``data`` on ``sub``."""
     up = add_command(
@@ -185,6 +201,18 @@ def add_operator_commands(sub: Subcommands) -> None:
     mi = add_command(msub, "init", _model_init, help="write a tiny backbone checkpoint directory")
     mi.add_argument("name", help="tiny, tiny-224 or tiny-llava")
     mi.add_argument("--out", required=True)
+
+    e = sub.add_parser("env", help="simulator environments")
+    esub = e.add_subparsers(dest="env_cmd", required=True, metavar="command")
+    ed = add_command(
+        esub,
+        "describe",
+        _env_describe,
+        help="action space, proprio layout, cameras, episode limit, instruction of an env",
+    )
+    ed.add_argument("env", help="env id, e.g. JoyNexus/Reach2D-v0 or PickCubeSO100-v1")
+    ed.add_argument("--kwargs", default="{}", help="env constructor arguments as JSON")
+    ed.add_argument("--image-size", type=int, default=64)
 
     d = sub.add_parser("data", help="offline datasets")
     dsub = d.add_subparsers(dest="data_cmd", required=True, metavar="command")

@@ -29,11 +29,13 @@ from pydantic import BaseModel
 
 from bus.codec import decode
 from bus.connect import connect
+from bus.envinfo import request_description
 from bus.local import read_stack_info
 from bus.placement import live_placements
 from bus.publish import msg_id, publish
 from bus.records import get_job, list_jobs
 from schemas import headers, subjects
+from schemas.envdesc import EnvDescription
 from schemas.events import (
     EVENT_DECODER,
     Event,
@@ -228,6 +230,22 @@ class Client:
             JobCancel(tenant, job_id, reason),
             message_id=msg_id("cancel", tenant, job_id),
             headers={headers.JOB_ID: job_id},
+        )
+
+    async def describe_env(
+        self,
+        env_id: str,
+        env_kwargs: Mapping[str, float | int | str | bool] | None = None,
+        *,
+        image_size: int = 64,
+        timeout: float = 30.0,
+    ) -> EnvDescription:
+        """What ``env_id`` (built with ``env_kwargs``) looks like to a head: action space,
+        proprio layout and dim, cameras, episode limit, instruction. An env worker answers;
+        raises :class:`bus.envinfo.EnvDescribeError` (an unknown id names the supported ones;
+        ``retryable`` when no worker answered within ``timeout``)."""
+        return await request_description(
+            self.nc, env_id, dict(env_kwargs or {}), image_size=image_size, timeout=timeout
         )
 
     async def status(self, tenant: str, job_id: str) -> JobRecord | None:

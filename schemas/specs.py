@@ -30,16 +30,32 @@ class HeadSpec(_Strict):
     """The tenant's action module."""
 
     kind: Literal["oft", "discrete", "flow"] = Field(description="Head architecture.")
-    action_dim: int = Field(ge=1, le=64, description="Dimension of one action vector.")
+    action_dim: int | None = Field(
+        None, ge=1, le=64, description="Dimension of one action vector (omitted: the env's)."
+    )
     chunk_len: int = Field(1, ge=1, le=64, description="Actions predicted per step.")
-    proprio_dim: int = Field(0, ge=0, le=256, description="Proprio state dim (0: none).")
+    proprio_dim: int | None = Field(
+        None, ge=0, le=256, description="Proprio state dim: omitted, the env's; 0: none."
+    )
     hidden_dim: int = Field(64, ge=8, le=4096)
     num_layers: int = Field(1, ge=1, le=16)
     num_bins: int = Field(32, ge=2, le=1024, description="Discrete head: bins per dim.")
     flow_steps: int = Field(8, ge=1, le=128, description="Flow head: Euler steps.")
     value_head: bool = False
 
+    def filled(self, action_dim: int, proprio_dim: int) -> HeadSpec:
+        """This head with its omitted dims taken from the env (or dataset) it trains on."""
+        return self.model_copy(
+            update={
+                "action_dim": action_dim if self.action_dim is None else self.action_dim,
+                "proprio_dim": proprio_dim if self.proprio_dim is None else self.proprio_dim,
+            }
+        )
+
     def to_config(self) -> HeadConfig:
+        """The model-facing config; the master fills omitted dims (:meth:`filled`) first."""
+        if self.action_dim is None or self.proprio_dim is None:
+            raise ValueError("head.action_dim / head.proprio_dim must be filled in from the env")
         return HeadConfig(**self.model_dump())
 
 

@@ -28,6 +28,12 @@ OBJ_CHECKPOINTS = "checkpoints"
 JobVerb = Literal["submit", "cancel", "pause", "resume"]
 JOB_VERBS: tuple[str, ...] = ("submit", "cancel", "pause", "resume")
 
+#: Core NATS request-reply (no stream): "describe this env" (:mod:`schemas.envdesc`), answered
+#: by one env worker of the ``envs`` queue group. Outside ``nexus.env.>``, which ENV stores.
+ENV_DESCRIBE = f"{PREFIX}.envinfo.describe"
+#: Queue group of the env workers answering :data:`ENV_DESCRIBE`.
+ENV_DESCRIBE_QUEUE = "envs"
+
 EventKind = Literal["accepted", "rejected", "state", "progress", "metrics", "policy", "error"]
 
 

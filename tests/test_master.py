@@ -24,6 +24,7 @@ from bus.server import EmbeddedServer
 from schemas import headers, subjects
 from schemas.events import EVENT_DECODER, Accepted, Rejected, StateChanged
 from schemas.jobs import JobSubmit
+from services.envs.describe import Describer
 from services.master.service import Master, publish_event
 from tests.conftest import Procs
 from tests.helpers import start_service, uid
@@ -113,6 +114,8 @@ async def test_submit_redelivered_after_a_failed_announcement_is_announced_once(
         return await real_publish(js, subject, message, **kw)
 
     monkeypatch.setattr(master_service, "publish", flaky)
+    describer = Describer()  # the env worker's describe answers (the spec names an env)
+    await describer.subscribe(own_nc)
     master = await _master(own_js)
     submit = Msg(
         own_nc,
@@ -123,6 +126,7 @@ async def test_submit_redelivered_after_a_failed_announcement_is_announced_once(
         await master.handle(submit)
     assert failed, "the accepted publish was not reached"
     await master.handle(submit)  # the redelivery
+    await describer.close()
 
     record = await master.record(tenant, job)
     assert record is not None and record[0].status == "running"

@@ -34,6 +34,11 @@ class EnvUnavailableError(RuntimeError):
     observation layout no adapter understands. Not retryable: the same request fails again."""
 
 
+class ProprioMismatchError(ValueError):
+    """A head's ``proprio_dim`` that is neither the env's proprio dimension nor 0. Not
+    retryable: the job's head does not fit its env."""
+
+
 @dataclass
 class StepObs:
     """What a policy sees at one step."""
@@ -177,6 +182,23 @@ def clip_action(action_A: np.ndarray, low_A: np.ndarray, high_A: np.ndarray) -> 
     return np.clip(action, low_A, high_A)
 
 
+def proprio_for_head(proprio_P: np.ndarray, proprio_dim: int) -> np.ndarray:
+    """The proprio a head of ``proprio_dim`` takes: all ``P`` entries, or none (0).
+
+    Any other length is a ValueError, never a silent truncation: the master checks a job's
+    head against the env's description at submit, so this is the last line of defence.
+    """
+    proprio_P = np.asarray(proprio_P, dtype=np.float32)
+    if proprio_dim == 0:
+        return proprio_P[:0]
+    if proprio_P.shape[-1] != proprio_dim:
+        raise ProprioMismatchError(
+            f"head.proprio_dim {proprio_dim} does not match the proprio dimension "
+            f"{proprio_P.shape[-1]} (use {proprio_P.shape[-1]}, or 0 for none)"
+        )
+    return proprio_P
+
+
 # -- choosing an adapter ------------------------------------------------------------------------
 
 
@@ -237,7 +259,9 @@ __all__ = [
     "EnvAdapter",
     "EnvUnavailableError",
     "GymDictAdapter",
+    "ProprioMismatchError",
     "StepObs",
     "clip_action",
     "make_adapter",
+    "proprio_for_head",
 ]

@@ -211,6 +211,7 @@ class ManiSkillAdapter:
         self.instruction = task.instruction
         self.control_mode = control_mode or task.control_mode
         self.cameras = tuple(cameras)
+        self.image_size = image_size
         make_kwargs: dict[str, Any] = dict(
             obs_mode="rgb",
             num_envs=1,
@@ -253,10 +254,12 @@ class ManiSkillAdapter:
         self.proprio_keys: tuple[str, ...] = tuple(
             f"{group}/{key}" for group in ("agent", "extra") for key in obs_space[group]
         )
-        self.proprio_dim = sum(
+        #: Size of each ``proprio_keys`` part, in order.
+        self.proprio_sizes: tuple[int, ...] = tuple(
             int(np.prod(obs_space[group][key].shape))
             for group, key in (k.split("/") for k in self.proprio_keys)
         )
+        self.proprio_dim = sum(self.proprio_sizes)
 
     def reset(self, seed: int) -> StepObs:
         """Start an episode with ``seed`` (ManiSkill on CPU is deterministic per seed)."""

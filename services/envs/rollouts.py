@@ -24,7 +24,7 @@ from schemas.env import EvalTask, RolloutTask
 from schemas.model import Observation
 from schemas.tensor import Tensor
 from schemas.train import RolloutBatch
-from services.envs.adapters import EnvAdapter, StepObs, make_adapter
+from services.envs.adapters import EnvAdapter, StepObs, make_adapter, proprio_for_head
 
 EPISODE_SEED_STRIDE = 100_003
 
@@ -72,7 +72,7 @@ def to_observation(obs: StepObs, num_views: int, proprio_dim: int) -> Observatio
     return Observation(
         images=[Tensor.from_numpy(np.ascontiguousarray(v)) for v in views],
         instruction=obs.instruction,
-        proprio=Tensor.from_numpy(np.ascontiguousarray(obs.proprio[:proprio_dim], np.float32)),
+        proprio=Tensor.from_numpy(np.ascontiguousarray(proprio_for_head(obs.proprio, proprio_dim))),
     )
 
 
@@ -140,7 +140,7 @@ async def run_sessions(
         values_B = reply.values.to_numpy() if reply.values is not None else None
         for b, session in enumerate(live):
             session.images.append(np.stack(session.obs.images[:num_views]))
-            session.proprio.append(session.obs.proprio[:proprio_dim].astype(np.float32))
+            session.proprio.append(proprio_for_head(session.obs.proprio, proprio_dim))
             session.actions.append(actions_B_C_A[b])
             session.log_probs.append(float(log_probs_B[b]))
             session.values.append(float(values_B[b]) if values_B is not None else 0.0)

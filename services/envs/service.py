@@ -36,8 +36,9 @@ from schemas.jobs import TERMINAL_STATUSES
 from schemas.model import Observation
 from schemas.tensor import Tensor
 from schemas.train import SFTBatch
-from services.envs.adapters import EnvUnavailableError
+from services.envs.adapters import EnvUnavailableError, ProprioMismatchError, proprio_for_head
 from services.envs.datasets import iter_batches
+from services.envs.describe import Describer
 from services.envs.rollouts import AdapterPool, collect, evaluate_env
 from vla.data import Dataset, DatasetError, load_dataset
 
@@ -83,6 +84,8 @@ class EnvWorker:
                 case EvalTask():
                     await self.evaluate(task)
         except EnvUnavailableError as exc:
+            raise PoisonError(str(exc)) from exc
+        except ProprioMismatchError as exc:
             raise PoisonError(str(exc)) from exc
         except DatasetError as exc:  # a frame that became unreadable after the dataset loaded
             raise PoisonError(f"dataset: {exc}") from exc
@@ -140,7 +143,7 @@ class EnvWorker:
                     ],
                     batch.instructions[b],
                     Tensor.from_numpy(
-                        np.ascontiguousarray(batch.state_B_S[b, : task.proprio_dim], np.float32)
+                        np.ascontiguousarray(proprio_for_head(batch.state_B_S[b], task.proprio_dim))
                     ),
                 )
                 for b in range(len(batch.instructions))
@@ -243,7 +246,7 @@ class EnvWorker:
                 images=Tensor.from_numpy(batch.images_B_V_H_W_3[:, : task.num_views]),
                 instructions=list(batch.instructions),
                 proprio=Tensor.from_numpy(
-                    np.ascontiguousarray(batch.state_B_S[:, : task.proprio_dim], np.float32)
+                    np.ascontiguousarray(proprio_for_head(batch.state_B_S, task.proprio_dim))
                 ),
                 actions=Tensor.from_numpy(batch.actions_B_C_A.astype(np.float32)),
                 action_pad=Tensor.from_numpy(batch.action_pad_B_C),
@@ -273,6 +276,9 @@ async def run(config: EnvsConfig) -> None:
     """Entry point: serve an env worker until SIGTERM/SIGINT."""
 
     async def body(rt: Runtime) -> None:
+        # Answering describe requests first: the master's submits wait on them.
+        describer = Describer()
+        await describer.subscribe(rt.nc)
         policies: dict[str, PolicyClient] = {}
         worker = EnvWorker(rt.js, policies, rt.stop)
         for backbone in config.backbones.split(","):
@@ -290,6 +296,7 @@ async def run(config: EnvsConfig) -> None:
         try:
             await rt.consumer.run(tasks, worker.handle, concurrency=config.concurrency)
         finally:
+            await describer.close()
             for client in policies.values():
                 await client.close()
             worker.pool.close()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from bus.errors import PoisonError
 from schemas.env import EnvTask, EvalTask, RolloutTask, StreamDataset
+from schemas.model import HeadConfig
 from schemas.specs import EvalJobSpec, RLJobSpec, SFTJobSpec
 from schemas.train import OpenSlot, PolicyRecord
 from vla.data import DatasetError, DatasetMeta, check_dataset
@@ -42,10 +43,10 @@ def check_dataset_fits(ds: DatasetMeta, spec: SFTJobSpec) -> None:
             f"head.action_dim: {spec.head.action_dim} does not match the dataset's action "
             f"dimension {action_dim} ({spec.dataset})"
         )
-    if spec.head.proprio_dim > state_dim:
+    if spec.head.proprio_dim not in (0, state_dim):  # never a silent truncation
         raise PoisonError(
-            f"head.proprio_dim: {spec.head.proprio_dim} exceeds the dataset's "
-            f"observation.state dimension {state_dim}"
+            f"head.proprio_dim: {spec.head.proprio_dim} does not match the dataset's "
+            f"observation.state dimension {state_dim} (use {state_dim}, or 0 for none)"
         )
     if not ds.camera_keys:
         raise PoisonError(f"dataset {spec.dataset} has no camera images")
@@ -63,10 +64,12 @@ async def open_dataset(path: str) -> DatasetMeta:
 
 async def compile_sft(job_id: str, spec: SFTJobSpec, init: PolicyRecord | None) -> Plan:
     """Validate ``spec`` against its dataset and build the job's start messages."""
+    ds = await open_dataset(spec.dataset)
+    # Omitted head dims are the dataset's.
+    spec = spec.model_copy(update={"head": spec.head.filled(ds.action_dim, ds.state_dim)})
+    check_dataset_fits(ds, spec)
     if init is not None:
         check_init_fits(spec, init)
-    ds = await open_dataset(spec.dataset)
-    check_dataset_fits(ds, spec)
     train_episodes, _ = ds.split(spec.val_fraction, spec.seed)
     per_epoch = ds.num_batches(spec.batch_size, train_episodes, drop_last=True)
     if per_epoch == 0:
@@ -99,7 +102,7 @@ async def compile_sft(job_id: str, spec: SFTJobSpec, init: PolicyRecord | None) 
         chunk_len=spec.head.chunk_len,
         num_views=spec.num_views,
         seed=spec.seed,
-        proprio_dim=spec.head.proprio_dim,
+        proprio_dim=spec.head.to_config().proprio_dim,
         val_fraction=spec.val_fraction,
         # The trainer holds applied batches unacked until their checkpoint commits, so the
         # bound must cover a commit interval plus the trainer's prefetch.
@@ -139,10 +142,13 @@ def compile_rl(job_id: str, spec: RLJobSpec, init: PolicyRecord | None) -> Plan:
     return Plan(spec.backbone, open_slot, [])
 
 
-def rollout_tasks(job_id: str, spec: RLJobSpec, version: int) -> list[RolloutTask]:
+def rollout_tasks(
+    job_id: str, spec: RLJobSpec, version: int, head: HeadConfig
+) -> list[RolloutTask]:
     """Tasks to run once ``version`` is committed. Version 1 is the initial policy and
     version ``v`` follows ``v - 1`` updates, so it runs iteration ``v - 1 + lag`` (all of
-    iterations 0..lag at version 1), split into tasks of ``parallel_envs`` episodes."""
+    iterations 0..lag at version 1), split into tasks of ``parallel_envs`` episodes.
+    ``head`` is the job's slot's (its dims filled from the env at submit)."""
     lag = spec.rl.max_policy_lag
     iterations = range(0, lag + 1) if version == 1 else [version - 1 + lag]
     tasks = []
@@ -165,7 +171,7 @@ def rollout_tasks(job_id: str, spec: RLJobSpec, version: int) -> list[RolloutTas
                     image_size=spec.image_size,
                     num_views=spec.num_views,
                     token_budget=spec.token_budget,
-                    proprio_dim=spec.head.proprio_dim,
+                    proprio_dim=head.proprio_dim,
                     parallel_envs=spec.parallel_envs,
                     env_kwargs=dict(spec.env_kwargs),
                     same_reset=spec.rl.algorithm == "grpo",

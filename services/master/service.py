@@ -21,7 +21,7 @@ from pydantic import Field
 from bus.codec import DecodeError, decode
 from bus.config import BusConfig
 from bus.consume import ConsumerSpec
-from bus.errors import PoisonError
+from bus.errors import PoisonError, RetryableError
 from bus.publish import msg_id, publish
 from bus.records import get_job, get_policy, put_job
 from bus.service import Runtime, serve
@@ -58,6 +58,7 @@ from schemas.specs import (
 )
 from schemas.train import CloseSlot, PolicyRecord
 from services.master.backbones import BackboneWatch
+from services.master.envfit import EnvDescriptions, fit_env
 from services.master.plans import Plan, compile_eval, compile_rl, compile_sft, rollout_tasks
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,9 @@ class MasterConfig(BusConfig):
     backbone_deadline_s: float = Field(
         60.0, gt=0, description="Fail a job whose backbone's trainer is down this long."
     )
+    env_describe_timeout_s: float = Field(
+        5.0, gt=0, description="Wait for an env worker's description of a job's env."
+    )
 
 
 async def publish_event(js: JetStreamContext, event: Event, *identity: object) -> None:
@@ -115,12 +119,15 @@ class Master:
         jobs: KeyValue,
         policies: KeyValue,
         backbones: BackboneWatch | None = None,
+        envs: EnvDescriptions | None = None,
     ) -> None:
         self.js = js
         self.jobs = jobs
         self.policies = policies
         #: Checks a spec's backbone at submit (None: any id is accepted).
         self.backbones = backbones
+        #: Env descriptions a spec's head is checked against (asked of the env workers).
+        self.envs = envs if envs is not None else EnvDescriptions(js._nc)
 
     async def handle(self, msg: Msg) -> None:
         try:
@@ -210,6 +217,7 @@ class Master:
         if self.backbones is not None:
             for stage in spec.stages if isinstance(spec, PipelineSpec) else [spec]:
                 await self.backbones.check(stage.backbone)
+        spec = await fit_env(self.envs, spec, self.policy_record)
         match spec:
             case SFTJobSpec():
                 init = await self.init_policy(spec.tenant, spec.init_from)
@@ -395,7 +403,9 @@ class Master:
         )
         spec = parse_job_spec(found[0].spec_json)
         if isinstance(spec, RLJobSpec):
-            for task in rollout_tasks(event.job_id, spec, event.version):
+            if policy is None:
+                raise RetryableError(f"policy record of {event.tenant}/{event.job_id} not read")
+            for task in rollout_tasks(event.job_id, spec, event.version, policy.slot.head):
                 await publish(
                     self.js,
                     subjects.env(event.tenant, event.job_id),
@@ -463,6 +473,7 @@ async def run(config: MasterConfig) -> None:
             await rt.js.key_value(subjects.KV_JOBS),
             await rt.js.key_value(subjects.KV_POLICIES),
             watch,
+            EnvDescriptions(rt.nc, config.env_describe_timeout_s),
         )
         commands = await rt.consumer.bind(
             ConsumerSpec(

@@ -210,6 +210,20 @@ class Reach2DEnv(gym.Env[dict[str, Any], np.ndarray]):
         close = 1.0 if self._distance() <= 2 * self.success_radius else -1.0
         return np.array([move[0], move[1], close], np.float32)
 
+    #: The instruction names a colour per episode (for env descriptions).
+    instruction_template = INSTRUCTION_TEMPLATE
+
+    @property
+    def control_mode(self) -> str:
+        """What an action means: a velocity command (plus a gripper command)."""
+        return "velocity+gripper" if self.gripper else "velocity"
+
+    @property
+    def state_layout(self) -> tuple[str, ...]:
+        """Names of the ``state`` entries, in order."""
+        layout = ("x", "y", "vx", "vy")
+        return (*layout, "target_x", "target_y") if self.target_in_state else layout
+
     @property
     def target_colour(self) -> str:
         return self._target_colour

@@ -1,0 +1,208 @@
+"""Describing environments: what a policy's head must match, read off a real simulator.
+
+:func:`describe_env` builds the env once (ManiSkill: seconds) and returns its
+:class:`~schemas.envdesc.EnvDescription`: action space (dim, bounds, control mode), proprio
+layout and dim, cameras and image sizes, episode limit and instruction. :class:`Describer`
+answers :class:`~schemas.envdesc.DescribeEnv` requests on :data:`schemas.subjects.ENV_DESCRIBE`
+for an env worker, caching one description per (env id, env kwargs, image size), so the
+master and the SDK never need a simulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import gymnasium as gym
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
+
+from bus.codec import DecodeError, decode, encode
+from schemas import subjects
+from schemas.envdesc import (
+    DESCRIBE_REQUEST_DECODER,
+    ActionSpace,
+    Camera,
+    DescribeEnv,
+    DescribeReply,
+    EnvDescription,
+    ProprioPart,
+)
+from services.envs.adapters import EnvAdapter, EnvUnavailableError, GymDictAdapter, make_adapter
+
+log = logging.getLogger(__name__)
+
+EnvKwargs = dict[str, float | int | str | bool]
+
+
+def describe_adapter(adapter: EnvAdapter, env_kwargs: EnvKwargs | None = None) -> EnvDescription:
+    """The description of a built adapter (a :class:`GymDictAdapter` or a ManiSkill one)."""
+    # Imported here: ManiSkill's module is only needed (and importable) where it is used.
+    from services.envs.maniskill import ManiSkillAdapter
+
+    env: Any = adapter.env  # type: ignore[attr-defined]
+    limit = getattr(env.spec, "max_episode_steps", None) if env.spec is not None else None
+    if not limit and adapter.env_id in gym.registry:  # ManiSkill's made env drops its spec's
+        limit = gym.registry[adapter.env_id].max_episode_steps
+    low = [float(v) for v in adapter._low_A]  # type: ignore[attr-defined]
+    high = [float(v) for v in adapter._high_A]  # type: ignore[attr-defined]
+    if isinstance(adapter, ManiSkillAdapter):
+        control_mode = adapter.control_mode
+        layout = [
+            ProprioPart(k, n)
+            for k, n in zip(adapter.proprio_keys, adapter.proprio_sizes, strict=True)
+        ]
+        cameras = [Camera(c, adapter.image_size, adapter.image_size) for c in adapter.cameras]
+        instruction = adapter.instruction
+    elif isinstance(adapter, GymDictAdapter):
+        base = env.unwrapped
+        control_mode = str(getattr(base, "control_mode", "") or "unspecified")
+        names = getattr(base, "state_layout", None)
+        layout = (
+            [ProprioPart(str(n), 1) for n in names]
+            if names is not None and len(names) == adapter.proprio_dim
+            else [ProprioPart("state", adapter.proprio_dim)]
+        )
+        height, width, _ = adapter.image_shape
+        cameras = [Camera("image", height, width)]
+        instruction = getattr(base, "instruction_template", None) or adapter.reset(0).instruction
+    else:
+        raise EnvUnavailableError(f"{adapter.env_id}: no description for {type(adapter).__name__}")
+    return EnvDescription(
+        env_id=adapter.env_id,
+        action=ActionSpace(adapter.action_dim, low, high, control_mode),
+        proprio_dim=adapter.proprio_dim,
+        proprio_layout=layout,
+        cameras=cameras,
+        max_episode_steps=int(limit or 0),
+        instruction=str(instruction),
+        env_kwargs=dict(env_kwargs or {}),
+    )
+
+
+def describe_env(
+    env_id: str, env_kwargs: EnvKwargs | None = None, image_size: int = 64
+) -> EnvDescription:
+    """Build ``env_id`` with ``env_kwargs``, describe it and close it (seconds for ManiSkill).
+
+    Raises:
+        EnvUnavailableError: unknown id (the message names the supported ones), missing
+            assets or ManiSkill.
+        ValueError / TypeError: constructor arguments the env refuses.
+    """
+    kwargs: dict[str, Any] = dict(env_kwargs or {})
+    adapter = make_adapter(env_id, image_size=image_size, **kwargs)
+    try:
+        return describe_adapter(adapter, env_kwargs)
+    finally:
+        adapter.close()
+
+
+def cache_key(env_id: str, env_kwargs: EnvKwargs, image_size: int) -> str:
+    """One cache entry per (env id, constructor arguments, image size)."""
+    return json.dumps([env_id, sorted(env_kwargs.items()), image_size])
+
+
+def format_description(d: EnvDescription) -> str:
+    """Human-readable lines for ``joynexus env describe``."""
+    bounds = ", ".join(
+        f"[{lo:g}, {hi:g}]" for lo, hi in zip(d.action.low, d.action.high, strict=True)
+    )
+    layout = ", ".join(p.name if p.size == 1 else f"{p.name}[{p.size}]" for p in d.proprio_layout)
+    cameras = ", ".join(f"{c.name} {c.height}x{c.width}" for c in d.cameras)
+    lines = [
+        f"env:           {d.env_id}",
+        f"env_kwargs:    {json.dumps(d.env_kwargs, sort_keys=True)}",
+        f"action:        dim {d.action.dim}, control mode {d.action.control_mode}",
+        f"action bounds: {bounds}",
+        f"proprio:       dim {d.proprio_dim}: {layout}",
+        f"cameras:       {len(d.cameras)}: {cameras}",
+        f"episode limit: {d.max_episode_steps} steps",
+        f"instruction:   {d.instruction}",
+        f"head:          action_dim: {d.action.dim}, proprio_dim: {d.proprio_dim} (or 0)",
+    ]
+    return "\n".join(lines)
+
+
+class Describer:
+    """Answers describe requests for an env worker: one build per distinct request, cached.
+
+    Builds run in a thread, one per key at a time (concurrent requests for the same key wait
+    for the same build); a failed build is not cached, so a fixed env is seen at once.
+    """
+
+    def __init__(self) -> None:
+        self.cache: dict[str, EnvDescription] = {}
+        self._building: dict[str, asyncio.Future[EnvDescription]] = {}
+        self._replies: set[asyncio.Task[None]] = set()
+        self._sub: Subscription | None = None
+
+    async def describe(self, request: DescribeEnv) -> EnvDescription:
+        key = cache_key(request.env_id, request.env_kwargs, request.image_size)
+        if key in self.cache:
+            return self.cache[key]
+        build = self._building.get(key)
+        if build is None:
+            build = asyncio.ensure_future(
+                asyncio.to_thread(
+                    describe_env, request.env_id, request.env_kwargs, request.image_size
+                )
+            )
+            self._building[key] = build
+            build.add_done_callback(lambda _: self._building.pop(key, None))
+        description = await asyncio.shield(build)
+        self.cache[key] = description
+        return description
+
+    async def reply(self, request_data: bytes) -> DescribeReply:
+        """The reply to one encoded request; every failure becomes an ``error`` reply."""
+        try:
+            request = decode(DESCRIBE_REQUEST_DECODER, request_data)
+        except DecodeError as exc:
+            return DescribeReply(error=f"malformed describe request: {exc}")
+        try:
+            return DescribeReply(description=await self.describe(request))
+        except (EnvUnavailableError, ValueError, TypeError) as exc:
+            return DescribeReply(error=f"env {request.env_id}: {exc}")
+
+    async def _answer(self, msg: Msg) -> None:
+        reply = await self.reply(msg.data)
+        if not msg.reply:
+            return
+        try:
+            await msg.respond(encode(reply))
+        except NatsError as exc:  # the connection closed meanwhile: the requester times out
+            log.info("describe reply for %s not sent: %s", reply.description or reply.error, exc)
+
+    async def _on_request(self, msg: Msg) -> None:
+        # A reply of its own per request: a ManiSkill build must not hold up cached answers.
+        task = asyncio.create_task(self._answer(msg))
+        self._replies.add(task)
+        task.add_done_callback(self._replies.discard)
+
+    async def subscribe(self, nc: NATS) -> None:
+        """Start answering :data:`schemas.subjects.ENV_DESCRIBE` in the env workers' queue
+        group (one worker answers each request)."""
+        self._sub = await nc.subscribe(
+            subjects.ENV_DESCRIBE, queue=subjects.ENV_DESCRIBE_QUEUE, cb=self._on_request
+        )
+
+    async def close(self) -> None:
+        """Stop answering. A build in progress is left to finish in its thread; its reply
+        is dropped with the connection (the requester times out and asks again)."""
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
+
+
+__all__ = [
+    "Describer",
+    "cache_key",
+    "describe_adapter",
+    "describe_env",
+    "format_description",
+]

@@ -1,0 +1,254 @@
+"""Jobs that fit their env: ``env describe`` locally, through the bus and the SDK, and the
+master's check of a spec's head against the env's description at submit (real nats-server,
+real sims)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from bench.cli import main as joynexus
+from bus.codec import decode, encode
+from bus.connect import connect
+from bus.declare import declare
+from bus.envinfo import EnvDescribeError, request_description
+from bus.errors import PoisonError, RetryableError
+from bus.server import EmbeddedServer
+from clients.sdk import Client
+from schemas import subjects
+from schemas.jobs import JobSubmit
+from schemas.train import TRAIN_DECODER, OpenSlot
+from services.envs.adapters import ProprioMismatchError, proprio_for_head
+from services.envs.describe import Describer, describe_env
+from services.master.envfit import EnvDescriptions
+from services.master.service import Master
+from tests.helpers import uid
+
+REACH = "JoyNexus/Reach2D-v0"
+
+
+# -- the description itself ---------------------------------------------------------------------
+
+
+def test_reach2d_description_names_action_proprio_cameras_limit_and_instruction() -> None:
+    d = describe_env(REACH, {"target_in_state": True}, image_size=32)
+    assert d.action.dim == 2 and d.action.low == [-1.0, -1.0] and d.action.high == [1.0, 1.0]
+    assert d.action.control_mode == "velocity"
+    assert d.proprio_dim == 6
+    assert [p.name for p in d.proprio_layout] == ["x", "y", "vx", "vy", "target_x", "target_y"]
+    assert [(c.name, c.height, c.width) for c in d.cameras] == [("image", 32, 32)]
+    assert d.max_episode_steps == 50
+    assert d.instruction == "reach the {colour} dot"
+    grasp = describe_env("JoyNexus/ReachGrasp2D-v0")
+    assert (grasp.action.dim, grasp.proprio_dim) == (3, 4)
+    assert grasp.action.control_mode == "velocity+gripper"
+
+
+def test_cli_env_describe_prints_the_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    assert joynexus(["env", "describe", REACH, "--kwargs", '{"num_distractors": 0}']) == 0
+    out = capsys.readouterr().out
+    assert "action:        dim 2, control mode velocity" in out
+    assert "proprio:       dim 4: x, y, vx, vy" in out
+    assert "cameras:       1: image 64x64" in out and "episode limit: 50 steps" in out
+
+
+def test_cli_env_describe_of_an_unknown_env_names_the_supported_ones(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert joynexus(["env", "describe", "Nope-v0"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown env id 'Nope-v0'" in err and REACH in err
+
+
+def test_proprio_is_all_or_nothing_never_truncated() -> None:
+    proprio = np.arange(4, dtype=np.float32)
+    assert proprio_for_head(proprio, 4).tolist() == [0, 1, 2, 3]
+    assert proprio_for_head(proprio, 0).shape == (0,)
+    with pytest.raises(ProprioMismatchError, match=r"proprio_dim 2 does not match .* 4"):
+        proprio_for_head(proprio, 2)
+
+
+# -- ManiSkill ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def maniskill_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """An empty asset dir (the vetted tasks need none); read by ManiSkill at first import."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MS_ASSET_DIR", str(tmp_path_factory.mktemp("maniskill-assets")))
+        mp.delenv("MS_SKIP_ASSET_DOWNLOAD_PROMPT", raising=False)
+        yield Path()
+
+
+@pytest.mark.maniskill
+def test_push_cube_description(maniskill_home: Path) -> None:
+    d = describe_env("PushCube-v1")
+    assert (d.action.dim, d.action.control_mode) == (4, "pd_ee_delta_pos")
+    assert d.proprio_dim == 25 == sum(p.size for p in d.proprio_layout)
+    assert [p.name for p in d.proprio_layout] == ["agent/qpos", "agent/qvel", "extra/tcp_pose"]
+    assert [(c.name, c.height) for c in d.cameras] == [("base_camera", 64)]
+    assert d.max_episode_steps == 50
+    assert d.instruction == "push the cube to the goal region"
+
+
+@pytest.mark.maniskill
+def test_pick_cube_so100_description(maniskill_home: Path) -> None:
+    d = describe_env("PickCubeSO100-v1", image_size=32)
+    assert (d.action.dim, d.action.control_mode) == (6, "pd_joint_delta_pos")
+    assert len(d.action.low) == 6
+    assert d.proprio_dim == 23 == sum(p.size for p in d.proprio_layout)
+    assert "extra/goal_pos" in [p.name for p in d.proprio_layout]
+    assert [(c.name, c.height, c.width) for c in d.cameras] == [("base_camera", 32, 32)]
+
+
+# -- over the bus ---------------------------------------------------------------------------------
+
+
+@pytest_asyncio.fixture
+async def own_nc(fresh_server: EmbeddedServer) -> AsyncIterator[NATS]:
+    """A server of this test alone: no other test's env worker answers describe here."""
+    nc = await connect(fresh_server.url, name="pytest-describe")
+    await declare(nc.jetstream())
+    yield nc
+    await nc.close()
+
+
+@pytest_asyncio.fixture
+async def describer(own_nc: NATS) -> AsyncIterator[Describer]:
+    d = Describer()
+    await d.subscribe(own_nc)
+    yield d
+    await d.close()
+
+
+async def test_bus_describe_matches_the_local_one_and_is_cached(
+    own_nc: NATS, describer: Describer
+) -> None:
+    got = await request_description(own_nc, REACH, {"target_in_state": True})
+    assert got == describe_env(REACH, {"target_in_state": True})
+    assert len(describer.cache) == 1
+    assert await request_description(own_nc, REACH, {"target_in_state": True}) == got
+    assert len(describer.cache) == 1
+
+
+async def test_bus_describe_of_an_unknown_env_is_a_clear_non_retryable_error(
+    own_nc: NATS, describer: Describer
+) -> None:
+    with pytest.raises(EnvDescribeError) as info:
+        await request_description(own_nc, "Nope-v0")
+    assert not info.value.retryable
+    assert "unknown env id 'Nope-v0'" in str(info.value) and REACH in str(info.value)
+
+
+async def test_bus_describe_of_bad_env_kwargs_names_the_env(
+    own_nc: NATS, describer: Describer
+) -> None:
+    with pytest.raises(EnvDescribeError, match=r"env JoyNexus/Reach2D-v0: .*num_distractors"):
+        await request_description(own_nc, REACH, {"num_distractors": 9})
+
+
+async def test_sdk_describe_env(fresh_server: EmbeddedServer, describer: Describer) -> None:
+    async with await Client.connect(fresh_server.url) as client:
+        d = await client.describe_env("JoyNexus/ReachGrasp2D-v0")
+    assert (d.action.dim, d.proprio_dim) == (3, 4)
+
+
+async def test_bus_describe_without_an_env_worker_is_retryable_not_hung(own_nc: NATS) -> None:
+    with pytest.raises(EnvDescribeError, match="no env worker") as info:
+        await request_description(own_nc, REACH, timeout=1.0)
+    assert info.value.retryable
+
+
+# -- the master's check at submit -----------------------------------------------------------------
+
+
+def _rl(tenant: str, env: str = REACH, **head: Any) -> dict[str, Any]:
+    return {
+        "kind": "rl",
+        "tenant": tenant,
+        "env": env,
+        "env_kwargs": {"target_in_state": True},
+        "head": {"kind": "oft", "value_head": True, **head},
+        "iterations": 1,
+    }
+
+
+async def _submit(nc: NATS, spec: dict[str, Any], job: str = "rl-1") -> None:
+    """One submit through the master's handler, as its consumer would deliver it."""
+    js = nc.jetstream()
+    master = Master(
+        js,
+        await js.key_value(subjects.KV_JOBS),
+        await js.key_value(subjects.KV_POLICIES),
+        envs=EnvDescriptions(nc, timeout_s=20.0),
+    )
+    tenant = spec["tenant"]
+    data = encode(JobSubmit(tenant, job, json.dumps(spec).encode(), 0.0))
+    await master.handle(Msg(nc, subject=subjects.job(tenant, "submit"), data=data))
+
+
+async def _open_slot(nc: NATS, tenant: str) -> OpenSlot:
+    """The slot the master opened on the tenant's Training Queue (a work queue: read, not
+    consumed)."""
+    raw = await nc.jetstream().get_last_msg(subjects.STREAM_TRAIN, subjects.train("tiny", tenant))
+    message = decode(TRAIN_DECODER, raw.data or b"")
+    assert isinstance(message, OpenSlot), message
+    return message
+
+
+async def test_head_whose_action_dim_does_not_match_its_env_is_rejected_with_both_numbers(
+    own_nc: NATS, describer: Describer
+) -> None:
+    with pytest.raises(PoisonError) as info:
+        await _submit(own_nc, _rl(uid("acme"), action_dim=3))
+    assert str(info.value) == (
+        f"head.action_dim: 3 does not match env {REACH}'s action dimension 2"
+    )
+
+
+async def test_smaller_proprio_dim_than_the_env_is_rejected_not_truncated(
+    own_nc: NATS, describer: Describer
+) -> None:
+    with pytest.raises(PoisonError, match=r"head\.proprio_dim: 4 does not match .* dimension 6"):
+        await _submit(own_nc, _rl(uid("acme"), action_dim=2, proprio_dim=4))
+
+
+async def test_omitted_dims_are_filled_from_the_env(own_nc: NATS, describer: Describer) -> None:
+    tenant = uid("acme")
+    await _submit(own_nc, _rl(tenant))
+    slot = await _open_slot(own_nc, tenant)
+    assert (slot.head.action_dim, slot.head.proprio_dim) == (2, 6)
+
+
+async def test_proprio_dim_zero_means_none_and_is_accepted(
+    own_nc: NATS, describer: Describer
+) -> None:
+    tenant = uid("acme")
+    await _submit(own_nc, _rl(tenant, action_dim=2, proprio_dim=0))
+    assert (await _open_slot(own_nc, tenant)).head.proprio_dim == 0
+
+
+async def test_submit_with_no_env_worker_is_retried_with_a_clear_reason(own_nc: NATS) -> None:
+    with pytest.raises(RetryableError, match="no env worker is running to describe env"):
+        await _submit(own_nc, _rl(uid("acme")))
+
+
+@pytest.mark.maniskill
+async def test_maniskill_head_mismatch_is_rejected_with_both_numbers(
+    maniskill_home: Path, own_nc: NATS, describer: Describer
+) -> None:
+    spec = _rl(uid("acme"), env="PickCubeSO100-v1", action_dim=3)
+    spec["env_kwargs"] = {}
+    with pytest.raises(PoisonError) as info:
+        await _submit(own_nc, spec)
+    assert str(info.value) == (
+        "head.action_dim: 3 does not match env PickCubeSO100-v1's action dimension 6"
+    )
