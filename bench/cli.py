@@ -199,7 +199,10 @@ def add_operator_commands(sub: Subcommands) -> None:
     m = sub.add_parser("model", help="backbone checkpoints")
     msub = m.add_subparsers(dest="model_cmd", required=True, metavar="command")
     mi = add_command(msub, "init", _model_init, help="write a tiny backbone checkpoint directory")
-    mi.add_argument("name", help="tiny, tiny-224 or tiny-llava")
+    mi.add_argument(
+        "name",
+        help="tiny (Idefics3), tiny-224, tiny-llava, tiny-paligemma, tiny-idefics2 or tiny-llava-next",
+    )
     mi.add_argument("--out", required=True)
 
     e = sub.add_parser("env", help="simulator environments")
