@@ -201,7 +201,8 @@ def add_operator_commands(sub: Subcommands) -> None:
     mi = add_command(msub, "init", _model_init, help="write a tiny backbone checkpoint directory")
     mi.add_argument(
         "name",
-        help="tiny (Idefics3), tiny-224, tiny-llava, tiny-paligemma, tiny-idefics2 or tiny-llava-next",
+        help="tiny (Idefics3), tiny-224, tiny-llava, tiny-paligemma, tiny-idefics2, "
+        "tiny-llava-next",
     )
     mi.add_argument("--out", required=True)
 
