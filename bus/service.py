@@ -331,3 +331,10 @@ def main(run: Callable[[Any], Coroutine[Any, Any, None]], config: BusConfig) -> 
     except Exception:
         log.exception("service crashed")
         sys.exit(1)
+    # A clean stop skips interpreter finalisation: a model load that Runtime.slow abandoned
+    # may still be inside torch in its daemon thread, and torch's exit hooks then abort the
+    # process ("terminate called without an active exception", exit -6).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -9,32 +9,46 @@ checkpoint in the object store (``<tenant>/<job>/v{version:06d}-...``). At most
 older ones are dropped least recently used first).
 
 Everything here runs on the event loop; only deserialising a slot goes to a thread.
+
+Stopping: nothing here is cancelled (a cancel can be lost on Python 3.11, PITFALLS). The
+watch is :func:`bus.watch.follow_kv` on the service's stop event; a request waiting for a
+load or a KV read gives up with :class:`~bus.errors.Interrupted` once the service stops
+(:func:`until_stop`), leaving the load to end on its own; loads check the stop event between
+their steps, and :meth:`PolicyCache.close` waits for them with a bound.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
+import inspect
 import logging
 from collections import OrderedDict
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from bus import checkpoints as ckpt
-from bus.codec import DecodeError, decode
-from bus.errors import PoisonError, RetryableError
+from bus.codec import DecodeError
+from bus.errors import Interrupted, PoisonError, RetryableError
+from bus.records import get_policy, policy_of
+from bus.watch import follow_kv
 from schemas import subjects
 from schemas.model import HeadConfig
-from schemas.train import POLICY_RECORD_DECODER, OpenSlot, PolicyRecord
+from schemas.train import OpenSlot, PolicyRecord
 from vla.slot import TenantSlot
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: How often a wait that gives up on stop looks at the stop event.
+STOP_POLL_S = 0.1
 
 #: The object store's digest header prefix (nats.py writes ``SHA-256=<base64url>``).
 _OBJ_DIGEST_PREFIX = "SHA-256="
@@ -63,6 +77,30 @@ class ServedPolicy:
         return f"{self.tenant}/{self.job_id} v{self.version}"
 
 
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """Done-callback of an abandoned future: fetch its outcome so it is never reported as
+    an exception nobody retrieved (its waiter already gave up)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+async def until_stop(work: Awaitable[T], stop: asyncio.Event) -> T:
+    """``await work`` unless ``stop`` is set first: then raise :class:`Interrupted` and leave
+    ``work`` to finish on its own. Nothing is cancelled; a shared future (a policy load
+    other requests wait for) is not disturbed by one waiter giving up."""
+    if stop.is_set():
+        if inspect.iscoroutine(work):
+            work.close()
+        raise Interrupted()
+    fut = asyncio.ensure_future(work)
+    while not fut.done():
+        if stop.is_set():
+            fut.add_done_callback(_retrieve)
+            raise Interrupted()
+        await asyncio.wait({fut}, timeout=STOP_POLL_S)
+    return fut.result()
+
+
 def _hex_digest(object_digest: str | None) -> str | None:
     """The object store's ``SHA-256=<base64url>`` digest as hex (None if absent/other)."""
     if not object_digest or not object_digest.upper().startswith(_OBJ_DIGEST_PREFIX):
@@ -82,20 +120,30 @@ class PolicyCache:
             :meth:`open`).
         device: where slots are restored.
         max_versions_per_job: resident versions kept per job (>= 1).
+        stop: the service's stop event: :meth:`follow` returns and waits give up once set.
     """
 
-    def __init__(self, js: JetStreamContext, device: str, max_versions_per_job: int) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        device: str,
+        max_versions_per_job: int,
+        stop: asyncio.Event,
+    ) -> None:
         if max_versions_per_job < 1:
             raise ValueError(f"max_versions_per_job must be >= 1, got {max_versions_per_job}")
         self.js = js
         self.device = device
         self.max_versions = max_versions_per_job
+        self.stop = stop
         #: Latest committed record per job (from the KV watch, or read through on a miss).
         self.records: dict[JobKey, PolicyRecord] = {}
         #: Resident versions; per job, insertion order is recency order.
         self._resident: dict[JobKey, OrderedDict[int, ServedPolicy]] = {}
         #: Loads in progress, so concurrent requests for one version share one fetch.
         self._loading: dict[VersionKey, asyncio.Task[ServedPolicy]] = {}
+        #: KV read-throughs in progress, shared by concurrent requests for one job.
+        self._reading: dict[JobKey, asyncio.Task[PolicyRecord | None]] = {}
         self._kv: KeyValue
         self._store: ObjectStore
         self.loads = 0
@@ -110,41 +158,28 @@ class PolicyCache:
 
     # -- following the KV --------------------------------------------------------------------
     async def follow(self, ready: asyncio.Event | None = None) -> None:
-        """Watch the ``policies`` KV until cancelled: record each job's latest version and
-        preload it. ``ready`` is set once the bucket's current entries have been seen. A
-        failed watch is restarted (it replays the latest entries; older ones are ignored)."""
-        while True:
-            try:
-                await self._watch(ready)
-                log.warning("policies watch ended; watching again")
-            except NatsError as exc:
-                log.warning("policies watch failed (%s); watching again", exc)
-            await asyncio.sleep(0.5)
+        """Watch the ``policies`` KV until the service stops: record each job's latest
+        version and preload it. ``ready`` is set once the bucket's current entries have been
+        seen. A failed watch is started again (it replays the latest entries; older ones are
+        ignored)."""
+        await follow_kv(
+            self._kv, self.stop, self._on_entry, on_ready=None if ready is None else ready.set
+        )
 
-    async def _watch(self, ready: asyncio.Event | None) -> None:
-        watcher = await self._kv.watchall()
+    def _on_entry(self, entry: KeyValue.Entry) -> None:
+        job = self._job_of_key(entry.key)
+        if job is None:
+            return
         try:
-            async for entry in watcher:
-                if entry is None:  # end of the initial values
-                    if ready is not None:
-                        ready.set()
-                    continue
-                job = self._job_of_key(entry.key)
-                if job is None:
-                    continue
-                if entry.operation in ("DEL", "PURGE") or not entry.value:
-                    self.records.pop(job, None)  # nothing committed any more: stop serving it
-                    continue
-                try:
-                    record = decode(POLICY_RECORD_DECODER, entry.value)
-                except DecodeError as exc:
-                    log.warning("ignoring undecodable policies entry %s: %s", entry.key, exc)
-                    continue
-                if self._note(record):
-                    self._start_load(record.tenant, record.job_id, record.version, record)
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
+            record = policy_of(entry)
+        except DecodeError as exc:
+            log.warning("ignoring undecodable policies entry %s: %s", entry.key, exc)
+            return
+        if record is None:
+            self.records.pop(job, None)  # nothing committed any more: stop serving it
+            return
+        if self._note(record):
+            self._start_load(record.tenant, record.job_id, record.version, record)
 
     @staticmethod
     def _job_of_key(key: str) -> JobKey | None:
@@ -162,32 +197,40 @@ class PolicyCache:
 
     async def latest_record(self, tenant: str, job_id: str) -> PolicyRecord:
         """The job's latest committed record; read through the KV when the watch has not
-        delivered it yet. Raises PoisonError when nothing is committed for the job."""
+        delivered it yet. Raises PoisonError when nothing is committed for the job,
+        :class:`Interrupted` when the service stops during the read."""
         job = (tenant, job_id)
         record = self.records.get(job)
         if record is not None:
             return record
-        try:
-            entry = await self._kv.get(f"{tenant}.{job_id}")
-        except KeyNotFoundError:
-            entry = None
-        except NatsError as exc:
-            raise RetryableError(f"policies KV unavailable: {exc}") from exc
-        if entry is None or not entry.value:
+        read = self._reading.get(job)
+        if read is None:
+            read = asyncio.create_task(self._read_record(tenant, job_id))
+            self._reading[job] = read
+            read.add_done_callback(lambda _: self._reading.pop(job, None))
+            read.add_done_callback(_retrieve)
+        found = await until_stop(read, self.stop)
+        if found is None:
             raise PoisonError(f"no committed policy for tenant {tenant!r} job {job_id!r}")
+        self._note(found)
+        return self.records[job]
+
+    async def _read_record(self, tenant: str, job_id: str) -> PolicyRecord | None:
         try:
-            record = decode(POLICY_RECORD_DECODER, entry.value)
+            record, _ = await get_policy(self._kv, tenant, job_id)
         except DecodeError as exc:
             raise PoisonError(f"policy record of {tenant}/{job_id} is unreadable: {exc}") from exc
-        self._note(record)
-        return self.records[job]
+        except NatsError as exc:
+            raise RetryableError(f"policies KV unavailable: {exc}") from exc
+        return record
 
     # -- resolving ---------------------------------------------------------------------------
     async def resolve(self, tenant: str, job_id: str, version: int) -> ServedPolicy:
         """The policy that serves a request: ``version`` 0 = the latest committed one.
 
         Raises :class:`PoisonError` for a job with no committed policy or a version that does
-        not exist (any more), :class:`RetryableError` when the bus is unavailable.
+        not exist (any more), :class:`RetryableError` when the bus is unavailable,
+        :class:`Interrupted` when the service stops while the version is loading.
         """
         if version < 0:
             raise PoisonError(f"policy_version must be >= 0, got {version}")
@@ -205,8 +248,8 @@ class PolicyCache:
             resident.move_to_end(version)
             return resident[version]
         exact = record if record.version == version else None
-        # shield: a cancelled request must not cancel a load other requests share.
-        return await asyncio.shield(self._start_load(tenant, job_id, version, exact))
+        # A request that gives up on stop leaves the shared load running (close() waits).
+        return await until_stop(self._start_load(tenant, job_id, version, exact), self.stop)
 
     def _start_load(
         self, tenant: str, job_id: str, version: int, record: PolicyRecord | None
@@ -227,15 +270,24 @@ class PolicyCache:
         # "exception never retrieved"; requests that awaited the load report it themselves.
         exc = task.exception()
         if exc is not None:
-            level = logging.DEBUG if isinstance(exc, PoisonError) else logging.WARNING
-            log.log(level, "loading %s/%s v%d failed: %s", *key, exc)
+            quiet = isinstance(exc, PoisonError | Interrupted)
+            log.log(
+                logging.DEBUG if quiet else logging.WARNING,
+                "loading %s/%s v%d failed: %s",
+                *key,
+                exc,
+            )
 
-    async def close(self) -> None:
-        """Cancel loads in progress (on stop)."""
-        tasks = list(self._loading.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    async def close(self, timeout: float) -> None:
+        """On stop: wait up to ``timeout`` seconds for loads and KV reads in progress (they
+        end at their next step once stopping). Nothing is cancelled; one still running after
+        the bound is left to finish on its own."""
+        work = {*self._loading.values(), *self._reading.values()}
+        if not work:
+            return
+        _, late = await asyncio.wait(work, timeout=timeout)
+        if late:
+            log.warning("%d policy loads still running %.1f s after stop", len(late), timeout)
 
     async def _load(
         self, tenant: str, job_id: str, version: int, record: PolicyRecord | None
@@ -246,12 +298,16 @@ class PolicyCache:
             name, sha256 = await self._find_version(tenant, job_id, version)
             # A job's spec is fixed at OpenSlot: its latest record describes every version.
             spec = (await self.latest_record(tenant, job_id)).slot
+        if self.stop.is_set():
+            raise Interrupted()
         try:
             data = await ckpt.get_checkpoint(self._store, name, sha256)
         except ckpt.CheckpointError as exc:
             raise PoisonError(f"policy {tenant}/{job_id} v{version}: {exc}") from exc
         except NatsError as exc:
             raise RetryableError(f"checkpoint store unavailable: {exc}") from exc
+        if self.stop.is_set():
+            raise Interrupted()
         slot = await asyncio.to_thread(TenantSlot.from_bytes, data, self.device)
         if slot.version != version:
             raise PoisonError(f"checkpoint {name} holds version {slot.version}, expected {version}")

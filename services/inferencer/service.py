@@ -3,63 +3,76 @@
 One process holds the frozen backbone and the tenants' committed policies (synced from the
 ``policies`` KV and ``checkpoints`` store by :class:`~services.inferencer.policies.PolicyCache`).
 It pulls the Inference Queue ``nexus.infer.<backbone>.>`` through ONE durable consumer
-``inferencer-<backbone>`` that every replica shares (scale-out = start more replicas).
+``inferencer-<backbone>`` that every replica shares (scale-out = start more replicas), bound
+and settled by the service's consume runtime (:class:`bus.consume.Consumer`).
 
-Scheduler (DESIGN.md §3): admitted requests wait in a FIFO until their observations reach
-``target_batch`` B or the oldest has waited ``max_wait_ms`` T, whichever first; then ONE
-grouped backbone forward per compatibility key runs in a worker thread (the loop keeps
-pulling and admitting meanwhile), each request's head acts, the reply goes to its
-``reply_to`` inbox (core NATS) and only then is the message acked. A request's latency is
-bounded by T plus the forward in progress plus its own.
+Scheduler (DESIGN.md §3): admitted requests are held (kept alive with in-progress acks) in a
+FIFO until their observations reach ``target_batch`` B or the oldest has waited
+``max_wait_ms`` T, whichever first; then ONE grouped backbone forward per compatibility key
+runs in a worker thread (the loop keeps pulling and admitting meanwhile), each request's head
+acts, the reply goes to its ``reply_to`` inbox (core NATS) and only then is the message
+acked. A request's latency is bounded by T plus the forward in progress plus its own.
 
 A request that can never be served (malformed, unknown job, version not stored, image or
-proprio shapes that do not fit the policy) is answered with ``error`` set and dead-lettered
-through :func:`bus.consume.settle`; the service goes on serving everyone else.
+proprio shapes that do not fit the policy) is dead-lettered by the runtime, whose ``on_dead``
+hook answers it with ``error`` set and reports it on the job's ``EVENTS``; a request that
+failed for a retryable reason gets no reply until its last delivery. The service goes on
+serving everyone else.
+
+Stop (the runtime's stop event, never a cancel): the model load gives up at once; the fetch
+loop, the scheduler and the policies watch return; the batch in progress is answered if its
+forward ends within :data:`BATCH_GRACE_S`, else handed back; admitted but unstarted requests
+are handed back (nak) for another replica.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import re
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
-import msgspec
 import numpy as np
 import torch
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
-from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import BadRequestError, FetchTimeoutError, NotFoundError
+from opentelemetry import trace
 from pydantic import Field
 
+from bus import tracing
 from bus.codec import DecodeError, decode, encode
 from bus.config import BusConfig
-from bus.consume import error_reason, settle
-from bus.errors import HandlerError, PoisonError
+from bus.consume import HOLD, ConsumerSpec, Durable, Fate, Hold
+from bus.errors import Interrupted, PoisonError
 from bus.placement import placed
 from bus.publish import msg_id, publish
 from bus.service import Runtime, serve
 from schemas import subjects
 from schemas.events import ErrorEvent
-from schemas.infer import INFER_DECODER, ActReply, ActRequest
-from schemas.tensor import Tensor, TensorError
-from services.inferencer.batching import REQUEST_ERRORS, BatchRunner, Outcome, Work
-from services.inferencer.policies import PolicyCache, ServedPolicy
+from schemas.infer import INFER_DECODER, ActReply
+from schemas.tensor import Tensor
+from services.inferencer.admission import answerable, envelope, parse, validate
+from services.inferencer.batching import REQUEST_ERRORS, BatchRunner, BatchStats, Outcome, Work
+from services.inferencer.policies import STOP_POLL_S, PolicyCache
 from vla.backbone import Backbone
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-#: How long one pull waits for messages; also bounds how late a stop is noticed.
+#: How long one pull waits for messages; also bounds how late the fetch loop sees a stop.
 FETCH_TIMEOUT_S = 0.5
-#: A subject we may publish to: dot-separated non-empty tokens, no whitespace or wildcards
-#: (a malformed one would be a protocol error that costs us the connection).
-_SUBJECT_RE = re.compile(r"^[^\s.*>]+(\.[^\s.*>]+)*$")
+#: On stop, how long the batch in progress may still take to be answered; a forward that
+#: has not ended by then is abandoned and its requests handed back.
+BATCH_GRACE_S = 1.0
+#: On stop, bounds on waiting for admissions (which give up on stop at their next wait),
+#: for answers of earlier batches being settled, and for policy loads.
+ADMIT_GRACE_S = 0.5
+SETTLE_GRACE_S = 0.5
+LOAD_GRACE_S = 0.5
 
 
 class InferencerConfig(BusConfig):
@@ -70,7 +83,7 @@ class InferencerConfig(BusConfig):
     device: str = Field("cpu", description="torch device.")
     dtype: str = Field("float32", description="Backbone dtype (bfloat16 on CUDA).")
     # Defaults measured on the tiny backbone, 1 torch thread, 2 shared CPU cores (see
-    # services/bench_inference.py): a forward's cost per observation falls until ~16
+    # bench/inference.py): a forward's cost per observation falls until ~16
     # (18 ms at 1, 5 ms at 8, 3.8 ms at 16, 4.7 ms at 32), and through the bus B=16 beat
     # B=8 (201 vs 145 req/s, p50 80 vs 108 ms with 16 sessions) and B=32 (158 vs 120 req/s
     # with 32). T=5 ms gathers most of a closed-loop round of 8 tenants (7 of 8 per forward,
@@ -90,88 +103,87 @@ class InferencerConfig(BusConfig):
     max_deliver: int = Field(3, ge=1, description="Deliveries before a request is dead.")
 
 
-class _Envelope(msgspec.Struct):
-    """What can be salvaged from an undecodable request to tell its sender why."""
-
-    request_id: str = ""
-    reply_to: str = ""
-
-
-_ENVELOPE_DECODER = msgspec.msgpack.Decoder(_Envelope)
-
-
 @dataclass
 class Pending:
-    """An admitted request waiting for (or in) a batch."""
+    """An admitted request waiting for (or in) a batch; its message is held meanwhile."""
 
     msg: Msg
     work: Work
     observations: int
     #: Loop time when it was pulled: T counts from here.
     arrived: float
+    #: Its admission span, linked from the span of the forward that serves it.
+    span: trace.SpanContext
 
 
-def validate(request: ActRequest, policy: ServedPolicy) -> None:
-    """Raise :class:`PoisonError` naming the field if ``request`` cannot be served by
-    ``policy``: no observations, num_views/token_budget other than the job's, an image that
-    is not uint8 (H, W, 3), a proprio that is not float32 of the head's ``proprio_dim``."""
-    spec, head = policy.spec, policy.head
-    if not request.observations:
-        raise PoisonError("request has no observations")
-    if (request.num_views, request.token_budget) != (spec.num_views, spec.token_budget):
-        raise PoisonError(
-            f"request normalises with num_views={request.num_views}, "
-            f"token_budget={request.token_budget} but {policy.label} was trained with "
-            f"num_views={spec.num_views}, token_budget={spec.token_budget}"
-        )
-    for i, obs in enumerate(request.observations):
-        if not 1 <= len(obs.images) <= spec.num_views:
-            raise PoisonError(
-                f"observations[{i}].images: expected 1 to {spec.num_views} views, "
-                f"got {len(obs.images)}"
-            )
+def in_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
+    """``fn()`` in a daemon thread, as a future of the running loop. Unlike the default
+    executor (which ``asyncio.run`` joins at exit), a forward abandoned at stop cannot hold
+    the process up."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def deliver(result: T | None, error: BaseException | None) -> None:
+        if done.done():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)  # type: ignore[arg-type]
+
+    def work() -> None:
         try:
-            for v, image in enumerate(obs.images):
-                image.validate()
-                if image.dtype != "uint8" or len(image.shape) != 3 or image.shape[2] != 3:
-                    raise PoisonError(
-                        f"observations[{i}].images[{v}]: expected uint8 (H, W, 3), "
-                        f"got {image.dtype} {tuple(image.shape)}"
-                    )
-                if image.shape[0] == 0 or image.shape[1] == 0:
-                    raise PoisonError(f"observations[{i}].images[{v}]: empty image")
-            obs.proprio.validate()
-        except TensorError as exc:
-            raise PoisonError(f"observations[{i}]: {exc}") from exc
-        if obs.proprio.dtype != "float32" or tuple(obs.proprio.shape) != (head.proprio_dim,):
-            raise PoisonError(
-                f"observations[{i}].proprio: {policy.label}'s head expects float32 "
-                f"({head.proprio_dim},), got {obs.proprio.dtype} {tuple(obs.proprio.shape)}"
-            )
+            result, error = fn(), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(deliver, result, error)
+        except RuntimeError:  # the loop closed: nobody waits any more
+            pass
+
+    threading.Thread(target=work, name="inferencer-batch", daemon=True).start()
+    return done
+
+
+async def _bounded(tasks: set[asyncio.Task[T]], timeout: float, what: str) -> None:
+    """Wait up to ``timeout`` for ``tasks`` (never cancelled: they end on the stop event)."""
+    if not tasks:
+        return
+    _, late = await asyncio.wait(set(tasks), timeout=timeout)
+    if late:
+        log.warning("%d %s still running %.1f s after stop", len(late), what, timeout)
 
 
 class Inferencer:
-    """The inferencer's pull loop, admission, (B, T) scheduler and replies."""
+    """The inferencer's fetch loop, admission, (B, T) scheduler and replies."""
 
     def __init__(self, rt: Runtime, config: InferencerConfig, backbone: Backbone) -> None:
         self.rt = rt
-        self.js: JetStreamContext = rt.js
         self.config = config
         self.bid = backbone.backbone_id
-        self.durable = f"inferencer-{self.bid}"
-        self.policies = PolicyCache(rt.js, config.device, config.max_versions_per_job)
+        self.spec = ConsumerSpec(
+            subjects.STREAM_INFER,
+            f"inferencer-{self.bid}",
+            f"{subjects.PREFIX}.infer.{self.bid}.>",
+            ack_wait_s=config.ack_wait_s,
+            max_deliver=config.max_deliver,
+            max_ack_pending=10_000,
+        )
+        self.policies = PolicyCache(rt.js, config.device, config.max_versions_per_job, rt.stop)
         self.runner = BatchRunner(backbone)
         self.pending: deque[Pending] = deque()
         self.pending_obs = 0
-        self.running: list[Pending] = []
-        self.admitting: set[asyncio.Task[None]] = set()
+        self.admitting: set[asyncio.Task[Fate]] = set()
         self.settling: set[asyncio.Task[None]] = set()
+        #: Served policy version of a request being failed after its forward, for the
+        #: error reply on_dead sends (keyed by message identity).
+        self._failing: dict[int, int] = {}
         # Cap on unstarted requests held here: enough to fill the next batch while one runs,
         # few enough that other replicas get the rest of the queue.
         self.max_pending = 2 * config.target_batch
         self._wake = asyncio.Event()  # scheduler: something arrived (or stop)
         self._room = asyncio.Event()  # fetcher: the scheduler took requests (or stop)
-        self.sub: JetStreamContext.PullSubscription
+        self.durable: Durable
         # gauges
         self.served = 0
         self.failed = 0
@@ -180,127 +192,91 @@ class Inferencer:
         self.batches = 0
         self.batch_s = 0.0
 
+    @property
+    def name(self) -> str:
+        return self.spec.durable
+
     # -- set-up ------------------------------------------------------------------------------
     async def open(self) -> None:
+        """Open the policy stores and bind the shared durable (created on first start)."""
         await self.policies.open()
-        self.sub = await self.bind()
+        self.durable = await self.rt.consumer.bind(self.spec, on_dead=self.on_dead)
 
-    async def bind(self) -> JetStreamContext.PullSubscription:
-        """Bind the shared durable consumer, creating it on first start."""
-        try:
-            await self.js.consumer_info(subjects.STREAM_INFER, self.durable)
-        except NotFoundError:
-            config = ConsumerConfig(
-                durable_name=self.durable,
-                filter_subject=f"{subjects.PREFIX}.infer.{self.bid}.>",
-                ack_policy=AckPolicy.EXPLICIT,
-                deliver_policy=DeliverPolicy.ALL,
-                ack_wait=self.config.ack_wait_s,
-                max_deliver=self.config.max_deliver,
-                max_ack_pending=10_000,
-            )
-            try:
-                await self.js.add_consumer(subjects.STREAM_INFER, config)
-            except BadRequestError as exc:
-                # A work-queue stream refuses overlapping filters, e.g. a consumer left by an
-                # older layout on nexus.infer.>: say so instead of a bare API error.
-                raise RuntimeError(
-                    f"cannot create consumer {self.durable} on {subjects.STREAM_INFER} "
-                    f"({exc.description}); remove consumers whose filter overlaps "
-                    f"{config.filter_subject}"
-                ) from exc
-        return await self.js.pull_subscribe_bind(self.durable, stream=subjects.STREAM_INFER)
-
-    # -- the loop ----------------------------------------------------------------------------
+    # -- the loops ---------------------------------------------------------------------------
     async def run(self) -> None:
-        follow = asyncio.create_task(self.policies.follow())
-        waker = asyncio.create_task(self._wake_on_stop())
-        fetcher = asyncio.create_task(self.fetch_loop())
+        """Serve until the service stops, then hand back what was not started."""
+        self.rt.spawn(self._wake_on_stop(), "inferencer waker")
+        self.rt.spawn(self.policies.follow(), "policies follower")
+        self.rt.spawn(self.fetch_loop(), "inferencer fetch")
         try:
             await self.schedule()
         finally:
-            # Stop: the batch in progress was answered by schedule(); pulled but unstarted
-            # requests go back to the queue for another replica. (If schedule() crashed,
-            # stopping here too lets the fetcher end, and serve() re-raises the crash.)
-            self.rt.stop.set()
-            await fetcher
-            for task in list(self.admitting):
-                task.cancel()
-            await asyncio.gather(*self.admitting, return_exceptions=True)
-            while self.pending:
-                with contextlib.suppress(NatsError):
-                    await self.pending.popleft().msg.nak()
-            await asyncio.gather(*self.settling, return_exceptions=True)
-            for task in (follow, waker):
-                task.cancel()
-            await asyncio.gather(follow, waker, return_exceptions=True)
-            await self.policies.close()
-            with contextlib.suppress(NatsError):
-                await self.sub.unsubscribe()
+            self.rt.stop.set()  # also when schedule() crashed: everything else winds down
+            await self.drain()
 
     async def _wake_on_stop(self) -> None:
         await self.rt.stop.wait()
         self._wake.set()
         self._room.set()
 
+    async def drain(self) -> None:
+        """After the scheduler returned (the batch in progress is answered or handed back):
+        let admissions see the stop, hand back every admitted, unstarted request, let the
+        answers of earlier batches settle and loads end, each wait bounded."""
+        await _bounded(self.admitting, ADMIT_GRACE_S, "admissions")
+        unstarted = [p.msg for p in self.pending]
+        self.pending.clear()
+        self.pending_obs = 0
+        if unstarted:
+            log.info("handing back %d unstarted requests", len(unstarted))
+            await self.rt.consumer.hand_back(unstarted)
+        await _bounded(self.settling, SETTLE_GRACE_S, "answers")
+        await self.policies.close(LOAD_GRACE_S)
+
     async def fetch_loop(self) -> None:
         """Pull while there is room; each message is admitted in its own task so one slow
         policy load does not hold up the others."""
+        consumer = self.rt.consumer
         while not self.rt.stop.is_set():
             room = self.max_pending - len(self.pending) - len(self.admitting)
             if room <= 0:
                 self._room.clear()
-                with contextlib.suppress(TimeoutError):
+                try:
                     await asyncio.wait_for(self._room.wait(), FETCH_TIMEOUT_S)
+                except TimeoutError:
+                    pass
                 continue
-            try:
-                msgs = await self.sub.fetch(room, timeout=FETCH_TIMEOUT_S)
-            except (TimeoutError, FetchTimeoutError, NatsTimeoutError):
-                continue
-            except NatsError as exc:  # broker restart: reconnects on its own; try again
-                log.warning("fetch failed: %s", exc)
-                await asyncio.sleep(0.2)
-                continue
-            for msg in msgs:
+            msgs = await consumer.fetch(self.durable, room, FETCH_TIMEOUT_S)
+            for i, msg in enumerate(msgs):
                 if self.rt.stop.is_set():
-                    with contextlib.suppress(NatsError):
-                        await msg.nak()  # release: another replica serves it
-                    continue
-                task = asyncio.create_task(self.admit(msg))
+                    await consumer.hand_back(msgs[i:])  # another replica serves them
+                    break
+                task = asyncio.create_task(consumer.process(msg, self.admit))
                 self.admitting.add(task)
-                task.add_done_callback(self.admitting.discard)
+                task.add_done_callback(self._admitted)
 
-    async def admit(self, msg: Msg) -> None:
-        """Decode, resolve the policy, validate; queue the request or answer its error."""
+    def _admitted(self, task: asyncio.Task[Fate]) -> None:
+        self.admitting.discard(task)
+        error = None if task.cancelled() else task.exception()
+        if error is not None:  # settling failed (the bus): the message is redelivered
+            log.warning("settling an admission failed: %r", error)
+
+    async def admit(self, msg: Msg) -> Hold:
+        """Decode, resolve the policy, validate; queue the request, held until answered.
+        Errors are the runtime's to settle (poison: dead-lettered, then :meth:`on_dead`
+        answers); :class:`Interrupted` once stopping, so the request is handed back."""
         arrived = asyncio.get_running_loop().time()
-        request: ActRequest | None = None
-        try:
-            try:
-                request = decode(INFER_DECODER, msg.data)
-            except DecodeError as exc:
-                raise PoisonError(f"malformed act request: {exc}") from exc
-            if not _SUBJECT_RE.fullmatch(request.reply_to):
-                raise PoisonError(f"reply_to {request.reply_to!r} is not a subject to reply on")
-            tenant = msg.subject.rsplit(".", 1)[-1]
-            if request.tenant != tenant:
-                raise PoisonError(
-                    f"request for tenant {request.tenant!r} on tenant {tenant!r}'s subject"
-                )
-            policy = await self.policies.resolve(
-                request.tenant, request.job_id, request.policy_version
-            )
-            validate(request, policy)
-        except asyncio.CancelledError:
-            with contextlib.suppress(NatsError):
-                await msg.nak()
-            raise
-        except Exception as exc:  # noqa: BLE001 - fail() replies and settle() decides its fate
-            await self.fail(msg, exc, request)
-            return
+        request = parse(msg)
+        policy = await self.policies.resolve(request.tenant, request.job_id, request.policy_version)
+        validate(request, policy)
+        if self.rt.stop.is_set():
+            raise Interrupted()
         n = len(request.observations)
-        self.pending.append(Pending(msg, Work(request, policy), n, arrived))
+        span = trace.get_current_span().get_span_context()
+        self.pending.append(Pending(msg, Work(request, policy), n, arrived, span))
         self.pending_obs += n
         self._wake.set()
+        return HOLD
 
     async def schedule(self) -> None:
         """Dispatch a batch when B observations wait or the oldest waited T; until stop."""
@@ -315,8 +291,10 @@ class Inferencer:
                     await self.dispatch(self.take(target))
                     continue
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
+            try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
 
     def take(self, target: int) -> list[Pending]:
         """The next batch: FIFO, up to ``target`` observations (at least one request)."""
@@ -331,100 +309,91 @@ class Inferencer:
         return batch
 
     async def dispatch(self, batch: list[Pending]) -> None:
-        """Run ``batch`` in the worker thread, then answer and settle every request."""
-        self.running = batch
+        """Run ``batch`` in a worker thread, then answer and settle every request. Stopping,
+        the forward gets :data:`BATCH_GRACE_S` to end; else the batch is handed back."""
+        links = [trace.Link(p.span) for p in batch if p.span.is_valid]
+        with tracing.tracer().start_as_current_span("inferencer forward", links=links) as span:
+            span.set_attribute("joynexus.requests", len(batch))
+            forward = in_thread(lambda: self.runner.run([p.work for p in batch]))
+            while not forward.done() and not self.rt.stop.is_set():
+                await asyncio.wait({forward}, timeout=STOP_POLL_S)
+            if not forward.done():
+                await asyncio.wait({forward}, timeout=BATCH_GRACE_S)
+        if not forward.done():
+            log.warning("forward of %d requests still running at stop; handing back", len(batch))
+            forward.add_done_callback(lambda f: f.cancelled() or f.exception())
+            await self.rt.consumer.hand_back(p.msg for p in batch)
+            return
         try:
-            outcomes, stats = await asyncio.to_thread(self.runner.run, [p.work for p in batch])
-        except Exception as exc:  # a bug of ours (logged): settle() retries each request
+            outcomes, stats = forward.result()
+        except Exception as exc:  # a bug of ours (logged): the runtime retries each request
             log.exception("batch of %d failed", len(batch))
-            outcomes = [Outcome(error=exc) for _ in batch]
+            outcomes, stats = [Outcome(error=exc) for _ in batch], BatchStats()
         else:
-            self.forwards += stats.forwards
             self.batches += 1
-            self.batch_s += stats.seconds
-        finally:
-            self.running = []
-        # Settling awaits the bus (dead letters are JetStream publishes): let the next batch
-        # start meanwhile.
+        self.forwards += stats.forwards
+        self.batch_s += stats.seconds
+        if self.rt.stop.is_set():
+            await self.finish(batch, outcomes)  # answered before the stop goes on
+            return
+        # Settling awaits the bus (acks, dead letters): let the next batch start meanwhile.
         task = asyncio.create_task(self.finish(batch, outcomes))
         self.settling.add(task)
         task.add_done_callback(self.settling.discard)
 
     async def finish(self, batch: list[Pending], outcomes: list[Outcome]) -> None:
-        await asyncio.gather(*(self.answer(p, o) for p, o in zip(batch, outcomes, strict=True)))
+        results = await asyncio.gather(
+            *(self.answer(p, o) for p, o in zip(batch, outcomes, strict=True)),
+            return_exceptions=True,
+        )
+        for pending, result in zip(batch, results, strict=True):
+            if isinstance(result, Exception):  # e.g. the ack failed: it is redelivered
+                log.warning("settling %s failed: %r", pending.msg.subject, result)
 
     # -- replies and fates -------------------------------------------------------------------
     async def answer(self, pending: Pending, outcome: Outcome) -> None:
-        request = pending.work.request
-        if outcome.error is not None:
-            error: Exception = outcome.error
-            if isinstance(error, REQUEST_ERRORS):
-                error = PoisonError(f"bad observation for {pending.work.policy.label}: {error}")
-            await self.fail(pending.msg, error, request, pending.work.policy.version)
-            return
-        assert outcome.actions_B_C_A is not None and outcome.log_prob_B is not None
-        reply = ActReply(
-            request.request_id,
-            pending.work.policy.version,
-            actions=Tensor.from_numpy(outcome.actions_B_C_A),
-            log_probs=Tensor.from_numpy(outcome.log_prob_B),
-            values=None if outcome.value_B is None else Tensor.from_numpy(outcome.value_B),
-            group_size=outcome.group_size,
-        )
-        await self.reply(request.reply_to, reply)
-        self.served += 1
-        self.observations += pending.observations
-        await settle(
-            self.js, pending.msg, None, consumer=self.durable, max_deliver=self.config.max_deliver
-        )
+        """Reply with the actions and ack, or let the runtime settle the request's error."""
+        msg, request, policy = pending.msg, pending.work.request, pending.work.policy
+        with self.rt.consumer.span(msg):
+            if outcome.error is not None:
+                error: Exception = outcome.error
+                if isinstance(error, REQUEST_ERRORS):
+                    error = PoisonError(f"bad observation for {policy.label}: {error}")
+                self._failing[id(msg)] = policy.version
+                try:
+                    await self.rt.consumer.settle(msg, error)
+                finally:
+                    self._failing.pop(id(msg), None)
+                return
+            assert outcome.actions_B_C_A is not None and outcome.log_prob_B is not None
+            reply = ActReply(
+                request.request_id,
+                policy.version,
+                actions=Tensor.from_numpy(outcome.actions_B_C_A),
+                log_probs=Tensor.from_numpy(outcome.log_prob_B),
+                values=None if outcome.value_B is None else Tensor.from_numpy(outcome.value_B),
+                group_size=outcome.group_size,
+            )
+            await self.reply(request.reply_to, reply)
+            self.served += 1
+            self.observations += pending.observations
+            await self.rt.consumer.settle(msg, None)
 
     async def reply(self, reply_to: str, reply: ActReply) -> None:
-        if not _SUBJECT_RE.fullmatch(reply_to):
+        if not answerable(reply_to):
             return  # nobody to tell (the dead letter still records why)
         try:
             await self.rt.nc.publish(reply_to, encode(reply))
         except NatsError as exc:  # an invalid inbox must not stop the ack or the service
             log.warning("cannot reply to %r: %s", reply_to, exc)
 
-    async def fail(
-        self,
-        msg: Msg,
-        error: BaseException,
-        request: ActRequest | None,
-        policy_version: int = 0,
-    ) -> None:
-        """Answer the sender with the error when this is the message's last delivery, and
-        let :func:`settle` retry or dead-letter it."""
-        # Mirrors settle()'s decision: a retried request gets no reply yet (its next
-        # delivery may succeed); a request that is dead gets one, so its sender is not left
-        # waiting for a timeout.
-        retryable = not isinstance(error, DecodeError) and (
-            not isinstance(error, HandlerError) or error.retryable
-        )
-        final = not retryable or msg.metadata.num_delivered >= self.config.max_deliver
-        if final:
-            self.failed += 1
-            envelope = request or self._envelope(msg)
-            reply = ActReply(envelope.request_id, policy_version, error=error_reason(error))
-            await self.reply(envelope.reply_to, reply)
-        await settle(
-            self.js,
-            msg,
-            error,
-            consumer=self.durable,
-            max_deliver=self.config.max_deliver,
-            on_dead=self.tell_tenant,
-        )
-
-    @staticmethod
-    def _envelope(msg: Msg) -> _Envelope:
-        try:
-            return _ENVELOPE_DECODER.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return _Envelope()
-
-    async def tell_tenant(self, msg: Msg, reason: str, error: BaseException) -> None:
-        """A dead request is also reported on the job's ``EVENTS`` subject (non-fatal)."""
+    async def on_dead(self, msg: Msg, reason: str, error: BaseException) -> None:
+        """The durable's dead-letter hook: answer the sender with the reason (so it is not
+        left waiting for a timeout) and report it on the job's ``EVENTS`` (non-fatal)."""
+        self.failed += 1
+        sender = envelope(msg)
+        version = self._failing.get(id(msg), 0)
+        await self.reply(sender.reply_to, ActReply(sender.request_id, version, error=reason))
         try:
             request = decode(INFER_DECODER, msg.data)
             subject = subjects.event(request.tenant, request.job_id, "error")
@@ -439,12 +408,9 @@ class Inferencer:
             at=time.time(),
         )
         seq = msg.metadata.sequence.stream
-        await publish(self.js, subject, event, message_id=msg_id("ev", "infer-dead", seq))
+        await publish(self.rt.js, subject, event, message_id=msg_id("ev", "infer-dead", seq))
 
     # -- observability -----------------------------------------------------------------------
-    def in_flight(self) -> int:
-        return len(self.pending) + len(self.running) + len(self.admitting)
-
     def gauges(self) -> dict[str, float]:
         return {
             "requests_served": float(self.served),
@@ -460,33 +426,12 @@ class Inferencer:
         }
 
 
-async def run(config: InferencerConfig) -> None:
-    """Entry point: serve the inferencer until SIGTERM/SIGINT."""
-    torch.set_num_threads(config.torch_threads)
+def load_backbone(config: InferencerConfig) -> Backbone:
+    """Load the backbone and run one throwaway forward, so the first request does not pay
+    for lazy initialisation. Blocking: the service runs it through ``Runtime.slow``."""
     backbone = Backbone.load(
         config.backbone, dtype=config.dtype, device=config.device, backbone_id=config.backbone_id
     )
-    _warm_up(backbone)
-
-    async def body(rt: Runtime) -> None:
-        inferencer = Inferencer(rt, config, backbone)
-        await inferencer.open()
-        rt.in_flight = inferencer.in_flight
-        rt.gauges = inferencer.gauges
-        log.info(
-            "serving %s (B=%d, T=%.1f ms)",
-            inferencer.durable,
-            config.target_batch,
-            config.max_wait_ms,
-        )
-        async with placed(rt, backbone):
-            await inferencer.run()
-
-    await serve("inferencer", config, body)
-
-
-def _warm_up(backbone: Backbone) -> None:
-    """One throwaway forward, so the first request does not pay for lazy initialisation."""
     runner = BatchRunner(backbone)
     norm = runner.normaliser(1, 16)
     size = backbone.image_size
@@ -494,3 +439,27 @@ def _warm_up(backbone: Backbone) -> None:
         np.zeros((1, 1, size, size, 3), np.uint8), ["warm up"], np.zeros((1, 0), np.float32)
     )
     backbone.encode(inputs)
+    return backbone
+
+
+async def serve_inferencer(rt: Runtime, config: InferencerConfig) -> None:
+    """The service body: load the model (a stop meanwhile ends it at once), then serve."""
+    backbone = await rt.slow(load_backbone, config)
+    inferencer = Inferencer(rt, config, backbone)
+    await inferencer.open()
+    rt.gauges = inferencer.gauges
+    log.info(
+        "serving %s (B=%d, T=%.1f ms)", inferencer.name, config.target_batch, config.max_wait_ms
+    )
+    async with placed(rt, backbone):
+        await inferencer.run()
+
+
+async def run(config: InferencerConfig) -> None:
+    """Entry point: serve the inferencer until SIGTERM/SIGINT."""
+    torch.set_num_threads(config.torch_threads)
+
+    async def body(rt: Runtime) -> None:
+        await serve_inferencer(rt, config)
+
+    await serve("inferencer", config, body)

@@ -1,0 +1,107 @@
+"""What the inferencer checks before a request may join a batch, and what it can salvage from
+one it cannot serve.
+
+:func:`parse` decodes a pulled message and checks its envelope (reply subject, tenant);
+:func:`validate` checks it against the policy that will serve it. Both raise
+:class:`~bus.errors.PoisonError` naming the bad field: such a request can never succeed, so
+the consume runtime dead-letters it and the service tells its sender (:func:`envelope` says
+who and where, even for a payload that is not an ``ActRequest`` at all).
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+from nats.aio.msg import Msg
+
+from bus.codec import DecodeError, decode
+from bus.errors import PoisonError
+from schemas import subjects
+from schemas.infer import INFER_DECODER, ActRequest
+from schemas.tensor import TensorError
+from services.inferencer.policies import ServedPolicy
+
+#: A subject we may publish to: dot-separated non-empty tokens, no whitespace or wildcards
+#: (a malformed one would be a protocol error that costs us the connection).
+_SUBJECT_RE = re.compile(r"^[^\s.*>]+(\.[^\s.*>]+)*$")
+
+
+def answerable(reply_to: str) -> bool:
+    """Whether ``reply_to`` is a subject we can publish a reply on."""
+    return bool(_SUBJECT_RE.fullmatch(reply_to))
+
+
+class Envelope(msgspec.Struct):
+    """What can be salvaged from any request payload to tell its sender why it failed."""
+
+    request_id: str = ""
+    reply_to: str = ""
+
+
+_ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)
+
+
+def envelope(msg: Msg) -> Envelope:
+    """The sender's request id and reply subject, if the payload has them."""
+    try:
+        return _ENVELOPE_DECODER.decode(msg.data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return Envelope()
+
+
+def parse(msg: Msg) -> ActRequest:
+    """The request in ``msg``; :class:`PoisonError` if it does not decode, cannot be replied
+    to, or names another tenant than its subject's."""
+    try:
+        request = decode(INFER_DECODER, msg.data)
+    except DecodeError as exc:
+        raise PoisonError(f"malformed act request: {exc}") from exc
+    if not answerable(request.reply_to):
+        raise PoisonError(f"reply_to {request.reply_to!r} is not a subject to reply on")
+    try:
+        tenant = subjects.parse_infer(msg.subject).tenant
+    except subjects.SubjectError as exc:
+        raise PoisonError(f"not an inference request subject: {exc}") from exc
+    if request.tenant != tenant:
+        raise PoisonError(f"request for tenant {request.tenant!r} on tenant {tenant!r}'s subject")
+    return request
+
+
+def validate(request: ActRequest, policy: ServedPolicy) -> None:
+    """Raise :class:`PoisonError` naming the field if ``request`` cannot be served by
+    ``policy``: no observations, num_views/token_budget other than the job's, an image that
+    is not uint8 (H, W, 3), a proprio that is not float32 of the head's ``proprio_dim``."""
+    spec, head = policy.spec, policy.head
+    if not request.observations:
+        raise PoisonError("request has no observations")
+    if (request.num_views, request.token_budget) != (spec.num_views, spec.token_budget):
+        raise PoisonError(
+            f"request normalises with num_views={request.num_views}, "
+            f"token_budget={request.token_budget} but {policy.label} was trained with "
+            f"num_views={spec.num_views}, token_budget={spec.token_budget}"
+        )
+    for i, obs in enumerate(request.observations):
+        if not 1 <= len(obs.images) <= spec.num_views:
+            raise PoisonError(
+                f"observations[{i}].images: expected 1 to {spec.num_views} views, "
+                f"got {len(obs.images)}"
+            )
+        try:
+            for v, image in enumerate(obs.images):
+                image.validate()
+                if image.dtype != "uint8" or len(image.shape) != 3 or image.shape[2] != 3:
+                    raise PoisonError(
+                        f"observations[{i}].images[{v}]: expected uint8 (H, W, 3), "
+                        f"got {image.dtype} {tuple(image.shape)}"
+                    )
+                if image.shape[0] == 0 or image.shape[1] == 0:
+                    raise PoisonError(f"observations[{i}].images[{v}]: empty image")
+            obs.proprio.validate()
+        except TensorError as exc:
+            raise PoisonError(f"observations[{i}]: {exc}") from exc
+        if obs.proprio.dtype != "float32" or tuple(obs.proprio.shape) != (head.proprio_dim,):
+            raise PoisonError(
+                f"observations[{i}].proprio: {policy.label}'s head expects float32 "
+                f"({head.proprio_dim},), got {obs.proprio.dtype} {tuple(obs.proprio.shape)}"
+            )
