@@ -1,0 +1,170 @@
+"""The action-head base class and its output type (see :mod:`vla.heads` for the API)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from schemas.model import HeadConfig
+from vla.feature import VLAFeature
+from vla.heads.blocks import ValueHead, _Memory
+
+
+@dataclass
+class ActOutput:
+    """What a head returns for an observation batch.
+
+    ``actions_B_C_A``: the action chunks. ``log_prob_B``: their log-probability under the head's
+    policy (summed over chunk and action dims). ``value_B``: state values, or ``None`` without a
+    value head.
+    """
+
+    actions_B_C_A: torch.Tensor
+    log_prob_B: torch.Tensor
+    value_B: torch.Tensor | None
+
+
+def _autograd_ready(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast a backbone output to the head's dtype and make it usable by autograd.
+
+    The backbone runs under ``torch.inference_mode()``; inference tensors cannot be saved for
+    backward, so they are copied into normal tensors (a memcpy, negligible next to the forward).
+    """
+    t = t.to(dtype)
+    return t.clone() if t.is_inference() else t
+
+
+class ActionHead(nn.Module):
+    """What every action module shares: shape checks, conditioning memory and the value head.
+
+    The conditioning memory is the prefix plus one *state token* (a learned vector plus the
+    projected proprio), at the backbone's width ``D``, layer-normalised without affine weights.
+    The state token is always attendable, so a sample whose prefix is all padding still has
+    something to attend to (no NaN softmax).
+
+    Proportions: the prefix has tens to hundreds of tokens, the action chunk a few, so the
+    cost that matters is per prefix token. It is kept to one ``D -> 2H`` key/value matmul per
+    block and its weight gradient: no affine LN and no separate ``D -> H`` projection in front
+    of it, either of which would add a gradient matmul of the prefix's size for nothing a
+    linear layer cannot absorb.
+    """
+
+    def __init__(self, config: HeadConfig, hidden_size: int) -> None:
+        super().__init__()
+        if hidden_size < 1:
+            raise ValueError(f"backbone hidden_size must be >= 1, got {hidden_size}")
+        self.config = config
+        self.hidden_size = hidden_size
+        self.action_dim = config.action_dim
+        self.chunk_len = config.chunk_len
+        self.proprio_dim = config.proprio_dim
+        H = config.hidden_dim
+        self.state_token_D = nn.Parameter(torch.zeros(hidden_size))
+        self.proprio_proj = (
+            nn.Linear(config.proprio_dim, hidden_size) if config.proprio_dim else None
+        )
+        self.value_head = (
+            ValueHead(hidden_size, config.proprio_dim, H) if config.value_head else None
+        )
+
+    # -- validation -------------------------------------------------------------------------
+    @property
+    def _dtype(self) -> torch.dtype:
+        return self.state_token_D.dtype
+
+    def _as_param(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the head's device and dtype (targets may arrive on the CPU)."""
+        return t.to(self.state_token_D.device, self._dtype)
+
+    def check_feature(self, feature: VLAFeature) -> None:
+        """Raise ``ValueError`` if ``feature`` does not fit this head (hidden size, proprio)."""
+        B = feature.batch_size
+        if feature.prefix_B_T_D.dim() != 3 or feature.prefix_B_T_D.shape[2] != self.hidden_size:
+            raise ValueError(
+                f"expected prefix of shape (B, T, {self.hidden_size}), "
+                f"got {tuple(feature.prefix_B_T_D.shape)}"
+            )
+        if tuple(feature.mask_B_T.shape) != tuple(feature.prefix_B_T_D.shape[:2]):
+            raise ValueError(
+                f"expected mask of shape {tuple(feature.prefix_B_T_D.shape[:2])}, "
+                f"got {tuple(feature.mask_B_T.shape)}"
+            )
+        if tuple(feature.proprio_B_P.shape) != (B, self.proprio_dim):
+            raise ValueError(
+                f"expected proprio of shape ({B}, {self.proprio_dim}), "
+                f"got {tuple(feature.proprio_B_P.shape)}"
+            )
+
+    def check_actions(self, feature: VLAFeature, actions_B_C_A: torch.Tensor) -> None:
+        """Raise ``ValueError`` naming the expected shape if ``actions_B_C_A`` does not fit."""
+        self.check_feature(feature)
+        expected = (feature.batch_size, self.chunk_len, self.action_dim)
+        if tuple(actions_B_C_A.shape) != expected:
+            raise ValueError(
+                f"expected actions of shape (B, chunk_len, action_dim) = {expected}, "
+                f"got {tuple(actions_B_C_A.shape)}"
+            )
+        if not actions_B_C_A.is_floating_point():
+            raise ValueError(f"expected floating-point actions, got {actions_B_C_A.dtype}")
+        # Bad targets are bad input, caught here: binning would silently map NaN to a bin.
+        if not bool(torch.isfinite(actions_B_C_A).all()):
+            raise ValueError("actions contain NaN or inf")
+
+    # -- shared pieces ----------------------------------------------------------------------
+    def _inputs(self, feature: VLAFeature) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The feature as head-dtype tensors: ``(prefix_B_T_D, mask_B_T bool, proprio_B_P)``."""
+        prefix_B_T_D = _autograd_ready(feature.prefix_B_T_D, self._dtype)
+        proprio_B_P = _autograd_ready(feature.proprio_B_P, self._dtype)
+        return prefix_B_T_D, feature.mask_B_T.bool(), proprio_B_P
+
+    def _memory(self, feature: VLAFeature) -> _Memory:
+        """The conditioning memory: ``T`` prefix tokens plus the state token."""
+        prefix_B_T_D, mask_B_T, proprio_B_P = self._inputs(feature)
+        B, _, D = prefix_B_T_D.shape
+        state_B_D = self.state_token_D.expand(B, -1)
+        if self.proprio_proj is not None:
+            state_B_D = state_B_D + self.proprio_proj(proprio_B_P)
+        # LayerNorm is per token, so normalising the two parts apart equals normalising the
+        # concatenation; keeping them apart keeps the prefix part out of autograd.
+        return _Memory(
+            tokens_B_T_D=F.layer_norm(prefix_B_T_D, (D,)),
+            state_B_1_D=F.layer_norm(state_B_D, (D,)).unsqueeze(1),
+            attend_B_M=torch.cat([mask_B_T, mask_B_T.new_ones(B, 1)], dim=1),
+        )
+
+    def value(self, feature: VLAFeature) -> torch.Tensor:
+        """Per-sample state value ``value_B``; needs ``config.value_head``."""
+        if self.value_head is None:
+            raise ValueError("this head was built without a value head (HeadConfig.value_head)")
+        self.check_feature(feature)
+        prefix_B_T_D, mask_B_T, proprio_B_P = self._inputs(feature)
+        return self.value_head(prefix_B_T_D, mask_B_T, proprio_B_P)
+
+    def _maybe_value(self, feature: VLAFeature) -> torch.Tensor | None:
+        return None if self.value_head is None else self.value(feature)
+
+    # -- the per-kind API -------------------------------------------------------------------
+    def loss(
+        self,
+        feature: VLAFeature,
+        actions_B_C_A: torch.Tensor,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Supervised loss (scalar mean over the batch)."""
+        raise NotImplementedError
+
+    def act(
+        self,
+        feature: VLAFeature,
+        generator: torch.Generator | None = None,
+        deterministic: bool = False,
+    ) -> ActOutput:
+        """Actions for ``feature`` (sampled with ``generator``, or the policy's mode)."""
+        raise NotImplementedError
+
+    def log_prob(self, feature: VLAFeature, actions_B_C_A: torch.Tensor) -> torch.Tensor:
+        """Log-probability ``log_prob_B`` of ``actions_B_C_A`` under the policy."""
+        raise NotImplementedError
