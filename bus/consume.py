@@ -5,7 +5,7 @@ Every role consumes through a :class:`Consumer`. It serves three shapes:
 * a plain loop, one message at a time (master, health) — :meth:`Consumer.run`;
 * a concurrent handler pool (env workers) — :meth:`Consumer.run` with ``concurrency > 1``;
 * a scheduler that prefetches from a set of durables and picks what to apply itself (the
-  trainer's per-tenant consumers, the inferencer's batcher) — :class:`DurableSet`,
+  trainer's per-tenant consumers, the inferencer's batcher) — :class:`bus.durables.DurableSet`,
   :meth:`Consumer.fetch` and :meth:`Consumer.process`.
 
 Fate rules (DESIGN.md §2), decided in :meth:`Consumer.settle` and nowhere else:
@@ -14,7 +14,8 @@ Fate rules (DESIGN.md §2), decided in :meth:`Consumer.settle` and nowhere else:
 * handler returned :data:`HOLD` → the effect is not durable yet: the message is kept alive
   with in-progress acks until the owner calls :meth:`Consumer.release` (after its commit);
 * :class:`~bus.errors.Interrupted` (the service is stopping) → ``nak`` without delay, for
-  another instance (at the consumer's last delivery it is dead-lettered instead: the server
+  another instance; the server allows :data:`HAND_BACK_ALLOWANCE` deliveries beyond
+  ``max_deliver`` for this (at the very last one it is dead-lettered instead: the server
   would not deliver it again);
 * :class:`~bus.errors.HandlerError` with ``retryable`` → ``nak`` with its delay until the
   consumer's ``max_deliver``, then dead-letter;
@@ -36,8 +37,8 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
@@ -60,6 +61,10 @@ log = logging.getLogger(__name__)
 DEAD_PAYLOAD_LIMIT = 512 * 1024
 #: How long a stopping pool waits for its running handlers before handing their messages back.
 DRAIN_S = 2.0
+#: Deliveries the server allows beyond a consumer's ``max_deliver``: every nak counts as a
+#: delivery, and a message handed back by stopping instances (``Interrupted``) must still be
+#: delivered again; the runtime dead-letters failing messages by its own count.
+HAND_BACK_ALLOWANCE = 20
 #: Bound on any single bus call made while stopping (nak, unsubscribe).
 STOP_CALL_S = 0.5
 
@@ -147,7 +152,8 @@ class ConsumerSpec:
     filter_subject: str
     #: Redelivery after this long without an ack or in-progress ack.
     ack_wait_s: float = 30.0
-    #: Deliveries before a retried message is dead-lettered.
+    #: Deliveries before a retried message is dead-lettered (decided by the runtime; the
+    #: server allows :data:`HAND_BACK_ALLOWANCE` more, for work handed back at stops).
     max_deliver: int = 5
     #: Unacked messages the server lets this consumer have at once.
     max_ack_pending: int = 1000
@@ -159,7 +165,7 @@ class ConsumerSpec:
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.ALL,
             ack_wait=self.ack_wait_s,
-            max_deliver=self.max_deliver,
+            max_deliver=self.max_deliver + HAND_BACK_ALLOWANCE if self.max_deliver > 0 else -1,
             max_ack_pending=self.max_ack_pending,
         )
 
@@ -308,8 +314,9 @@ class Consumer:
         durable = self.durables.get(name)
         max_deliver = durable.spec.max_deliver if durable is not None else 1
         delivered = msg.metadata.num_delivered
-        if isinstance(error, Interrupted) and (max_deliver <= 0 or delivered < max_deliver):
-            # The server would not redeliver a message past max_deliver: at its last
+        server_max = max_deliver + HAND_BACK_ALLOWANCE
+        if isinstance(error, Interrupted) and (max_deliver <= 0 or delivered < server_max):
+            # The server would not redeliver a message past its max_deliver: at the last
             # delivery an interrupted message is dead-lettered instead, so it is not lost.
             with contextlib.suppress(NatsError):
                 await msg.nak()
@@ -339,8 +346,11 @@ class Consumer:
         """Whether settling ``msg`` with ``error`` will dead-letter it (no redelivery)."""
         durable = self.durables.get(msg.metadata.consumer)
         max_deliver = durable.spec.max_deliver if durable is not None else 1
-        retryable, _ = retry_decision(error, msg.metadata.num_delivered)
-        return not retryable or (0 < max_deliver <= msg.metadata.num_delivered)
+        delivered = msg.metadata.num_delivered
+        if isinstance(error, Interrupted):
+            return 0 < max_deliver and delivered >= max_deliver + HAND_BACK_ALLOWANCE
+        retryable, _ = retry_decision(error, delivered)
+        return not retryable or (0 < max_deliver <= delivered)
 
     async def hand_back(self, msgs: Iterable[Msg]) -> None:
         """Nak without delay (another instance takes them); bounded, errors ignored."""
@@ -431,70 +441,3 @@ async def _bounded(awaitable: Awaitable[object], seconds: float = STOP_CALL_S) -
         await asyncio.wait_for(awaitable, seconds)
     except (TimeoutError, NatsError, OSError) as exc:
         log.debug("bounded call at stop did not finish: %r", exc)
-
-
-@dataclass
-class DurableSet:
-    """One durable per key (the trainer's per-tenant consumers), discovered from the stream's
-    subjects as keys appear, each with its own prefetch.
-
-    Discovery reads the stream's per-subject message counts (one request for all keys); a key
-    whose last fetch came back empty is not fetched again until discovery sees messages on
-    its subject that it has not fetched, so idle tenants cost nothing per round."""
-
-    consumer: Consumer
-    stream: str
-    #: Subjects to discover keys from (e.g. ``nexus.train.<backbone>.>``).
-    subject_filter: str
-    #: The key's consumer spec, from the key (e.g. the tenant).
-    spec_for: Callable[[str], ConsumerSpec]
-    #: The key a subject belongs to (None: not ours).
-    key_of: Callable[[str], str | None]
-    on_dead: DeadHook | None = None
-    durables: dict[str, Durable] = field(default_factory=dict)
-    #: Keys with messages to fetch (last fetch was non-empty, or discovery saw more).
-    active: set[str] = field(default_factory=set)
-
-    async def discover(self) -> list[str]:
-        """Bind durables for new keys; mark keys with unfetched messages active. Returns the
-        newly bound keys."""
-        try:
-            info = await self.consumer.js.stream_info(
-                self.stream, subjects_filter=self.subject_filter
-            )
-        except NotFoundError:
-            return []
-        except (NatsError, TimeoutError) as exc:
-            log.warning("discovery on %s failed: %s", self.stream, exc)
-            return []
-        new = []
-        for subject, count in (info.state.subjects or {}).items():
-            key = self.key_of(subject)
-            if key is None:
-                continue
-            if key not in self.durables:
-                self.durables[key] = await self.consumer.bind(self.spec_for(key), self.on_dead)
-                new.append(key)
-            if count > self.consumer.unsettled(self.durables[key].name):
-                self.active.add(key)
-        return new
-
-    async def fill(
-        self, wants: dict[str, int], timeout: float, also: Collection[str] = ()
-    ) -> dict[str, list[Msg]]:
-        """Fetch up to ``wants[key]`` messages for every active key and every key in ``also``
-        (keys expecting work, such as tenants with a live job), concurrently."""
-        keys = [
-            k
-            for k, n in wants.items()
-            if n > 0 and k in self.durables and (k in self.active or k in also)
-        ]
-
-        async def one(key: str) -> list[Msg]:
-            msgs = await self.consumer.fetch(self.durables[key], wants[key], timeout)
-            if len(msgs) < wants[key] and (not msgs or msgs[-1].metadata.num_pending == 0):
-                self.active.discard(key)
-            return msgs
-
-        results = await asyncio.gather(*(one(k) for k in keys))
-        return dict(zip(keys, results, strict=True))

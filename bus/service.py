@@ -126,31 +126,39 @@ class Runtime:
         """``fn(*args, **kwargs)`` in a daemon thread; raises :class:`ServiceStopping` if the
         service is told to stop first (the thread is left to finish on its own and cannot keep
         the process alive)."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[T] = loop.create_future()
-
-        def deliver(result: T | None, error: BaseException | None) -> None:
-            if done.done():
-                return
-            if error is not None:
-                done.set_exception(error)
-            else:
-                done.set_result(result)  # type: ignore[arg-type]
-
-        def work() -> None:
-            try:
-                result, error = fn(*args, **kwargs), None
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-                result, error = None, exc
-            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
-                loop.call_soon_threadsafe(deliver, result, error)
-
-        threading.Thread(target=work, name=f"{self.role}-slow", daemon=True).start()
+        done = in_daemon_thread(lambda: fn(*args, **kwargs), f"{self.role}-slow")
         while not done.done():
             if self.stop.is_set():
                 raise ServiceStopping(f"{self.role} stopping")
             await asyncio.wait({done}, timeout=0.1)
         return done.result()
+
+
+def in_daemon_thread(fn: Callable[[], T], name: str) -> asyncio.Future[T]:
+    """``fn()`` in a daemon thread, as a future of the running loop. Unlike the default
+    executor (which ``asyncio.run`` joins at exit), work abandoned at a stop cannot hold the
+    process up."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def deliver(result: T | None, error: BaseException | None) -> None:
+        if done.done():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)  # type: ignore[arg-type]
+
+    def work() -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(deliver, result, error)
+
+    threading.Thread(target=work, name=name, daemon=True).start()
+    return done
 
 
 def default_instance(role: str) -> str:
@@ -193,7 +201,13 @@ def setup_logging(config: BusConfig, role: str) -> None:
     )
 
 
-def _arm_watchdog(role: str) -> None:
+#: Set by :func:`main`: the process is the service's own, so the watchdog may end it after
+#: :func:`serve` returns too (the interpreter's teardown is part of the stop). A service run
+#: inside another program (a test) has its watchdog disarmed when serve() returns.
+_owns_process = False
+
+
+def _arm_watchdog(role: str) -> threading.Timer:
     """Once a stop begins: end the process if it is still running after the deadline."""
 
     def expire() -> None:
@@ -204,6 +218,7 @@ def _arm_watchdog(role: str) -> None:
     timer = threading.Timer(STOP_DEADLINE_S, expire)
     timer.daemon = True
     timer.start()
+    return timer
 
 
 #: Connections that arrived after a stop, being closed (kept referenced until done).
@@ -256,11 +271,13 @@ async def serve(
     if stopping.requested():  # a signal arrived during start-up imports
         stop.set()
 
+    watchdogs: list[threading.Timer] = []
+
     async def watch_stop() -> None:
         await stop.wait()
         if not stop_began.is_set():
             stop_began.set()
-            _arm_watchdog(role)
+            watchdogs.append(_arm_watchdog(role))
 
     watcher = asyncio.ensure_future(watch_stop())
     try:
@@ -278,6 +295,9 @@ async def serve(
         await watcher
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+        if not _owns_process:
+            for timer in watchdogs:
+                timer.cancel()
 
 
 async def _serve_connected(
@@ -324,6 +344,8 @@ async def _serve_connected(
 
 def main(run: Callable[[Any], Coroutine[Any, Any, None]], config: BusConfig) -> None:
     """A role's process entry: run it; exit 0 on a clean stop, 1 on a crash."""
+    global _owns_process
+    _owns_process = True
     try:
         asyncio.run(run(config))
     except KeyboardInterrupt:

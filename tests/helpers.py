@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -62,3 +63,15 @@ def start_service(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
+
+
+def catches_sigterm(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether the process has a SIGTERM handler (``SigCgt`` in /proc). Until its first
+    line (``install_early``) runs, ~50 ms after exec, a SIGTERM kills it like any process:
+    no code of ours can see that one, so the test does not count it as a stop."""
+    try:
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+    except FileNotFoundError:
+        return proc.poll() is not None
+    caught = next(line for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(caught.split()[1], 16) & (1 << (signal.SIGTERM - 1)))

@@ -27,7 +27,6 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 
-from bus import checkpoints as ckpt
 from bus.codec import decode, encode
 from bus.inference import (
     InferenceError,
@@ -35,7 +34,7 @@ from bus.inference import (
     PolicyClient,
     observation,
 )
-from bus.records import get_policy, put_policy
+from bus.records import get_policy
 from bus.server import EmbeddedServer
 from schemas import subjects
 from schemas.dead import DEAD_LETTER_DECODER, DeadLetter
@@ -43,7 +42,8 @@ from schemas.health import HEARTBEAT_DECODER
 from schemas.infer import ACT_REPLY_DECODER, ActReply, ActRequest
 from schemas.model import HeadConfig, Observation, OptimizerConfig
 from schemas.tensor import Tensor
-from schemas.train import OpenSlot, PolicyRecord
+from schemas.train import OpenSlot
+from services.trainer.commit import write_version
 from tests.conftest import Procs
 from tests.helpers import eventually, start_service, uid
 from vla.backbone import Backbone
@@ -70,23 +70,19 @@ async def commit_policy(
     seed: int = 0,
     slot: TenantSlot | None = None,
 ) -> TenantSlot:
-    """Commit ``slot`` (or a fresh one) as ``version`` of the job, the way the trainer does:
-    checkpoint object first, then the ``policies`` record that points at it."""
+    """Commit ``slot`` (or a fresh one) as ``version`` of the job with the trainer's own
+    commit protocol (:func:`services.trainer.commit.write_version`): checkpoint object first,
+    then the ``policies`` record that points at it, by compare-and-set."""
     if slot is None:
         slot = TenantSlot(f"{tenant}/{job_id}", head, OptimizerConfig(), hidden_size, seed=seed)
-    slot.version = version
-    data = slot.to_bytes()
-    sha = ckpt.digest(data)
-    name = ckpt.object_name(tenant, job_id, version, sha)
-    store = await js.object_store(subjects.OBJ_CHECKPOINTS)
-    await ckpt.put_checkpoint(store, name, data)
+    slot.version = version - 1  # write_version publishes the next version
     spec = OpenSlot(
         tenant, job_id, head, OptimizerConfig(), seed, total_steps=10, token_budget=TOKEN_BUDGET
     )
-    record = PolicyRecord(tenant, job_id, version, slot.step, name, sha, 0, spec, time.time())
+    store = await js.object_store(subjects.OBJ_CHECKPOINTS)
     kv = await js.key_value(subjects.KV_POLICIES)
     _, revision = await get_policy(kv, tenant, job_id)
-    await put_policy(kv, record, last=revision)
+    await write_version(store, kv, spec, slot, revision=revision)
     return slot
 
 

@@ -47,7 +47,7 @@ from schemas import subjects
 from services.inferencer.batching import BatchRunner, BatchStats, Outcome, Work
 from services.inferencer.service import BATCH_GRACE_S, InferencerConfig, run
 from tests.conftest import Procs
-from tests.helpers import eventually, start_service, uid
+from tests.helpers import catches_sigterm, eventually, start_service, uid
 from tests.test_inferencer import FLOW, commit_policy, make_obs
 from vla.backbone import Backbone
 
@@ -144,8 +144,11 @@ def phases(caplog: pytest.LogCaptureFixture) -> Iterator[PhaseLog]:
 
 @pytest.fixture
 def no_watchdog(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In process the watchdog would end pytest itself; the deadline is asserted instead."""
-    monkeypatch.setattr(bus.service, "_arm_watchdog", lambda role: None)
+    """In process the watchdog would end pytest itself on a hung stop; the deadline is
+    asserted instead (the timer handed back is never started)."""
+    monkeypatch.setattr(
+        bus.service, "_arm_watchdog", lambda role: threading.Timer(3600, lambda: None)
+    )
 
 
 async def until(event: asyncio.Event, service: asyncio.Task[None], what: str) -> None:
@@ -369,18 +372,6 @@ async def test_stop_answers_the_batch_in_progress_or_hands_it_back_when_its_forw
 
 
 # -- the entry point as a subprocess ---------------------------------------------------------
-def catches_sigterm(proc: subprocess.Popen[bytes]) -> bool:
-    """Whether the process has a SIGTERM handler (``SigCgt`` in /proc). Until its first
-    line (``install_early``) runs, ~50 ms after exec, a SIGTERM kills it like any process:
-    no code of ours can see that one, so the test does not count it as a stop."""
-    try:
-        status = Path(f"/proc/{proc.pid}/status").read_text()
-    except FileNotFoundError:
-        return proc.poll() is not None
-    caught = next(line for line in status.splitlines() if line.startswith("SigCgt:"))
-    return bool(int(caught.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
-
-
 async def logged(proc: subprocess.Popen[bytes], log: Path, text: str) -> None:
     """Wait until ``text`` is in the process's log (fail if it exits first)."""
 

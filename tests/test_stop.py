@@ -16,7 +16,7 @@ import pytest
 
 from bus.server import EmbeddedServer
 from tests.conftest import Procs
-from tests.helpers import start_service
+from tests.helpers import catches_sigterm, start_service
 
 ROLES = ("master", "trainer", "inferencer", "envs", "health")
 #: What the issue asks of a stop, measured from the signal to the exit.
@@ -35,6 +35,9 @@ def wait_for_log(log: Path, text: str, proc: subprocess.Popen[bytes], timeout: f
 def stop_once(role: str, url: str, log: Path, procs: Procs, moment: str, rng: random.Random) -> str:
     """Start the role, SIGTERM it at ``moment``; return a failure description or ''."""
     proc = procs.add(start_service(role, url, log))
+    deadline = time.monotonic() + 30
+    while not catches_sigterm(proc) and time.monotonic() < deadline:
+        time.sleep(0.001)  # the ~50 ms before the entry point's first line runs: not a stop
     if moment == "started":
         if not wait_for_log(log, " started (pid", proc, 60):
             return f"{role} never logged started (rc={proc.poll()})"

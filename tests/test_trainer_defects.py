@@ -251,6 +251,7 @@ async def test_H_jetstream_errors_from_fetch_do_not_crash_the_trainer(
     an error status (a NatsError from fetch, not a timeout): the trainer rides it out."""
     from bus.connect import connect
     from bus.declare import declare
+
     log = tmp_path / "t.log"
     proc = trainer(fresh_server.url, log, procs)
     tenant, job = uid("nojs"), uid("j")

@@ -1,4 +1,4 @@
-"""``python -m services.inferencer``: parse the config, run the service; SIGTERM stops it cleanly."""
+"""``python -m services.inferencer``: parse the config and run it; SIGTERM stops it cleanly."""
 
 from bus.stopping import install_early
 

@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -50,7 +48,7 @@ from bus.consume import HOLD, ConsumerSpec, Durable, Fate, Hold
 from bus.errors import Interrupted, PoisonError
 from bus.placement import placed
 from bus.publish import msg_id, publish
-from bus.service import Runtime, serve
+from bus.service import Runtime, in_daemon_thread, serve
 from schemas import subjects
 from schemas.events import ErrorEvent
 from schemas.infer import INFER_DECODER, ActReply
@@ -114,35 +112,6 @@ class Pending:
     arrived: float
     #: Its admission span, linked from the span of the forward that serves it.
     span: trace.SpanContext
-
-
-def in_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
-    """``fn()`` in a daemon thread, as a future of the running loop. Unlike the default
-    executor (which ``asyncio.run`` joins at exit), a forward abandoned at stop cannot hold
-    the process up."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[T] = loop.create_future()
-
-    def deliver(result: T | None, error: BaseException | None) -> None:
-        if done.done():
-            return
-        if error is not None:
-            done.set_exception(error)
-        else:
-            done.set_result(result)  # type: ignore[arg-type]
-
-    def work() -> None:
-        try:
-            result, error = fn(), None
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            result, error = None, exc
-        try:
-            loop.call_soon_threadsafe(deliver, result, error)
-        except RuntimeError:  # the loop closed: nobody waits any more
-            pass
-
-    threading.Thread(target=work, name="inferencer-batch", daemon=True).start()
-    return done
 
 
 async def _bounded(tasks: set[asyncio.Task[T]], timeout: float, what: str) -> None:
@@ -314,7 +283,9 @@ class Inferencer:
         links = [trace.Link(p.span) for p in batch if p.span.is_valid]
         with tracing.tracer().start_as_current_span("inferencer forward", links=links) as span:
             span.set_attribute("joynexus.requests", len(batch))
-            forward = in_thread(lambda: self.runner.run([p.work for p in batch]))
+            forward = in_daemon_thread(
+                lambda: self.runner.run([p.work for p in batch]), "inferencer-batch"
+            )
             while not forward.done() and not self.rt.stop.is_set():
                 await asyncio.wait({forward}, timeout=STOP_POLL_S)
             if not forward.done():

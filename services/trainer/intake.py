@@ -9,7 +9,8 @@ from __future__ import annotations
 from nats.aio.msg import Msg
 
 from bus.codec import DecodeError, decode
-from bus.consume import Consumer, DurableSet
+from bus.consume import Consumer
+from bus.durables import DurableSet
 from bus.errors import PoisonError
 from schemas.train import TRAIN_DECODER
 

@@ -26,7 +26,8 @@ import torch
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
-from bus.consume import ConsumerSpec, DurableSet
+from bus.consume import ConsumerSpec
+from bus.durables import DurableSet
 from bus.errors import HandlerError
 from bus.placement import placed
 from bus.service import Runtime, serve

@@ -1,0 +1,85 @@
+"""A set of durables, one per key (the trainer's per-tenant consumers), discovered from a
+stream's subjects as keys appear, each fetched with its own prefetch through the one consume
+runtime (:class:`bus.consume.Consumer`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+from nats.js.errors import NotFoundError
+
+from bus.consume import Consumer, ConsumerSpec, DeadHook, Durable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DurableSet:
+    """One durable per key (the trainer's per-tenant consumers), discovered from the stream's
+    subjects as keys appear, each with its own prefetch.
+
+    Discovery reads the stream's per-subject message counts (one request for all keys); a key
+    whose last fetch came back empty is not fetched again until discovery sees messages on
+    its subject that it has not fetched, so idle tenants cost nothing per round."""
+
+    consumer: Consumer
+    stream: str
+    #: Subjects to discover keys from (e.g. ``nexus.train.<backbone>.>``).
+    subject_filter: str
+    #: The key's consumer spec, from the key (e.g. the tenant).
+    spec_for: Callable[[str], ConsumerSpec]
+    #: The key a subject belongs to (None: not ours).
+    key_of: Callable[[str], str | None]
+    on_dead: DeadHook | None = None
+    durables: dict[str, Durable] = field(default_factory=dict)
+    #: Keys with messages to fetch (last fetch was non-empty, or discovery saw more).
+    active: set[str] = field(default_factory=set)
+
+    async def discover(self) -> list[str]:
+        """Bind durables for new keys; mark keys with unfetched messages active. Returns the
+        newly bound keys."""
+        try:
+            info = await self.consumer.js.stream_info(
+                self.stream, subjects_filter=self.subject_filter
+            )
+        except NotFoundError:
+            return []
+        except (NatsError, TimeoutError) as exc:
+            log.warning("discovery on %s failed: %s", self.stream, exc)
+            return []
+        new = []
+        for subject, count in (info.state.subjects or {}).items():
+            key = self.key_of(subject)
+            if key is None:
+                continue
+            if key not in self.durables:
+                self.durables[key] = await self.consumer.bind(self.spec_for(key), self.on_dead)
+                new.append(key)
+            if count > self.consumer.unsettled(self.durables[key].name):
+                self.active.add(key)
+        return new
+
+    async def fill(
+        self, wants: dict[str, int], timeout: float, also: Collection[str] = ()
+    ) -> dict[str, list[Msg]]:
+        """Fetch up to ``wants[key]`` messages for every active key and every key in ``also``
+        (keys expecting work, such as tenants with a live job), concurrently."""
+        keys = [
+            k
+            for k, n in wants.items()
+            if n > 0 and k in self.durables and (k in self.active or k in also)
+        ]
+
+        async def one(key: str) -> list[Msg]:
+            msgs = await self.consumer.fetch(self.durables[key], wants[key], timeout)
+            if len(msgs) < wants[key] and (not msgs or msgs[-1].metadata.num_pending == 0):
+                self.active.discard(key)
+            return msgs
+
+        results = await asyncio.gather(*(one(k) for k in keys))
+        return dict(zip(keys, results, strict=True))
