@@ -4,6 +4,8 @@ install step does it) and fail, not skip, when it has not."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +25,7 @@ from services.envs.adapters import (
 from services.envs.maniskill import MANISKILL_TASKS, ManiSkillAdapter, ManiSkillTask
 from services.envs.sims import REACH2D_ID, REACH_GRASP_ID
 from services.launcher import LocalStack
+from tests.helpers import ROOT
 
 
 def _assert_step_obs(obs: StepObs, adapter: EnvAdapter, image_size: int) -> None:
@@ -272,3 +275,35 @@ def test_a_download_prompt_we_fail_to_foresee_fails_fast_and_downloads_nothing(
         make_adapter("PickSingleYCB-v1")
     assert time.perf_counter() - start < 5.0
     assert not any(maniskill_home.iterdir()), "nothing may be downloaded"
+
+
+@pytest.mark.maniskill
+def test_concurrent_first_imports_of_maniskill_all_see_its_tasks() -> None:
+    """Two describes building at once (each in its own thread) must both find ManiSkill's
+    task registry filled: a half-imported ``mani_skill.envs`` once made PullCube-v1 "not a
+    ManiSkill task" for the second one. Needs a fresh interpreter (the import is once per
+    process)."""
+    script = (
+        "import threading, time\n"
+        "from services.envs import maniskill as m\n"
+        "seen = []\n"
+        "def build(e, after):\n"
+        "    time.sleep(after)  # arrive while the first import is under way\n"
+        "    m.import_maniskill()  # what ManiSkillAdapter does first\n"
+        "    seen.append(m._is_maniskill_id(e))\n"
+        "ts = [threading.Thread(target=build, args=(e, i * 0.3)) for i, e in enumerate(\n"
+        "      ('PushCube-v1', 'PullCube-v1', 'PickCube-v1', 'StackCube-v1', 'PushT-v1'))]\n"
+        "[t.start() for t in ts]\n"
+        "[t.join() for t in ts]\n"
+        "print(sorted(seen))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[True, True, True, True, True]"

@@ -25,6 +25,7 @@ import contextlib
 import importlib.util
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -92,17 +93,29 @@ def _stdin_closed() -> Iterator[None]:
             sys.stdin = saved
 
 
+#: Serialises the first import: ``mani_skill.envs`` is in ``sys.modules`` from the moment its
+#: import starts, so a second thread (two describes building at once) would otherwise see a
+#: half-imported module and a task registry that is not filled yet.
+_import_lock = threading.Lock()
+_imported = False
+
+
 def import_maniskill() -> None:
     """Import ManiSkill, registering its tasks with gymnasium (seconds, once per process)."""
-    if "mani_skill.envs" in sys.modules:
+    global _imported
+    if _imported:
         return
-    if importlib.util.find_spec("mani_skill") is None:
-        raise EnvUnavailableError(
-            "ManiSkill is not installed: run `bash scripts/setup-maniskill.sh .venv` "
-            "(the Makefile's install step does)"
-        )
-    with maniskill_call():
-        import mani_skill.envs  # noqa: F401  (registers the tasks)
+    with _import_lock:
+        if _imported:
+            return
+        if importlib.util.find_spec("mani_skill") is None:
+            raise EnvUnavailableError(
+                "ManiSkill is not installed: run `bash scripts/setup-maniskill.sh .venv` "
+                "(the Makefile's install step does)"
+            )
+        with maniskill_call():
+            import mani_skill.envs  # noqa: F401  (registers the tasks)
+        _imported = True
 
 
 def asset_dir() -> str:
