@@ -24,6 +24,11 @@ KV_POLICIES = "policies"
 KV_HEARTBEATS = "heartbeats"
 KV_PLACEMENT = "placement"
 OBJ_CHECKPOINTS = "checkpoints"
+#: Registered tenants (:class:`schemas.tenants.TenantRecord`), written by the operator.
+KV_TENANTS = "tenants"
+#: Datasets in tenants' namespaces (:class:`schemas.tenants.DatasetRecord`), key
+#: ``<tenant>.<dataset>``; written by the master (pushed) or the operator (registered).
+KV_DATASETS = "datasets"
 
 JobVerb = Literal["submit", "cancel", "pause", "resume"]
 JOB_VERBS: tuple[str, ...] = ("submit", "cancel", "pause", "resume")
@@ -33,6 +38,14 @@ JOB_VERBS: tuple[str, ...] = ("submit", "cancel", "pause", "resume")
 ENV_DESCRIBE = f"{PREFIX}.envinfo.describe"
 #: Queue group of the env workers answering :data:`ENV_DESCRIBE`.
 ENV_DESCRIBE_QUEUE = "envs"
+
+#: Core NATS request-reply a tenant sends about its own things: ``nexus.ctl.tenant.<tenant>.<op>``,
+#: answered by the master (queue group :data:`TENANT_CTL_QUEUE`). A tenant may publish only
+#: under its own tenant token (the broker enforces it; the master checks again).
+TENANT_CTL_OPS: tuple[str, ...] = ("job", "jobs", "datasets", "dataset-add", "export")
+TENANT_CTL_QUEUE = "master"
+#: Core NATS request-reply: what backbones are served now (no tenant data; any identity).
+BACKBONES_QUERY = f"{PREFIX}.ctl.backbones"
 
 EventKind = Literal["accepted", "rejected", "state", "progress", "metrics", "policy", "error"]
 
@@ -75,6 +88,30 @@ def events_of_job(tenant: str, job_id: str) -> str:
 def dead(stream: str, tenant: str) -> str:
     """``nexus.dead.<stream>.<tenant>`` — a dead-letter record. ``tenant`` may be ``unknown``."""
     return f"{PREFIX}.dead.{stream.lower()}.{validate_id(tenant, 'tenant')}"
+
+
+def tenant_ctl(tenant: str, op: str) -> str:
+    """``nexus.ctl.tenant.<tenant>.<op>`` — a tenant's request about its own jobs and data."""
+    if op not in TENANT_CTL_OPS:
+        raise ValueError(f"unknown tenant request {op!r}; expected one of {TENANT_CTL_OPS}")
+    return f"{PREFIX}.ctl.tenant.{validate_id(tenant, 'tenant')}.{op}"
+
+
+def tenant_ctl_all(tenant: str | None = None) -> str:
+    """Filter for the requests of one tenant (or of every tenant)."""
+    if tenant is None:
+        return f"{PREFIX}.ctl.tenant.*.*"
+    return f"{PREFIX}.ctl.tenant.{validate_id(tenant, 'tenant')}.*"
+
+
+def tenant_bucket(tenant: str) -> str:
+    """The tenant's own object store bucket: its pushed datasets and exported policies."""
+    return f"data-{validate_id(tenant, 'tenant')}"
+
+
+def tenant_inbox_prefix(tenant: str) -> str:
+    """The inbox prefix a tenant's connection uses (the only subjects it may subscribe to)."""
+    return f"_INBOX_{validate_id(tenant, 'tenant')}"
 
 
 #: Subject filters of each stream (what the stream stores).
@@ -131,6 +168,11 @@ class EventSubject(NamedTuple):
     tenant: str
     job_id: str
     kind: str
+
+
+class TenantCtlSubject(NamedTuple):
+    tenant: str
+    op: str
 
 
 class DeadSubject(NamedTuple):
@@ -192,3 +234,19 @@ def parse_dead(subject: str) -> DeadSubject:
     :func:`dead` writes it."""
     stream, tenant = _tokens(subject, "dead", 2, ("stream", "tenant"))
     return DeadSubject(stream, tenant)
+
+
+def parse_tenant_ctl(subject: str) -> TenantCtlSubject:
+    """``nexus.ctl.tenant.<tenant>.<op>`` → (tenant, op), op one of :data:`TENANT_CTL_OPS`."""
+    parts = subject.split(".")
+    if parts[:3] != [PREFIX, "ctl", "tenant"] or len(parts) != 5:
+        raise SubjectError(f"{subject!r} is not a {PREFIX}.ctl.tenant.<tenant>.<op> subject")
+    try:
+        tenant = validate_id(parts[3], "tenant")
+    except InvalidIdError as exc:
+        raise SubjectError(f"{subject!r}: {exc}") from exc
+    if parts[4] not in TENANT_CTL_OPS:
+        raise SubjectError(
+            f"{subject!r}: unknown tenant request {parts[4]!r}; expected one of {TENANT_CTL_OPS}"
+        )
+    return TenantCtlSubject(tenant, parts[4])

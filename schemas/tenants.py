@@ -1,0 +1,72 @@
+"""Tenants and their data: the ``tenants`` and ``datasets`` KV records.
+
+Only service and operator identities read or write these buckets (the broker keeps tenants out
+of every KV bucket); a tenant learns about its own datasets through the master's
+``nexus.ctl.tenant.<tenant>.datasets`` request.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+IdentityRole = Literal["tenant", "service", "operator"]
+
+
+class TenantLimits(msgspec.Struct, frozen=True):
+    """What one tenant may hold at once; set by the operator (``joynexus tenant add/set``)."""
+
+    #: Jobs accepted and not yet terminal; a submit past it is rejected, naming the limit.
+    max_concurrent_jobs: int = 4
+    #: Bytes the tenant's object store bucket (datasets + exported policies) may hold; the
+    #: broker refuses writes past it.
+    max_storage_bytes: int = 1 << 30
+
+
+class TenantRecord(msgspec.Struct, frozen=True):
+    """A registered tenant, key ``<tenant>`` in the ``tenants`` KV. When the bucket holds any
+    record, the master accepts work only from registered, unrevoked tenants."""
+
+    name: str
+    #: The tenant's current NKey public key (``U...``); a rotation replaces it.
+    public_key: str
+    created_at: float
+    limits: TenantLimits = TenantLimits()
+    rotated_at: float = 0.0
+    revoked: bool = False
+
+
+DatasetSource = Literal["pushed", "registered"]
+
+
+class DatasetRecord(msgspec.Struct, frozen=True):
+    """A dataset in a tenant's namespace, key ``<tenant>.<dataset>`` in the ``datasets`` KV.
+
+    ``pushed``: uploaded by the tenant into its bucket (one object per file under
+    ``datasets/<dataset>/``, plus a manifest of their SHA-256 digests). ``registered``: a
+    directory on the services' disks that the operator put in the tenant's namespace.
+    """
+
+    tenant: str
+    dataset: str
+    source: DatasetSource
+    created_at: float
+    #: ``registered``: the directory's path on the services' filesystem.
+    path: str = ""
+    #: ``pushed``: the bucket and object-name prefix of its files.
+    bucket: str = ""
+    prefix: str = ""
+    files: int = 0
+    bytes: int = 0
+    #: SHA-256 of the manifest (pushed) — a cache of it is valid while this matches.
+    digest: str = ""
+
+
+def dataset_key(tenant: str, dataset: str) -> str:
+    """Key of a dataset record: ``<tenant>.<dataset>``."""
+    return f"{tenant}.{dataset}"
+
+
+TENANT_RECORD_DECODER = msgspec.msgpack.Decoder(TenantRecord)
+DATASET_RECORD_DECODER = msgspec.msgpack.Decoder(DatasetRecord)
