@@ -64,6 +64,8 @@ class BusLayout:
             s.KV_POLICIES: {"history": 10, "ttl": None},
             s.KV_HEARTBEATS: {"history": 1, "ttl": self.heartbeat_ttl_s},
             s.KV_PLACEMENT: {"history": 1, "ttl": None},
+            s.KV_TENANTS: {"history": 5, "ttl": None},
+            s.KV_DATASETS: {"history": 5, "ttl": None},
         }
 
 
