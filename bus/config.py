@@ -1,7 +1,9 @@
 """One typed config per entry point, from CLI flags and ``JOYNEXUS_*`` environment variables.
 
 Each service declares a pydantic model (extending :class:`BusConfig`); :func:`load_config`
-derives ``--flag-name`` options and ``JOYNEXUS_FLAG_NAME`` variables from its fields.
+derives ``--flag-name`` options and ``JOYNEXUS_FLAG_NAME`` variables from its fields. A
+field that is itself a pydantic model (e.g. ``limit: InputLimits``) is flattened one level:
+``--limit-max-image-side`` / ``JOYNEXUS_LIMIT_MAX_IMAGE_SIDE``.
 Precedence: flag > environment > default. Unknown flags and invalid values exit with a
 message naming the field and where its value came from.
 """
@@ -51,9 +53,27 @@ def _is_bool(annotation: Any) -> bool:
     )
 
 
+def _nested(annotation: Any) -> type[BaseModel] | None:
+    return (
+        annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    )
+
+
+def _options(cls: type[BaseModel]) -> list[tuple[str, str | None, Any]]:
+    """(option name, parent field or None, pydantic field) of every flag of ``cls``."""
+    options: list[tuple[str, str | None, Any]] = []
+    for name, field in cls.model_fields.items():
+        inner = _nested(field.annotation)
+        if inner is None:
+            options.append((name, None, field))
+        else:
+            options.extend((f"{name}_{sub}", name, f) for sub, f in inner.model_fields.items())
+    return options
+
+
 def build_parser(cls: type[BaseModel], prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
-    for name, field in cls.model_fields.items():
+    for name, _, field in _options(cls):
         flag = "--" + name.replace("_", "-")
         help_text = f"{field.description or ''} [env {env_name(name)}]"
         if _is_bool(field.annotation):
@@ -78,17 +98,27 @@ def load_config(
     args = vars(parser.parse_args(argv))
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    for name in cls.model_fields:
+    for name, parent, _ in _options(cls):
         if args.get(name) is not None:
-            values[name], sources[name] = args[name], "--" + name.replace("_", "-")
+            value, source = args[name], "--" + name.replace("_", "-")
         elif env_name(name) in env:
-            values[name], sources[name] = env[env_name(name)], env_name(name)
+            value, source = env[env_name(name)], env_name(name)
+        else:
+            continue
+        if parent is None:
+            values[name], sources[name] = value, source
+        else:
+            sub = name[len(parent) + 1 :]
+            values.setdefault(parent, {})[sub] = value
+            sources[f"{parent}.{sub}"] = source
     try:
         return cls.model_validate(values, strict=False)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
-            field = str(err["loc"][0]) if err["loc"] else "?"
+            field = ".".join(str(p) for p in err["loc"][:2]) if err["loc"] else "?"
+            if field not in sources:
+                field = str(err["loc"][0]) if err["loc"] else "?"
             problems.append(f"{sources.get(field, field)}: {err['msg']}")
         parser.exit(2, f"{parser.prog}: invalid configuration: {'; '.join(problems)}\n")
     raise AssertionError("unreachable")  # parser.exit raises SystemExit

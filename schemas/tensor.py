@@ -109,3 +109,38 @@ def tensor_from(value: Any) -> Tensor:
     if isinstance(value, np.ndarray):
         return Tensor.from_numpy(value)
     return Tensor.from_torch(value)
+
+
+#: Floating dtypes (the ones that can hold NaN or infinity).
+FLOAT_DTYPES = frozenset({"float32", "float64", "float16", "bfloat16"})
+
+
+def check_finite(tensor: Tensor, field: str) -> None:
+    """Raise :class:`TensorError` naming ``field`` if a float tensor holds NaN or infinity
+    (integer and bool tensors always pass). ``tensor`` must already be valid."""
+    if tensor.dtype not in FLOAT_DTYPES:
+        return
+    array = tensor.to_numpy()
+    if tensor.dtype == "bfloat16":  # raw words: exponent all ones is inf/NaN
+        bad = int(np.count_nonzero((array & 0x7F80) == 0x7F80))
+    else:
+        bad = int(array.size - np.count_nonzero(np.isfinite(array)))
+    if bad:
+        raise TensorError(f"{field}: {bad} of {array.size} values are NaN or infinite")
+
+
+def check_tensor(
+    tensor: Tensor, field: str, dtype: str, ndim: int, *, finite: bool = True
+) -> tuple[int, ...]:
+    """Raise :class:`TensorError` naming ``field`` unless ``tensor`` is valid, of ``dtype``
+    and ``ndim`` dims (and finite, for floats); returns its shape."""
+    try:
+        tensor.validate()
+    except TensorError as exc:
+        raise TensorError(f"{field}: {exc}") from exc
+    shape = tuple(tensor.shape)
+    if tensor.dtype != dtype or len(shape) != ndim:
+        raise TensorError(f"{field}: expected {dtype} of {ndim} dims, got {tensor.dtype} {shape}")
+    if finite:
+        check_finite(tensor, field)
+    return shape

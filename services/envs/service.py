@@ -6,6 +6,10 @@ most ``max_in_flight`` unconsumed batches of the tenant in ``TRAIN``) and
 ``Nats-Msg-Id`` = (tenant, job, epoch, batch). Batch ``s`` is a pure function of the dataset,
 seed and ``s``, so a restarted worker resumes from the trainer's committed progress and
 re-publishes nothing twice (the trainer also skips any step it has consumed).
+
+Every task is checked before it runs (:mod:`services.envs.limits`): its tenant and job are its
+subject's (only service identities may publish on ``nexus.env.>``; the broker enforces it),
+and its sizes and its dataset's are within the operator's limits.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +29,7 @@ from pydantic import Field
 from bus.codec import DecodeError, decode
 from bus.config import BusConfig
 from bus.consume import ConsumerSpec
+from bus.datasets import DatasetStoreError, default_cache_root, resolve
 from bus.errors import Interrupted, PoisonError, RetryableError
 from bus.inference import InferenceError, PolicyClient
 from bus.publish import Outgoing, msg_id, publish, publish_all
@@ -33,12 +39,14 @@ from schemas import subjects
 from schemas.env import ENV_DECODER, EvalTask, RolloutTask, StreamDataset
 from schemas.events import ErrorEvent, Metrics
 from schemas.jobs import TERMINAL_STATUSES
+from schemas.limits import InputLimits
 from schemas.model import Observation
 from schemas.tensor import Tensor
 from schemas.train import SFTBatch
 from services.envs.adapters import EnvUnavailableError, ProprioMismatchError, proprio_for_head
 from services.envs.datasets import iter_batches
 from services.envs.describe import Describer
+from services.envs.limits import check_dataset, check_task
 from services.envs.rollouts import AdapterPool, collect, evaluate_env
 from vla.data import Dataset, DatasetError, load_dataset
 
@@ -52,6 +60,12 @@ class EnvsConfig(BusConfig):
     concurrency: int = Field(8, ge=1, description="Tasks (streams, sessions) run at once.")
     max_deliver: int = Field(5, ge=1, description="Deliveries before a task is dead.")
     backbones: str = Field("tiny", description="Backbone ids whose inferencers to ask (a,b).")
+    dataset_cache: str = Field(
+        "", description="Where pushed datasets are materialised (default: a temp dir)."
+    )
+    limit: InputLimits = Field(
+        default_factory=InputLimits, description="Input bounds (--limit-*, JOYNEXUS_LIMIT_*)."
+    )
 
 
 class EnvWorker:
@@ -62,11 +76,17 @@ class EnvWorker:
         js: JetStreamContext,
         policies: dict[str, PolicyClient],
         stop: asyncio.Event | None = None,
+        limits: InputLimits | None = None,
+        dataset_cache: Path | None = None,
     ) -> None:
         self.js = js
+        #: Where tenants' pushed datasets are materialised (verified against their digests).
+        self.dataset_cache = dataset_cache or default_cache_root()
+        self.limits = limits or InputLimits()
         #: The service's stop event: a long stream hands its task back when it is set.
         self.stop = stop or asyncio.Event()
-        self.datasets: dict[str, Dataset] = {}
+        #: Loaded datasets by (tenant, dataset id, path or manifest digest).
+        self.datasets: dict[tuple[str, str, str], Dataset] = {}
         self.pool = AdapterPool()
         self.policies = policies
 
@@ -75,6 +95,7 @@ class EnvWorker:
             task = decode(ENV_DECODER, msg.data)
         except DecodeError as exc:
             raise PoisonError(f"malformed env task: {exc}") from exc
+        check_task(msg.subject, task, self.limits)
         try:
             match task:
                 case StreamDataset():
@@ -129,7 +150,8 @@ class EnvWorker:
 
     async def evaluate_dataset(self, client: PolicyClient, task: EvalTask) -> dict[str, float]:
         """Action error of the policy's deterministic actions on held-out episodes."""
-        ds = await self.dataset(task.dataset)
+        ds = await self.dataset(task.tenant, task.dataset)
+        check_dataset(task.dataset, ds.meta, self.limits)
         _, held_out = ds.split(task.val_fraction, task.seed)
         if not held_out:
             raise PoisonError(f"val_fraction {task.val_fraction} holds out no episode")
@@ -172,15 +194,22 @@ class EnvWorker:
             "policy_version": float(task.policy_version),
         }
 
-    async def dataset(self, path: str) -> Dataset:
-        """The dataset at ``path``, fully validated: the master checked only its metadata and a
+    async def dataset(self, tenant: str, dataset_id: str) -> Dataset:
+        """Dataset ``dataset_id`` of ``tenant``'s namespace (the ``datasets`` KV: a registered
+        directory, or a pushed dataset materialised into the cache, every file verified
+        against its digest), fully validated: the master checked only its metadata and a
         sample, so a bad frame anywhere is found here and fails the job, naming the frame."""
-        if path not in self.datasets:
+        try:
+            path, record = await resolve(self.js, tenant, dataset_id, self.dataset_cache)
+        except DatasetStoreError as exc:
+            raise (RetryableError if exc.retryable else PoisonError)(f"dataset: {exc}") from exc
+        key = (tenant, dataset_id, record.digest or str(path))
+        if key not in self.datasets:
             try:
-                self.datasets[path] = await asyncio.to_thread(load_dataset, path)
+                self.datasets[key] = await asyncio.to_thread(load_dataset, path)
             except DatasetError as exc:
-                raise PoisonError(f"dataset {path}: {exc}") from exc
-        return self.datasets[path]
+                raise PoisonError(f"dataset {dataset_id!r}: {exc}") from exc
+        return self.datasets[key]
 
     async def consumed(self, task: StreamDataset) -> int:
         """Batches of the job the trainer has committed (where a restarted stream resumes)."""
@@ -200,7 +229,8 @@ class EnvWorker:
         return int((info.state.subjects or {}).get(subject, 0))
 
     async def stream(self, task: StreamDataset) -> None:
-        ds = await self.dataset(task.dataset)
+        ds = await self.dataset(task.tenant, task.dataset)
+        check_dataset(task.dataset, ds.meta, self.limits)
         train_episodes, _ = ds.split(task.val_fraction, task.seed)
         per_epoch = ds.num_batches(task.batch_size, train_episodes, drop_last=True)
         if per_epoch == 0:
@@ -260,15 +290,17 @@ class EnvWorker:
             step += 1
 
     async def on_dead(self, msg: Msg, reason: str, error: BaseException) -> None:
+        """The job of the task's subject (never the one its payload claims) fails, with the
+        reason."""
         try:
-            task = decode(ENV_DECODER, msg.data)
-        except DecodeError:
-            return
+            tenant, job_id = subjects.parse_env(msg.subject)
+        except subjects.SubjectError:
+            return  # the dead letter is the record
         await publish(
             self.js,
-            subjects.event(task.tenant, task.job_id, "error"),
-            ErrorEvent(task.tenant, task.job_id, reason, False, True, time.time()),
-            message_id=msg_id("ev", task.tenant, task.job_id, "error", "env"),
+            subjects.event(tenant, job_id, "error"),
+            ErrorEvent(tenant, job_id, reason, False, True, time.time()),
+            message_id=msg_id("ev", tenant, job_id, "error", "env"),
         )
 
 
@@ -280,7 +312,13 @@ async def run(config: EnvsConfig) -> None:
         describer = Describer()
         await describer.subscribe(rt.nc)
         policies: dict[str, PolicyClient] = {}
-        worker = EnvWorker(rt.js, policies, rt.stop)
+        worker = EnvWorker(
+            rt.js,
+            policies,
+            rt.stop,
+            config.limit,
+            Path(config.dataset_cache) if config.dataset_cache else None,
+        )
         for backbone in config.backbones.split(","):
             policies[backbone] = await PolicyClient.create(rt.nc, backbone, rt.js)
         tasks = await rt.consumer.bind(

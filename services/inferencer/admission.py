@@ -5,7 +5,14 @@ one it cannot serve.
 :func:`validate` checks it against the policy that will serve it. Both raise
 :class:`~bus.errors.PoisonError` naming the bad field: such a request can never succeed, so
 the consume runtime dead-letters it and the service tells its sender (:func:`envelope` says
-who and where, even for a payload that is not an ``ActRequest`` at all).
+who and where, even for a payload that is not an ``ActRequest`` at all). Both check the
+operator's :class:`~schemas.limits.InputLimits` (message size, observations per request,
+views, image side, instruction length, finite proprio) and name the field and the limit.
+
+Requests are accepted only on ``nexus.infer.<backbone>.<tenant>`` and must name that tenant.
+Tenants have no publish permission on ``nexus.infer.>`` (the broker enforces it: only the
+service identity, i.e. env workers, may publish there), and a request addresses only its own
+tenant's policies: the policy is looked up by the request's (subject-checked) tenant.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ from bus.codec import DecodeError, decode
 from bus.errors import PoisonError
 from schemas import subjects
 from schemas.infer import INFER_DECODER, ActRequest
-from schemas.tensor import TensorError
+from schemas.limits import InputLimits, exceeds
+from schemas.tensor import TensorError, check_finite
 from services.inferencer.policies import ServedPolicy
 
 #: A subject we may publish to: dot-separated non-empty tokens, no whitespace or wildcards
@@ -50,9 +58,20 @@ def envelope(msg: Msg) -> Envelope:
         return Envelope()
 
 
-def parse(msg: Msg) -> ActRequest:
-    """The request in ``msg``; :class:`PoisonError` if it does not decode, cannot be replied
-    to, or names another tenant than its subject's."""
+def parse(msg: Msg, limits: InputLimits | None = None) -> ActRequest:
+    """The request in ``msg``; :class:`PoisonError` if it is larger than the limits allow,
+    does not decode, cannot be replied to, names another tenant than its subject's, or has
+    more observations than ``max_observations``."""
+    limits = limits or InputLimits()
+    if len(msg.data) > limits.max_message_bytes:
+        raise PoisonError(
+            exceeds(
+                "act request",
+                f"{len(msg.data)} bytes",
+                "max_message_bytes",
+                limits.max_message_bytes,
+            )
+        )
     try:
         request = decode(INFER_DECODER, msg.data)
     except DecodeError as exc:
@@ -65,13 +84,25 @@ def parse(msg: Msg) -> ActRequest:
         raise PoisonError(f"not an inference request subject: {exc}") from exc
     if request.tenant != tenant:
         raise PoisonError(f"request for tenant {request.tenant!r} on tenant {tenant!r}'s subject")
+    if len(request.observations) > limits.max_observations:
+        raise PoisonError(
+            exceeds(
+                "observations",
+                len(request.observations),
+                "max_observations",
+                limits.max_observations,
+            )
+        )
     return request
 
 
-def validate(request: ActRequest, policy: ServedPolicy) -> None:
+def validate(request: ActRequest, policy: ServedPolicy, limits: InputLimits | None = None) -> None:
     """Raise :class:`PoisonError` naming the field if ``request`` cannot be served by
-    ``policy``: no observations, num_views/token_budget other than the job's, an image that
-    is not uint8 (H, W, 3), a proprio that is not float32 of the head's ``proprio_dim``."""
+    ``policy``: no observations, num_views/token_budget other than the job's, more views than
+    ``max_views``, an image that is not uint8 (H, W, 3) or has a side over
+    ``max_image_side``, an instruction over ``max_instruction_chars``, a proprio that is not
+    finite float32 of the head's ``proprio_dim``."""
+    limits = limits or InputLimits()
     spec, head = policy.spec, policy.head
     if not request.observations:
         raise PoisonError("request has no observations")
@@ -82,6 +113,24 @@ def validate(request: ActRequest, policy: ServedPolicy) -> None:
             f"num_views={spec.num_views}, token_budget={spec.token_budget}"
         )
     for i, obs in enumerate(request.observations):
+        if len(obs.images) > limits.max_views:
+            raise PoisonError(
+                exceeds(
+                    f"observations[{i}].images",
+                    f"{len(obs.images)} views",
+                    "max_views",
+                    limits.max_views,
+                )
+            )
+        if len(obs.instruction) > limits.max_instruction_chars:
+            raise PoisonError(
+                exceeds(
+                    f"observations[{i}].instruction",
+                    f"{len(obs.instruction)} chars",
+                    "max_instruction_chars",
+                    limits.max_instruction_chars,
+                )
+            )
         if not 1 <= len(obs.images) <= spec.num_views:
             raise PoisonError(
                 f"observations[{i}].images: expected 1 to {spec.num_views} views, "
@@ -97,6 +146,15 @@ def validate(request: ActRequest, policy: ServedPolicy) -> None:
                     )
                 if image.shape[0] == 0 or image.shape[1] == 0:
                     raise PoisonError(f"observations[{i}].images[{v}]: empty image")
+                if max(image.shape[:2]) > limits.max_image_side:
+                    raise PoisonError(
+                        exceeds(
+                            f"observations[{i}].images[{v}]",
+                            f"{image.shape[0]}x{image.shape[1]}",
+                            "max_image_side",
+                            limits.max_image_side,
+                        )
+                    )
             obs.proprio.validate()
         except TensorError as exc:
             raise PoisonError(f"observations[{i}]: {exc}") from exc
@@ -105,3 +163,7 @@ def validate(request: ActRequest, policy: ServedPolicy) -> None:
                 f"observations[{i}].proprio: {policy.label}'s head expects float32 "
                 f"({head.proprio_dim},), got {obs.proprio.dtype} {tuple(obs.proprio.shape)}"
             )
+        try:
+            check_finite(obs.proprio, f"observations[{i}].proprio")
+        except TensorError as exc:
+            raise PoisonError(str(exc)) from exc

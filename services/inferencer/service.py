@@ -52,11 +52,14 @@ from bus.service import Runtime, in_daemon_thread, serve
 from schemas import subjects
 from schemas.events import ErrorEvent
 from schemas.infer import INFER_DECODER, ActReply
+from schemas.limits import InputLimits
 from schemas.tensor import Tensor
 from services.inferencer.admission import answerable, envelope, parse, validate
 from services.inferencer.batching import REQUEST_ERRORS, BatchRunner, BatchStats, Outcome, Work
 from services.inferencer.policies import STOP_POLL_S, PolicyCache
+from vla import costmodel
 from vla.backbone import Backbone
+from vla.costmodel import CostTable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -99,6 +102,15 @@ class InferencerConfig(BusConfig):
         5.0, gt=0, description="Consumer ack wait: a dead replica's requests return this fast."
     )
     max_deliver: int = Field(3, ge=1, description="Deliveries before a request is dead.")
+    cost_table: str = Field(
+        costmodel.MEASURE,
+        description="Group-size cost table: 'measure' (a few forwards at start-up), 'off' "
+        "(never split a group) or a JSON file (read; measured and written if missing; a "
+        "'bench grouping --json' result works too).",
+    )
+    limit: InputLimits = Field(
+        default_factory=InputLimits, description="Input bounds (--limit-*, JOYNEXUS_LIMIT_*)."
+    )
 
 
 @dataclass
@@ -126,7 +138,13 @@ async def _bounded(tasks: set[asyncio.Task[T]], timeout: float, what: str) -> No
 class Inferencer:
     """The inferencer's fetch loop, admission, (B, T) scheduler and replies."""
 
-    def __init__(self, rt: Runtime, config: InferencerConfig, backbone: Backbone) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        config: InferencerConfig,
+        backbone: Backbone,
+        costs: CostTable | None = None,
+    ) -> None:
         self.rt = rt
         self.config = config
         self.bid = backbone.backbone_id
@@ -139,7 +157,7 @@ class Inferencer:
             max_ack_pending=10_000,
         )
         self.policies = PolicyCache(rt.js, config.device, config.max_versions_per_job, rt.stop)
-        self.runner = BatchRunner(backbone)
+        self.runner = BatchRunner(backbone, costs)
         self.pending: deque[Pending] = deque()
         self.pending_obs = 0
         self.admitting: set[asyncio.Task[Fate]] = set()
@@ -235,9 +253,9 @@ class Inferencer:
         Errors are the runtime's to settle (poison: dead-lettered, then :meth:`on_dead`
         answers); :class:`Interrupted` once stopping, so the request is handed back."""
         arrived = asyncio.get_running_loop().time()
-        request = parse(msg)
+        request = parse(msg, self.config.limit)
         policy = await self.policies.resolve(request.tenant, request.job_id, request.policy_version)
-        validate(request, policy)
+        validate(request, policy, self.config.limit)
         if self.rt.stop.is_set():
             raise Interrupted()
         n = len(request.observations)
@@ -416,7 +434,11 @@ def load_backbone(config: InferencerConfig) -> Backbone:
 async def serve_inferencer(rt: Runtime, config: InferencerConfig) -> None:
     """The service body: load the model (a stop meanwhile ends it at once), then serve."""
     backbone = await rt.slow(load_backbone, config)
-    inferencer = Inferencer(rt, config, backbone)
+    # Batches hold up to B observations: the table need not go further.
+    costs = await rt.slow(
+        costmodel.table_for, backbone, config.cost_table, max_samples=max(2, config.target_batch)
+    )
+    inferencer = Inferencer(rt, config, backbone, costs)
     await inferencer.open()
     rt.gauges = inferencer.gauges
     log.info(

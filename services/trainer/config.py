@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from bus.config import BusConfig
+from schemas.limits import InputLimits
 
 
 class TrainerConfig(BusConfig):
@@ -25,6 +26,9 @@ class TrainerConfig(BusConfig):
     )
     max_deliver: int = Field(10, ge=1, description="Deliveries before dead-lettering.")
     discover_every_s: float = Field(0.5, gt=0, description="New-tenant discovery period.")
+    limit: InputLimits = Field(
+        default_factory=InputLimits, description="Input bounds (--limit-*, JOYNEXUS_LIMIT_*)."
+    )
     crash_after_commits: int = Field(
         0, ge=0, description="Fault injection: SIGKILL self after this many commits, before acking."
     )

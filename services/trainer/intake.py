@@ -2,7 +2,16 @@
 
 Every fetched message is held by the consume runtime at once (kept alive with in-progress
 acks while it waits in a buffer) and decoded once; it leaves its buffer when it is settled,
-held for a commit, or chosen for a step."""
+held for a commit, or chosen for a step.
+
+Each message is checked here, before it meets its job (:mod:`services.trainer.checks`): its
+size, its tenant against its subject's, and every tensor's dtype, shape and finiteness
+within the operator's :class:`~schemas.limits.InputLimits`. TRAIN subjects
+(``nexus.train.<backbone>.<tenant>``) carry control messages (``OpenSlot``, ``CloseSlot``)
+as well as data; tenants have no publish permission on ``nexus.train.>`` (the broker
+enforces it: only the service identity — the master and env workers — may publish there),
+so a control message here comes from a service. A message addresses only its own tenant's
+jobs: jobs are keyed by (tenant, job), and the tenant is the subject's."""
 
 from __future__ import annotations
 
@@ -12,7 +21,9 @@ from bus.codec import DecodeError, decode
 from bus.consume import Consumer
 from bus.durables import DurableSet
 from bus.errors import PoisonError
-from schemas.train import TRAIN_DECODER
+from schemas.limits import InputLimits, exceeds
+from schemas.train import TRAIN_DECODER, OpenSlot, RolloutBatch, SFTBatch
+from services.trainer.checks import check_open_slot, check_rollout, check_sft
 
 #: Most messages buffered per tenant, waiting ones included.
 MAX_BUFFER = 256
@@ -31,10 +42,17 @@ class Intake:
     """Per tenant: fetched messages with their decoded bodies (or the error each will be
     dead-lettered with), in arrival order."""
 
-    def __init__(self, consumer: Consumer, tenants: DurableSet, prefetch: int) -> None:
+    def __init__(
+        self,
+        consumer: Consumer,
+        tenants: DurableSet,
+        prefetch: int,
+        limits: InputLimits | None = None,
+    ) -> None:
         self.consumer = consumer
         self.tenants = tenants
         self.prefetch = prefetch
+        self.limits = limits or InputLimits()
         self.buffers: dict[str, list[tuple[Msg, object]]] = {}
 
     def add_tenant(self, tenant: str) -> None:
@@ -66,6 +84,10 @@ class Intake:
     def decode(self, tenant: str, msg: Msg) -> object:
         """The message's body, or the error it will be dead-lettered with."""
         with self.consumer.span(msg):
+            limit = self.limits.max_message_bytes
+            if len(msg.data) > limit:
+                size = f"{len(msg.data)} bytes"
+                return PoisonError(exceeds("training message", size, "max_message_bytes", limit))
             try:
                 body = decode(TRAIN_DECODER, msg.data)
             except DecodeError as exc:
@@ -74,6 +96,16 @@ class Intake:
                 return PoisonError(
                     f"message for tenant {body.tenant!r} on tenant {tenant!r}'s subject"
                 )
+            try:
+                match body:
+                    case SFTBatch():
+                        check_sft(body, self.limits)
+                    case RolloutBatch():
+                        check_rollout(body, self.limits)
+                    case OpenSlot():
+                        check_open_slot(body, self.limits)
+            except PoisonError as exc:
+                return PoisonError(f"{type(body).__name__} of job {body.job_id!r}: {exc}")
             return body
 
     def remove(self, tenant: str, msg: Msg) -> None:

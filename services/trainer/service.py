@@ -77,7 +77,7 @@ class Trainer:
             key_of=subjects.tenant_of,
             on_dead=self.announcer.tell_tenant,
         )
-        self.intake = Intake(rt.consumer, self.tenants, config.prefetch)
+        self.intake = Intake(rt.consumer, self.tenants, config.prefetch, config.limit)
         self.deficits: dict[str, float] = {}
 
     def spec_for(self, tenant: str) -> ConsumerSpec:

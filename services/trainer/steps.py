@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
 
+from bus.errors import PoisonError
 from schemas.events import Progress
 from schemas.train import RolloutBatch, SFTBatch
 from services.trainer import rl
+from services.trainer.checks import check_rollout_fits, sft_non_finite
 from services.trainer.jobs import JobSlot
 from services.trainer.ledger import Verdict, episode_verdict
 from services.trainer.sft import build_request
@@ -48,6 +50,14 @@ class Stepper:
         accepted: list[tuple[Msg, SFTBatch, JobSlot]] = []
         for (msg, batch, job), slot in zip(chosen, slots, strict=True):
             job.slot = slot
+            non_finite = sft_non_finite(batch)
+            if non_finite is not None:
+                # Dropped, and consumed, like a non-finite loss below: the job goes on.
+                job.batches_done = batch.step + 1
+                job.held.append(
+                    (msg, job.error(f"step {batch.step} dropped: {non_finite}", fatal=False))
+                )
+                continue
             try:
                 requests.append(build_request(job, batch))
                 accepted.append((msg, batch, job))
@@ -99,6 +109,10 @@ class Stepper:
         rl_config = job.spec.rl
         if rl_config is None:
             raise job.error(f"rollout records sent to supervised job {body.job_id!r}")
+        try:
+            check_rollout_fits(body, job.spec)
+        except PoisonError as exc:
+            raise job.error(f"rollout of episode {body.episode}: {exc}") from exc
         verdict = episode_verdict(job.batches_done, job.rollouts, body.iteration, body.episode)
         if verdict is Verdict.CONSUMED:
             await self.trainer.consumer.settle(msg, None)
