@@ -47,6 +47,7 @@ from schemas.jobs import (
     JobStatus,
     JobSubmit,
 )
+from schemas.limits import InputLimits
 from schemas.specs import (
     EvalJobSpec,
     JobSpec,
@@ -59,6 +60,7 @@ from schemas.specs import (
 from schemas.train import CloseSlot, PolicyRecord
 from services.master.backbones import BackboneWatch
 from services.master.envfit import EnvDescriptions, fit_env
+from services.master.limits import TenantGate, check_size, check_spec_bounds
 from services.master.plans import Plan, compile_eval, compile_rl, compile_sft, rollout_tasks
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,9 @@ class MasterConfig(BusConfig):
     env_describe_timeout_s: float = Field(
         5.0, gt=0, description="Wait for an env worker's description of a job's env."
     )
+    limit: InputLimits = Field(
+        default_factory=InputLimits, description="Input bounds (--limit-*, JOYNEXUS_LIMIT_*)."
+    )
 
 
 async def publish_event(js: JetStreamContext, event: Event, *identity: object) -> None:
@@ -120,8 +125,12 @@ class Master:
         policies: KeyValue,
         backbones: BackboneWatch | None = None,
         envs: EnvDescriptions | None = None,
+        limits: InputLimits | None = None,
     ) -> None:
         self.js = js
+        #: Operator bounds on commands and specs; registered tenants and their job limits.
+        self.limits = limits or InputLimits()
+        self.gate = TenantGate(js)
         self.jobs = jobs
         self.policies = policies
         #: Checks a spec's backbone at submit (None: any id is accepted).
@@ -134,6 +143,7 @@ class Master:
             subject_tenant, verb = subjects.parse_job(msg.subject)
         except subjects.SubjectError as exc:
             raise PoisonError(str(exc)) from exc
+        check_size("job command", len(msg.data), "max_message_bytes", self.limits.max_message_bytes)
         try:
             command = decode(JOB_COMMAND_DECODER, msg.data)
         except DecodeError as exc:
@@ -173,6 +183,7 @@ class Master:
             if existing[0].status != "accepted":
                 return  # a replayed submit of a started job: nothing to do
             # Accepted but maybe not started (crash in between): starting is idempotent.
+        check_size("spec", len(command.spec_json), "max_spec_bytes", self.limits.max_spec_bytes)
         try:
             spec = parse_job_spec(command.spec_json)
         except JobSpecError as exc:
@@ -181,6 +192,8 @@ class Master:
             raise PoisonError(
                 f"tenant: spec says {spec.tenant!r} but it was submitted as {command.tenant!r}"
             )
+        check_spec_bounds(spec, self.limits)
+        await self.gate.admit(spec.tenant, command.job_id)
         await self.accept(command.job_id, spec, command.spec_json, parent="")
 
     async def accept(self, job_id: str, spec: JobSpec, spec_json: bytes, parent: str) -> None:
@@ -474,6 +487,7 @@ async def run(config: MasterConfig) -> None:
             await rt.js.key_value(subjects.KV_POLICIES),
             watch,
             EnvDescriptions(rt.nc, config.env_describe_timeout_s),
+            config.limit,
         )
         commands = await rt.consumer.bind(
             ConsumerSpec(
