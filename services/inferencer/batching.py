@@ -2,12 +2,14 @@
 partition, per-policy head act. Pure torch, run in a worker thread by the service.
 
 Requests are grouped by their :class:`~vla.feature.CompatKey` (same backbone, views, token
-budget): each group is one :func:`vla.grouping.encode_group` call. The heads then act per
-policy: requests of one policy version that draw from the slot's own generator (``seed`` -1)
-and agree on ``deterministic`` share one head call; a request with ``seed >= 0`` gets a head
-call with a generator seeded by it, so its actions depend on nothing but its seed, policy and
-observations. One request's failure (bad input) is that request's result; it never fails the
-batch.
+budget): each group is one :func:`vla.grouping.encode_group` call, or, with a cost table
+(:mod:`vla.costmodel`), as many calls over consecutive requests as make the group fastest (a
+forward past the backbone's measured knee is slower per sample than smaller ones). The heads
+then act per policy: requests of one policy version that draw from the slot's own generator
+(``seed`` -1) and agree on ``deterministic`` share one head call; a request with ``seed >= 0``
+gets a head call with a generator seeded by it, so its actions depend on nothing but its seed,
+policy and observations. One request's failure (bad input) is that request's result; it never
+fails the batch.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from schemas.infer import ActRequest
 from schemas.tensor import TensorError
 from services.inferencer.policies import ServedPolicy
 from vla.backbone import Backbone
+from vla.costmodel import CostTable
 from vla.feature import CompatKey, ModelInputs, VLAFeature
 from vla.grouping import encode_group
 from vla.heads import ActOutput
@@ -99,10 +102,14 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 
 class BatchRunner:
     """Runs batches on one backbone. Not thread-safe: the service calls :meth:`run` from
-    one worker thread at a time (normalisers cache tokenisations without locks)."""
+    one worker thread at a time (normalisers cache tokenisations without locks).
 
-    def __init__(self, backbone: Backbone) -> None:
+    ``costs``: the backbone's cost table; a compatible group is split where it says so
+    (None: one forward per compatibility key)."""
+
+    def __init__(self, backbone: Backbone, costs: CostTable | None = None) -> None:
         self.backbone = backbone
+        self.costs = costs
         self._normalisers: dict[tuple[int, int], Normaliser] = {}
 
     def normaliser(self, num_views: int, token_budget: int) -> Normaliser:
@@ -129,7 +136,7 @@ class BatchRunner:
         for i, inp in inputs.items():
             groups.setdefault(inp.key, []).append(i)
         features: dict[int, VLAFeature] = {}
-        for members in groups.values():
+        for members in (part for g in groups.values() for part in self._split(g, inputs)):
             stats.forwards += 1
             stats.observations += sum(inputs[i].batch_size for i in members)
             for i, feature in zip(members, self._encode(members, inputs), strict=True):
@@ -149,6 +156,14 @@ class BatchRunner:
                 outcomes[i].value_B = None if out.value_B is None else _numpy(out.value_B)
         stats.seconds = time.perf_counter() - t0
         return outcomes, stats
+
+    def _split(self, members: list[int], inputs: dict[int, ModelInputs]) -> list[list[int]]:
+        """The forwards one compatible group runs in: consecutive requests, by the table."""
+        if self.costs is None or len(members) == 1:
+            return [members]
+        tokens = int(inputs[members[0]].tensors["input_ids"].shape[1])
+        sizes = [inputs[i].batch_size for i in members]
+        return [[members[j] for j in part] for part in self.costs.split(sizes, tokens)]
 
     def _encode(
         self, members: list[int], inputs: dict[int, ModelInputs]
