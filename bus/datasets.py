@@ -1,0 +1,401 @@
+"""Datasets in tenants' namespaces: pushed through the tenant's bucket, or registered by the
+operator; resolved by (tenant, dataset id), never by a path a spec names.
+
+A **pushed** dataset is one object per file under ``datasets/<id>/`` in the tenant's object
+store bucket ``data-<tenant>`` (:func:`schemas.subjects.tenant_bucket`), and a manifest of
+every file's size and SHA-256 written last (``datasets/<id>/MANIFEST``): a push that stops
+half-way leaves no manifest, and pushing again uploads only the files whose object is missing
+or differs (:func:`push_dataset`). The master verifies every object against the manifest
+before it writes the dataset's :class:`~schemas.tenants.DatasetRecord` (``dataset-add``), and
+whoever reads the dataset materialises it into a local cache, verifying each digest again
+(:func:`materialise`). A **registered** dataset is a directory on the services' disks that an
+operator put into a tenant's namespace (:func:`register_path`: it writes the ``datasets`` KV,
+which only service and operator identities may).
+
+Checking that the files are a valid dataset is :mod:`vla.data`'s job (the master runs
+``check_dataset`` on ``dataset-add`` and at submit); this module moves and verifies bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+import msgspec
+from nats.js import JetStreamContext
+from nats.js.api import StorageType
+from nats.js.errors import (
+    BucketNotFoundError,
+    DigestMismatchError,
+    KeyNotFoundError,
+    NotFoundError,
+    ObjectNotFoundError,
+)
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+
+from bus.codec import DecodeError, decode, encode
+from bus.kv import kv_values
+from schemas import subjects
+from schemas.ids import InvalidIdError, validate_id
+from schemas.tenants import DATASET_RECORD_DECODER, DatasetRecord, dataset_key
+
+MANIFEST = "MANIFEST"
+#: Files larger than this are refused by :func:`scan` (the tenant's bucket has its own cap).
+MAX_FILE_BYTES = 1 << 34
+
+
+class DatasetStoreError(RuntimeError):
+    """A dataset that cannot be pushed, found or verified. ``code`` is ``not_found``,
+    ``invalid`` (the message names the file) or ``unavailable`` (``retryable``)."""
+
+    def __init__(self, message: str, *, code: str = "invalid", retryable: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retryable = retryable
+
+
+class ManifestFile(msgspec.Struct, frozen=True):
+    """One file of a pushed dataset: its path relative to the dataset's root (POSIX)."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+class DatasetManifest(msgspec.Struct, frozen=True):
+    """What a complete push contains; written after every file."""
+
+    dataset: str
+    files: list[ManifestFile]
+    created_at: float = 0.0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+MANIFEST_DECODER = msgspec.json.Decoder(DatasetManifest)
+
+
+def prefix_of(dataset_id: str) -> str:
+    """Object-name prefix of a pushed dataset's files: ``datasets/<id>/``."""
+    return f"datasets/{validate_id(dataset_id, 'dataset id')}/"
+
+
+def policy_object(job_id: str, version: int) -> str:
+    """Object name of an exported policy in the tenant's bucket: ``policies/<job>/v<n>``."""
+    return f"policies/{validate_id(job_id, 'job id')}/v{version}"
+
+
+def not_in_namespace(tenant: str, dataset_id: str) -> DatasetStoreError:
+    return DatasetStoreError(
+        f"dataset {dataset_id!r} is not in tenant {tenant}'s namespace; push it with "
+        "`joynexus data push` or ask the operator to register it",
+        code="not_found",
+    )
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _object_sha256(digest: str | None) -> str:
+    """The hex SHA-256 of an object store entry (nats writes ``SHA-256=<base64url>``)."""
+    if not digest or "=" not in digest:
+        return ""
+    try:
+        return base64.urlsafe_b64decode(digest.split("=", 1)[1]).hex()
+    except ValueError:
+        return ""
+
+
+def scan(directory: Path) -> list[ManifestFile]:
+    """Every regular file under ``directory`` with its size and digest, sorted by path.
+    Symbolic links and files outside the directory are refused, naming the file."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise DatasetStoreError(f"{root}: not a directory")
+    files = []
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_symlink():
+            raise DatasetStoreError(f"{rel}: symbolic links are not pushed")
+        if not path.is_file():
+            continue
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise DatasetStoreError(f"{rel}: {size} bytes exceeds {MAX_FILE_BYTES}")
+        files.append(ManifestFile(rel, size, sha256_file(path)))
+    if not files:
+        raise DatasetStoreError(f"{root}: no files to push")
+    return files
+
+
+async def tenant_store(js: JetStreamContext, tenant: str, *, create: bool) -> ObjectStore:
+    """The tenant's bucket; ``create`` it when missing (open mode, or a service identity:
+    under auth the operator creates it with the tenant's storage limit)."""
+    bucket = subjects.tenant_bucket(tenant)
+    try:
+        return await js.object_store(bucket)
+    except (BucketNotFoundError, NotFoundError) as exc:
+        if not create:
+            raise DatasetStoreError(
+                f"tenant {tenant} has no bucket {bucket}: ask the operator to add the tenant",
+                code="not_found",
+            ) from exc
+    return await js.create_object_store(bucket=bucket, storage=StorageType.FILE)
+
+
+@dataclass
+class PushReport:
+    """What a push did: files uploaded, files already there (same digest), the manifest."""
+
+    dataset: str
+    uploaded: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    manifest_sha256: str = ""
+    bytes_uploaded: int = 0
+
+
+async def push_dataset(
+    js: JetStreamContext,
+    tenant: str,
+    directory: str | Path,
+    dataset_id: str,
+    *,
+    on_file: Callable[[str], None] | None = None,
+) -> PushReport:
+    """Upload ``directory`` into the tenant's bucket as dataset ``dataset_id``: one object per
+    file, skipping files whose object already has the same SHA-256 (a resumed push), then the
+    manifest. ``on_file(path)`` is called after each upload (progress; an exception it raises
+    stops the push, leaving what was uploaded for the next push to skip)."""
+    validate_id(tenant, "tenant")
+    prefix = prefix_of(dataset_id)
+    files = await asyncio.to_thread(scan, Path(directory))  # hashing every file
+    store = await tenant_store(js, tenant, create=True)
+    report = PushReport(dataset_id)
+    # An old manifest must not describe a half-replaced dataset: it goes first.
+    manifest_name = prefix + MANIFEST
+    try:
+        await store.get_info(manifest_name)
+        await store.delete(manifest_name)
+    except (ObjectNotFoundError, NotFoundError):
+        pass
+    root = Path(directory)
+    for entry in files:
+        name = prefix + entry.path
+        try:
+            info = await store.get_info(name)
+            if _object_sha256(info.digest) == entry.sha256 and info.size == entry.size:
+                report.skipped.append(entry.path)
+                continue
+        except (ObjectNotFoundError, NotFoundError):
+            pass
+        with (root / entry.path).open("rb") as f:
+            await store.put(name, f)
+        report.uploaded.append(entry.path)
+        report.bytes_uploaded += entry.size
+        if on_file is not None:
+            on_file(entry.path)
+    manifest = encode_manifest(DatasetManifest(dataset_id, files, time.time()))
+    await store.put(manifest_name, manifest)
+    report.manifest_sha256 = hashlib.sha256(manifest).hexdigest()
+    return report
+
+
+def encode_manifest(manifest: DatasetManifest) -> bytes:
+    return msgspec.json.encode(manifest)
+
+
+async def read_manifest(store: ObjectStore, dataset_id: str) -> tuple[DatasetManifest, str]:
+    """The pushed dataset's manifest and its SHA-256; ``not_found`` when the push never
+    finished (or never started)."""
+    name = prefix_of(dataset_id) + MANIFEST
+    try:
+        data = (await store.get(name)).data or b""
+    except (ObjectNotFoundError, NotFoundError) as exc:
+        raise DatasetStoreError(
+            f"dataset {dataset_id!r} has no manifest in the tenant's bucket: the push did not "
+            "finish; push it again with `joynexus data push`",
+            code="not_found",
+        ) from exc
+    except DigestMismatchError as exc:
+        raise DatasetStoreError(f"{name}: object does not match its own digest") from exc
+    try:
+        manifest = MANIFEST_DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise DatasetStoreError(f"{name}: malformed manifest: {exc}") from exc
+    if manifest.dataset != dataset_id:
+        raise DatasetStoreError(f"{name}: manifest names dataset {manifest.dataset!r}")
+    for entry in manifest.files:
+        rel = PurePosixPath(entry.path)
+        if rel.is_absolute() or ".." in rel.parts or not entry.path:
+            raise DatasetStoreError(f"{name}: file path {entry.path!r} leaves the dataset")
+    return manifest, hashlib.sha256(data).hexdigest()
+
+
+def cache_dir(cache_root: str | Path, tenant: str, dataset_id: str, digest: str) -> Path:
+    """Where a pushed dataset is materialised: one directory per manifest digest."""
+    return Path(cache_root) / tenant / dataset_id / digest[:16]
+
+
+def default_cache_root() -> Path:
+    """``<tmp>/joynexus-datasets-<uid>`` when a role's config names no cache directory."""
+    return Path(tempfile.gettempdir()) / f"joynexus-datasets-{os.getuid()}"
+
+
+async def _download(store: ObjectStore, name: str, entry: ManifestFile, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with target.open("wb") as f:
+            await store.get(name, writeinto=f)
+    except (ObjectNotFoundError, NotFoundError) as exc:
+        raise DatasetStoreError(f"{entry.path}: listed in the manifest but not pushed") from exc
+    except DigestMismatchError as exc:
+        raise DatasetStoreError(f"{entry.path}: object does not match its own digest") from exc
+    size, got = await asyncio.to_thread(lambda: (target.stat().st_size, sha256_file(target)))
+    if size != entry.size or got != entry.sha256:
+        raise DatasetStoreError(
+            f"{entry.path}: sha256 {got[:16]}… ({size} bytes) does not match the manifest's "
+            f"{entry.sha256[:16]}… ({entry.size} bytes); push the dataset again"
+        )
+
+
+async def materialise(
+    js: JetStreamContext,
+    tenant: str,
+    dataset_id: str,
+    cache_root: str | Path,
+    *,
+    expected_digest: str = "",
+) -> tuple[Path, DatasetManifest, str]:
+    """Download a pushed dataset into ``cache_root`` (once per manifest digest), verifying
+    every file; return its directory, manifest and the manifest's digest. With
+    ``expected_digest`` (a DatasetRecord's), a manifest pushed since is refused."""
+    store = await tenant_store(js, tenant, create=False)
+    manifest, digest = await read_manifest(store, dataset_id)
+    if expected_digest and digest != expected_digest:
+        raise DatasetStoreError(
+            f"dataset {dataset_id!r} was pushed again since it was added (manifest "
+            f"{digest[:16]}…, recorded {expected_digest[:16]}…): run dataset-add again"
+        )
+    target = cache_dir(cache_root, tenant, dataset_id, digest)
+    if (target / MANIFEST).exists():
+        return target, manifest, digest
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".partial-"))
+    try:
+        prefix = prefix_of(dataset_id)
+        for entry in manifest.files:
+            await _download(store, prefix + entry.path, entry, tmp / entry.path)
+        (tmp / MANIFEST).write_bytes(encode_manifest(manifest))
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process materialised the same digest meanwhile
+            if not (target / MANIFEST).exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target, manifest, digest
+
+
+# -- the ``datasets`` KV ----------------------------------------------------------------------
+
+
+async def datasets_kv(js: JetStreamContext) -> KeyValue:
+    try:
+        return await js.key_value(subjects.KV_DATASETS)
+    except (BucketNotFoundError, NotFoundError) as exc:
+        raise DatasetStoreError(
+            f"the {subjects.KV_DATASETS} KV bucket is not declared yet",
+            code="unavailable",
+            retryable=True,
+        ) from exc
+
+
+async def get_dataset(js: JetStreamContext, tenant: str, dataset_id: str) -> DatasetRecord | None:
+    """The record of ``dataset_id`` in ``tenant``'s namespace, or None."""
+    kv = await datasets_kv(js)
+    try:
+        entry = await kv.get(dataset_key(tenant, dataset_id))
+    except KeyNotFoundError:
+        return None
+    if not entry.value:
+        return None
+    return decode(DATASET_RECORD_DECODER, entry.value)
+
+
+async def put_dataset(js: JetStreamContext, record: DatasetRecord) -> None:
+    """Write (or replace) a dataset record; service and operator identities only."""
+    kv = await datasets_kv(js)
+    await kv.put(dataset_key(record.tenant, record.dataset), encode(record))
+
+
+async def list_datasets(js: JetStreamContext, tenant: str) -> list[DatasetRecord]:
+    """The tenant's datasets, by id."""
+    values = await kv_values(js, subjects.KV_DATASETS, f"{validate_id(tenant, 'tenant')}.")
+    records = []
+    for value in values.values():
+        try:
+            records.append(decode(DATASET_RECORD_DECODER, value))
+        except DecodeError:
+            continue
+    return sorted(records, key=lambda r: r.dataset)
+
+
+async def register_path(
+    js: JetStreamContext, tenant: str, dataset_id: str, path: str | Path
+) -> DatasetRecord:
+    """Put the directory ``path`` on the services' disks into ``tenant``'s namespace as
+    ``dataset_id`` (operator or service identity: it writes the ``datasets`` KV). The
+    master checks it as a dataset when a job names it."""
+    try:
+        validate_id(tenant, "tenant")
+        validate_id(dataset_id, "dataset id")
+    except InvalidIdError as exc:
+        raise DatasetStoreError(str(exc)) from exc
+    directory = await asyncio.to_thread(Path(path).resolve)
+    if not await asyncio.to_thread(directory.is_dir):
+        raise DatasetStoreError(f"{path}: not a directory", code="not_found")
+    record = DatasetRecord(
+        tenant=tenant,
+        dataset=dataset_id,
+        source="registered",
+        created_at=time.time(),
+        path=str(directory),
+    )
+    await put_dataset(js, record)
+    return record
+
+
+async def resolve(
+    js: JetStreamContext, tenant: str, dataset_id: str, cache_root: str | Path
+) -> tuple[Path, DatasetRecord]:
+    """The local directory of ``dataset_id`` in ``tenant``'s namespace (a registered path, or
+    a pushed dataset materialised into ``cache_root``) and its record."""
+    try:
+        validate_id(dataset_id, "dataset id")
+    except InvalidIdError as exc:
+        raise not_in_namespace(tenant, dataset_id) from exc
+    record = await get_dataset(js, tenant, dataset_id)
+    if record is None or record.tenant != tenant:
+        raise not_in_namespace(tenant, dataset_id)
+    if record.source == "registered":
+        return Path(record.path), record
+    directory, _, _ = await materialise(
+        js, tenant, dataset_id, cache_root, expected_digest=record.digest
+    )
+    return directory, record
