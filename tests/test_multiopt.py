@@ -1,0 +1,150 @@
+"""One multi-tensor clip + AdamW step over many tenants equals each tenant's own
+``clip_grad_norm_`` + ``torch.optim.AdamW.step`` — bit for bit, over several steps with
+different hyper-parameters, schedules and clipping, on real heads."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from schemas.model import HeadConfig, OptimizerConfig
+from vla.feature import VLAFeature
+from vla.multiopt import adamw_step, clip_grad_norms, supported
+from vla.slot import TenantSlot, lr_at
+
+HIDDEN = 32
+T = 5
+#: Different kinds, sizes, schedules, betas, decay and clipping (0 = none; 0.05 clips hard).
+TENANTS = [
+    (
+        HeadConfig(kind="oft", action_dim=7, chunk_len=4, proprio_dim=7),
+        OptimizerConfig(lr=3e-3, weight_decay=0.01, warmup_steps=2, total_steps=6),
+    ),
+    (
+        HeadConfig(kind="discrete", action_dim=3, chunk_len=2, num_bins=16),
+        OptimizerConfig(lr=1e-2, betas=(0.8, 0.99), grad_clip=0.05),
+    ),
+    (
+        HeadConfig(kind="flow", action_dim=4, chunk_len=3, proprio_dim=2),
+        OptimizerConfig(lr=5e-4, betas=(0.95, 0.9), weight_decay=0.1, grad_clip=0.0),
+    ),
+    (
+        HeadConfig(kind="oft", action_dim=7, chunk_len=4, proprio_dim=7, value_head=True),
+        OptimizerConfig(lr=2e-3, total_steps=4, min_lr_ratio=0.1, grad_clip=0.5),
+    ),
+]
+STEPS = 5
+
+
+def batch(head: HeadConfig, seed: int) -> tuple[VLAFeature, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    B = 2
+    prefix = torch.randn(B, T, HIDDEN, generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    proprio = torch.randn(B, head.proprio_dim, generator=g)
+    actions = torch.rand(B, head.chunk_len, head.action_dim, generator=g) * 2 - 1
+    return VLAFeature(prefix, mask, proprio), actions
+
+
+def slots() -> list[TenantSlot]:
+    return [TenantSlot(f"t{i}", h, o, HIDDEN, seed=i) for i, (h, o) in enumerate(TENANTS)]
+
+
+def backward(slot: TenantSlot, step: int, index: int) -> None:
+    feature, actions = batch(slot.head_config, 1000 * index + step)
+    slot.optimizer.zero_grad(set_to_none=True)
+    slot.module.loss(feature, actions, generator=slot.generator).backward()
+
+
+def assert_same_state(a: TenantSlot, b: TenantSlot) -> None:
+    for (name, pa), pb in zip(a.module.named_parameters(), b.module.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+    sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        for k in sa[i]:
+            assert torch.equal(sa[i][k], sb[i][k]), (i, k)
+
+
+@pytest.fixture(autouse=True)
+def deterministic() -> object:
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def test_shared_clip_and_adamw_equal_each_tenants_own_step_bitwise() -> None:
+    own, shared = slots(), slots()
+    for step in range(STEPS):
+        own_norms = []
+        for i, s in enumerate(own):
+            backward(s, step, i)
+            clip = s.optim_config.grad_clip if s.optim_config.grad_clip > 0 else math.inf
+            own_norms.append(float(torch.nn.utils.clip_grad_norm_(s.module.parameters(), clip)))
+            for group in s.optimizer.param_groups:
+                group["lr"] = lr_at(s.optim_config, step)
+            s.optimizer.step()
+        for i, s in enumerate(shared):
+            backward(s, step, i)
+            for group in s.optimizer.param_groups:
+                group["lr"] = lr_at(s.optim_config, step)
+        norms = clip_grad_norms(
+            [list(s.module.parameters()) for s in shared],
+            [s.optim_config.grad_clip or math.inf for s in shared],
+        )
+        adamw_step([s.optimizer for s in shared])
+        assert norms == own_norms, step
+        for a, b in zip(own, shared, strict=True):
+            assert_same_state(a, b)
+    # The hyper-parameters mattered: clipping happened, and the tenants moved differently.
+    assert any(n > 0.05 for n in own_norms)
+    assert len({float(s.optimizer.param_groups[0]["lr"]) for s in own}) == len(own)
+
+
+def test_a_later_own_step_continues_from_the_shared_state() -> None:
+    """State written by the shared step is the optimizer's own: a plain ``step()`` next
+    (a tenant served alone) continues exactly as if every step had been its own."""
+    own, shared = slots(), slots()
+    for step in range(3):
+        for i, (a, b) in enumerate(zip(own, shared, strict=True)):
+            backward(a, step, i)
+            backward(b, step, i)
+            a.optimizer.step()
+        if step < 2:
+            adamw_step([s.optimizer for s in shared])
+        else:
+            for s in shared:
+                s.optimizer.step()
+    for a, b in zip(own, shared, strict=True):
+        assert_same_state(a, b)
+
+
+def test_parameters_without_grad_are_skipped_like_adamw_skips_them() -> None:
+    own, shared = slots()[:1], slots()[:1]
+    for s in own + shared:
+        backward(s, 0, 0)
+        s.module.queries_C_H.grad = None  # e.g. a frozen or unused parameter this step
+    own[0].optimizer.step()
+    adamw_step([shared[0].optimizer])
+    assert_same_state(own[0], shared[0])
+    assert shared[0].module.queries_C_H not in shared[0].optimizer.state
+
+
+def test_unsupported_optimizers_are_stepped_on_their_own() -> None:
+    p = torch.nn.Parameter(torch.ones(3))
+    q = torch.nn.Parameter(torch.ones(3))
+    ams = torch.optim.AdamW([p], lr=0.1, amsgrad=True)
+    ref = torch.optim.AdamW([q], lr=0.1, amsgrad=True)
+    assert not supported(ams)
+    p.grad = torch.full((3,), 0.5)
+    q.grad = torch.full((3,), 0.5)
+    adamw_step([ams])
+    ref.step()
+    assert torch.equal(p, q)
+
+
+def test_clip_norms_reject_mismatched_lengths() -> None:
+    with pytest.raises(ValueError, match="2 tenants but 1 max norms"):
+        clip_grad_norms([[], []], [1.0])

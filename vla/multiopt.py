@@ -1,0 +1,201 @@
+"""One optimizer step for many tenants: gradient clipping and AdamW as multi-tensor calls.
+
+A tenant's update is a dozen ``torch._foreach_*`` calls over its few dozen small tensors;
+run one tenant at a time, per-call overhead (not arithmetic) is most of the cost. Here the
+tensors of every tenant in a round go through each call together, each tenant's own
+hyper-parameters travelling as per-tensor scalar lists (``lr``, ``betas``, ``weight_decay``,
+``eps``, the clip coefficient). The sequence of operations is exactly that of
+``torch.optim.AdamW(foreach=True)`` and ``torch.nn.utils.clip_grad_norm_`` (torch 2.13), so
+each tenant's parameters and optimizer state come out bit-for-bit as its own optimizer's step
+would leave them (tested against both in ``tests/test_multiopt.py``). State is kept in each
+tenant's own ``AdamW.state``, so checkpoints, restores and later per-tenant steps see
+nothing different.
+
+Supported: the AdamW configuration :class:`vla.slot.TenantSlot` builds (``foreach``, no
+``amsgrad`` / ``maximize`` / ``capturable`` / ``fused`` / ``differentiable``, real tensors);
+an optimizer outside that is stepped by itself (:func:`adamw_step` says which).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["adamw_step", "clip_grad_norms", "supported"]
+
+
+def _grads(params: Sequence[Tensor]) -> list[Tensor]:
+    return [p.grad for p in params if p.grad is not None]
+
+
+@torch.no_grad()
+def clip_grad_norms(
+    params_per_tenant: Sequence[Sequence[Tensor]], max_norms: Sequence[float]
+) -> list[float]:
+    """Clip each tenant's gradients to its own global 2-norm ``max_norms[i]`` (``inf``: no
+    clipping) and return each tenant's norm before clipping, exactly as
+    ``torch.nn.utils.clip_grad_norm_(params_per_tenant[i], max_norms[i])`` would.
+
+    One ``_foreach_norm`` over every tenant's gradients and one ``_foreach_mul_`` with each
+    tenant's coefficient; only the per-tenant total (a norm of its tensors' norms) is a
+    small op per tenant. A tenant without gradients has norm 0.
+    """
+    if len(params_per_tenant) != len(max_norms):
+        raise ValueError(f"{len(params_per_tenant)} tenants but {len(max_norms)} max norms")
+    grads = [_grads(ps) for ps in params_per_tenant]
+    flat = [g for gs in grads for g in gs]
+    if not flat:
+        return [0.0] * len(grads)
+    norms = list(torch._foreach_norm(flat, 2.0))
+    totals: list[Tensor] = []
+    at = 0
+    for gs in grads:
+        mine = norms[at : at + len(gs)]
+        at += len(gs)
+        if not mine:
+            totals.append(flat[0].new_zeros((), dtype=torch.float32))
+            continue
+        first = gs[0].device
+        totals.append(torch.linalg.vector_norm(torch.stack([n.to(first) for n in mine]), 2.0))
+    # clip_grad_norm_'s own arithmetic, in the same order: max_norm / (total + 1e-6) is
+    # reciprocal(total + 1e-6) * max_norm for a tensor, then clamped to 1.
+    coefs = [
+        torch.clamp((t + 1e-6).reciprocal() * float(m), max=1.0)
+        for t, m in zip(totals, max_norms, strict=True)
+    ]
+    values = torch.stack([t.to(totals[0].device) for t in totals]).tolist()
+    coef_values = torch.stack([c.to(coefs[0].device) for c in coefs]).tolist()
+    by_device: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[float]]] = (
+        defaultdict(lambda: ([], []))
+    )
+    for gs, c in zip(grads, coef_values, strict=True):
+        for g in gs:
+            ts, cs = by_device[(g.device, g.dtype)]
+            ts.append(g)
+            cs.append(c)
+    for ts, cs in by_device.values():
+        torch._foreach_mul_(ts, cs)
+    return [float(v) for v in values]
+
+
+def supported(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether :func:`adamw_step` can fold ``optimizer``'s step into the shared calls."""
+    if type(optimizer) is not torch.optim.AdamW:
+        return False
+    for group in optimizer.param_groups:
+        if (
+            group.get("amsgrad")
+            or group.get("maximize")
+            or group.get("capturable")
+            or group.get("fused")
+            or group.get("differentiable")
+            or torch.is_tensor(group["lr"])
+            or not group.get("decoupled_weight_decay", True)
+        ):
+            return False
+        if any(
+            torch.is_complex(p) or (p.grad is not None and p.grad.is_sparse)
+            for p in group["params"]
+        ):
+            return False
+    return True
+
+
+def _scalar_dtype() -> torch.dtype:
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+@torch.no_grad()
+def adamw_step(optimizers: Sequence[torch.optim.AdamW]) -> None:
+    """``opt.step()`` for every optimizer in ``optimizers``, as shared multi-tensor calls.
+
+    Each optimizer's param groups keep their own ``lr`` (set it before, as a schedule does),
+    ``betas``, ``weight_decay`` and ``eps``; parameters without a gradient are skipped, state
+    is created on first use exactly as ``AdamW`` creates it. An optimizer :func:`supported`
+    rejects is stepped on its own.
+    """
+    params: list[Tensor] = []
+    grads: list[Tensor] = []
+    exp_avgs: list[Tensor] = []
+    exp_avg_sqs: list[Tensor] = []
+    steps: list[Tensor] = []
+    hyper: list[tuple[float, float, float, float, float]] = []  # lr, beta1, beta2, wd, eps
+    for opt in optimizers:
+        if not supported(opt):
+            opt.step()
+            continue
+        for group in opt.param_groups:
+            beta1, beta2 = group["betas"]
+            h = (
+                float(group["lr"]),
+                float(beta1),
+                float(beta2),
+                group["weight_decay"],
+                group["eps"],
+            )
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = opt.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0, dtype=_scalar_dtype(), device="cpu")
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                params.append(p)
+                grads.append(p.grad)
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+                hyper.append(h)
+    if not params:
+        return
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+    for i, p in enumerate(params):
+        groups[(p.device, p.dtype)].append(i)
+    for idx in groups.values():
+        _adamw_group(
+            [params[i] for i in idx],
+            [grads[i] for i in idx],
+            [exp_avgs[i] for i in idx],
+            [exp_avg_sqs[i] for i in idx],
+            [steps[i] for i in idx],
+            [hyper[i] for i in idx],
+        )
+
+
+def _adamw_group(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    hyper: list[tuple[float, float, float, float, float]],
+) -> None:
+    """torch's ``_multi_tensor_adam`` (decoupled weight decay, not capturable) with every
+    scalar a per-tensor list: the same kernels in the same order, hence the same bits."""
+    lrs = [h[0] for h in hyper]
+    beta1s = [h[1] for h in hyper]
+    beta2s = [h[2] for h in hyper]
+    if steps[0].is_cpu:
+        torch._foreach_add_(steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
+    else:
+        torch._foreach_add_(steps, 1)
+    # A factor of exactly 1.0 (no weight decay) leaves a parameter's bits as they are.
+    decay = [1 - lr * wd if wd != 0 else 1.0 for lr, _, _, wd, _ in hyper]
+    if any(d != 1.0 for d in decay):
+        torch._foreach_mul_(params, decay)
+    torch._foreach_lerp_(exp_avgs, grads, [1 - b1 for b1 in beta1s])
+    torch._foreach_mul_(exp_avg_sqs, beta2s)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, [1 - b2 for b2 in beta2s])
+    step_values = torch.stack(steps).tolist()
+    bias1 = [1 - b1**s for b1, s in zip(beta1s, step_values, strict=True)]
+    bias2 = [1 - b2**s for b2, s in zip(beta2s, step_values, strict=True)]
+    step_size = [(lr / bc) * -1 for lr, bc in zip(lrs, bias1, strict=True)]
+    bias2_sqrt = [bc**0.5 for bc in bias2]
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bias2_sqrt)
+    torch._foreach_add_(denom, [h[4] for h in hyper])
+    torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
