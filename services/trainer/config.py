@@ -26,6 +26,12 @@ class TrainerConfig(BusConfig):
     )
     max_deliver: int = Field(10, ge=1, description="Deliveries before dead-lettering.")
     discover_every_s: float = Field(0.5, gt=0, description="New-tenant discovery period.")
+    cost_table: str = Field(
+        "measure",
+        description="Group-size cost table: 'measure' (a few forwards at start-up), 'off' "
+        "(never split a grouped forward) or a JSON file (read; measured and written if missing; "
+        "a 'bench grouping --json' result works too).",
+    )
     limit: InputLimits = Field(
         default_factory=InputLimits, description="Input bounds (--limit-*, JOYNEXUS_LIMIT_*)."
     )

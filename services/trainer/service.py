@@ -44,6 +44,7 @@ from services.trainer.registry import WAIT, JobRegistry
 from services.trainer.scheduler import Candidate, drr_round
 from services.trainer.slots import Slots
 from services.trainer.steps import Stepper
+from vla import costmodel
 from vla.backbone import Backbone
 
 log = logging.getLogger(__name__)
@@ -253,7 +254,10 @@ async def run(config: TrainerConfig) -> None:
             device=config.device,
             backbone_id=config.backbone_id,
         )
+        costs = await rt.slow(costmodel.table_for, backbone, config.cost_table)
         trainer = Trainer(rt, config, backbone)
+        if costs is not None:
+            trainer.stepper.encoder = costmodel.SplitEncoder(backbone, costs)
         rt.gauges = trainer.gauges
         async with placed(rt, backbone):
             await trainer.run()

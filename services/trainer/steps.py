@@ -21,7 +21,7 @@ from services.trainer.jobs import JobSlot
 from services.trainer.ledger import Verdict, episode_verdict
 from services.trainer.sft import build_request
 from vla.backbone import Backbone
-from vla.grouping import TrainRequest, group_train_step
+from vla.grouping import FeatureEncoder, TrainRequest, group_train_step
 from vla.slot import NonFiniteLossError
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,9 @@ class Stepper:
     def __init__(self, trainer: Trainer, backbone: Backbone) -> None:
         self.trainer = trainer
         self.backbone = backbone
+        #: What the grouped step encodes with: the backbone, or a vla.costmodel.SplitEncoder
+        #: over it where a cost table says smaller forwards are faster (set by the service).
+        self.encoder: FeatureEncoder = backbone
         self.compute_s = 0.0
         self.round_s = 0.0
         self.samples = 0
@@ -67,7 +70,7 @@ class Stepper:
         if not requests:
             return
         compute_t0 = time.perf_counter()
-        results = await asyncio.to_thread(group_train_step, self.backbone, requests)
+        results = await asyncio.to_thread(group_train_step, self.encoder, requests)
         self.compute_s += time.perf_counter() - compute_t0
         now = time.time()
         events: list[Progress] = []
