@@ -2,7 +2,7 @@
 by the table (checked against brute force), never slower per sample than their parts, never
 past the measured sizes; the splitting encoder gives the same features as one forward; tables
 are measured within their bound, read from files and benchmark results, and refused for
-another backbone."""
+another backbone; a grouped train step through the splitting encoder is the unsplit one."""
 
 from __future__ import annotations
 
@@ -17,10 +17,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from schemas.model import HeadConfig, OptimizerConfig
 from vla import costmodel
 from vla.backbone import Backbone
 from vla.costmodel import CostTable, SplitEncoder
+from vla.grouping import TrainRequest, group_train_step
 from vla.normalize import Normaliser
+from vla.slot import TenantSlot
 
 #: tiny-224 as measured on this machine (README): per-sample cost falls to ~4.6 ms at 24-32
 #: samples, then a 48-sample forward costs 9.7 ms/sample.
@@ -234,3 +237,43 @@ def test_a_benchmark_result_is_a_table_and_another_backbones_table_is_refused(
     bad.write_text("[1, 2]")
     with pytest.raises(ValueError, match="is not a JSON object"):
         costmodel.load(bad)
+
+
+def test_a_grouped_train_step_through_the_split_encoder_equals_the_unsplit_one(
+    tiny: Backbone,
+) -> None:
+    heads = [
+        HeadConfig(kind="oft", action_dim=7, chunk_len=4, proprio_dim=7),
+        HeadConfig(kind="discrete", action_dim=3, chunk_len=4, proprio_dim=0),
+        HeadConfig(kind="flow", action_dim=5, chunk_len=4, proprio_dim=3),
+    ]
+    norm = Normaliser(tiny, 1, 16)
+
+    def requests() -> list[TrainRequest]:
+        out = []
+        for i, head in enumerate(heads * 2):
+            rng = np.random.default_rng(i)
+            b = 1 + i % 3
+            images = rng.integers(0, 256, (b, 1, 64, 64, 3), dtype=np.uint8)
+            proprio = rng.standard_normal((b, head.proprio_dim)).astype(np.float32)
+            inputs = norm.normalise_arrays(images, ["open the drawer"] * b, proprio)
+            actions = torch.from_numpy(rng.uniform(-1, 1, (b, 4, head.action_dim))).float()
+            slot = TenantSlot(f"t{i}", head, OptimizerConfig(lr=1e-3), tiny.hidden_size, seed=i)
+            out.append(TrainRequest(slot.tenant, slot, inputs, actions))
+        return out
+
+    # 12 samples in forwards of at most 2: the table's knee is at 3.
+    table = CostTable("tiny", "cpu", "float32", 1, norm.seq_len, ((1, 5.0), (2, 6.0), (3, 60.0)))
+    encoder = SplitEncoder(tiny, table)
+    whole, split = requests(), requests()
+    for _ in range(3):
+        a = group_train_step(tiny, whole)
+        b = group_train_step(encoder, split)
+        for r in whole:
+            ra, rb = a[r.tenant], b[r.tenant]
+            assert not isinstance(ra, Exception) and not isinstance(rb, Exception), (ra, rb)
+            assert ra.loss == rb.loss, r.tenant
+    assert encoder.forwards == 3 * 6
+    for rw, rs in zip(whole, split, strict=True):
+        for pw, ps in zip(rw.slot.module.parameters(), rs.slot.module.parameters(), strict=True):
+            assert torch.equal(pw, ps), rw.tenant
