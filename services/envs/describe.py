@@ -32,11 +32,16 @@ from schemas.envdesc import (
     EnvDescription,
     ProprioPart,
 )
+from schemas.limits import InputLimits
 from services.envs.adapters import EnvAdapter, EnvUnavailableError, GymDictAdapter, make_adapter
 
 log = logging.getLogger(__name__)
 
 EnvKwargs = dict[str, float | int | str | bool]
+#: Longest env id (and env_kwargs key) a describe request may name.
+MAX_ENV_ID_CHARS = 200
+#: Most constructor arguments a describe request may pass.
+MAX_ENV_KWARGS = 32
 
 
 def describe_adapter(adapter: EnvAdapter, env_kwargs: EnvKwargs | None = None) -> EnvDescription:
@@ -135,7 +140,8 @@ class Describer:
     for the same build); a failed build is not cached, so a fixed env is seen at once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, limits: InputLimits | None = None) -> None:
+        self.limits = limits or InputLimits()
         self.cache: dict[str, EnvDescription] = {}
         self._building: dict[str, asyncio.Future[EnvDescription]] = {}
         self._replies: set[asyncio.Task[None]] = set()
@@ -164,10 +170,35 @@ class Describer:
             request = decode(DESCRIBE_REQUEST_DECODER, request_data)
         except DecodeError as exc:
             return DescribeReply(error=f"malformed describe request: {exc}")
+        refused = self.refusal(request)
+        if refused:
+            return DescribeReply(error=f"env {request.env_id[:200]}: {refused}")
         try:
             return DescribeReply(description=await self.describe(request))
         except (EnvUnavailableError, ValueError, TypeError) as exc:
             return DescribeReply(error=f"env {request.env_id}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - any env's constructor may raise anything
+            # A tenant's request for an env that cannot be built gets its reason, whatever
+            # the env's own error type (gymnasium's NameNotFound, a simulator's RuntimeError).
+            return DescribeReply(error=f"env {request.env_id[:200]}: {type(exc).__name__}: {exc}")
+
+    def refusal(self, request: DescribeEnv) -> str:
+        """Why ``request`` is not even tried ('' if it may be): an env id or kwargs past
+        what any env takes, or images outside [8, ``max_image_side``]."""
+        limits = self.limits
+        if not 1 <= len(request.env_id) <= MAX_ENV_ID_CHARS:
+            return f"env_id: length {len(request.env_id)} is not within 1..{MAX_ENV_ID_CHARS}"
+        if not 8 <= request.image_size <= limits.max_image_side:
+            return (
+                f"image_size: {request.image_size} is not within 8..max_image_side "
+                f"{limits.max_image_side}"
+            )
+        if len(request.env_kwargs) > MAX_ENV_KWARGS:
+            return f"env_kwargs: {len(request.env_kwargs)} keys, at most {MAX_ENV_KWARGS} allowed"
+        for key, value in request.env_kwargs.items():
+            if len(key) > MAX_ENV_ID_CHARS or (isinstance(value, str) and len(value) > 1024):
+                return f"env_kwargs: key or value of {key[:40]!r} is too long"
+        return ""
 
     async def _answer(self, msg: Msg) -> None:
         reply = await self.reply(msg.data)

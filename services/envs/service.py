@@ -309,7 +309,7 @@ async def run(config: EnvsConfig) -> None:
 
     async def body(rt: Runtime) -> None:
         # Answering describe requests first: the master's submits wait on them.
-        describer = Describer()
+        describer = Describer(config.limit)
         await describer.subscribe(rt.nc)
         policies: dict[str, PolicyClient] = {}
         worker = EnvWorker(
