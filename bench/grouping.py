@@ -14,8 +14,14 @@ the median of the per-pair speedups. Normalisation (image decode/resize, tokenis
 outside the timed region: both sides need it equally. On CUDA the backbone runs in bfloat16
 and timings synchronise the device.
 
+The grouped side splits its forward where the backbone's cost table (:mod:`vla.costmodel`,
+measured before the sweep or read with ``--cost-table FILE``) says smaller forwards are faster,
+as the trainer and inferencer do; ``--no-split`` times one forward per group however large.
+Each grouped cell records ``forwards``, the forwards its group ran in.
+
 ``python -m bench.grouping --backbone tiny`` (also ``joynexus bench grouping``) prints the tables
 shaped like the paper's group-batching figure: rows = tenants, columns = local batch.
+:func:`sweep` runs the same cells on a backbone already built (``bench/gpu_grouping.py``).
 """
 
 from __future__ import annotations
@@ -32,9 +38,16 @@ import numpy as np
 import torch
 
 from schemas.model import HeadConfig, OptimizerConfig
+from vla import costmodel
 from vla.backbone import Backbone
 from vla.feature import ModelInputs
-from vla.grouping import TrainRequest, encode_group, group_train_step, serial_train_step
+from vla.grouping import (
+    FeatureEncoder,
+    TrainRequest,
+    encode_group,
+    group_train_step,
+    serial_train_step,
+)
 from vla.normalize import Normaliser
 from vla.slot import StepResult, TenantSlot
 
@@ -98,10 +111,17 @@ def _check(results: dict[str, StepResult | Exception]) -> None:
 
 
 def _cell_fns(
-    bb: Backbone, norm: Normaliser, stage: str, num_tenants: int, local_batch: int
+    bb: Backbone,
+    norm: Normaliser,
+    stage: str,
+    num_tenants: int,
+    local_batch: int,
+    grouped_encoder: FeatureEncoder | None = None,
 ) -> tuple[Callable[[], object], Callable[[], object]]:
     """(serial, grouped) callables for one cell. Train cells get separate slot sets so each
-    side does the same work on its own optimizer state."""
+    side does the same work on its own optimizer state. ``grouped_encoder``: what the grouped
+    side encodes with (default the backbone; a :class:`vla.costmodel.SplitEncoder` splits)."""
+    enc: FeatureEncoder = bb if grouped_encoder is None else grouped_encoder
     if stage == "forward":
         parts = [r.inputs for r in _requests(bb, norm, num_tenants, local_batch)]
 
@@ -109,7 +129,7 @@ def _cell_fns(
             return [bb.encode(p) for p in parts]
 
         def grouped_fwd() -> object:
-            return encode_group(bb, parts)
+            return encode_group(enc, parts)
 
         return serial_fwd, grouped_fwd
     if stage == "train_step":
@@ -117,7 +137,7 @@ def _cell_fns(
         grouped_reqs = _requests(bb, norm, num_tenants, local_batch)
         return (
             lambda: _check(serial_train_step(bb, serial_reqs)),
-            lambda: _check(group_train_step(bb, grouped_reqs)),
+            lambda: _check(group_train_step(enc, grouped_reqs)),
         )
     raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
 
@@ -132,17 +152,50 @@ def run_grouping_bench(
     threads: int = 2,
     num_views: int = 1,
     token_budget: int = 16,
+    split: bool = True,
+    cost_table: str = costmodel.MEASURE,
 ) -> dict[str, Any]:
     """Time serial vs grouped backbone work for every (tenants, local batch, stage) cell.
 
     ``backbone``: a checkpoint directory or a tiny name (``tiny``, ``tiny-224``). ``repeats``
     interleaved serial/grouped pairs are timed per cell after ``warmup`` untimed pairs.
-    ``threads``: torch intra-op threads. Returns ``{"backbone", "device", "threads", "cells":
-    [{"tenants", "local_batch", "stage", "serial_ms", "grouped_ms", "speedup"}], ...}`` with
-    median milliseconds; ``speedup`` is the median over the interleaved pairs of
-    ``serial / grouped`` (robust to load drift on a shared machine; close to, not exactly,
-    the ratio of the two medians).
+    ``threads``: torch intra-op threads. ``split``: the grouped side splits its forward by
+    the cost table (``cost_table``: ``measure`` or a file, see
+    :func:`vla.costmodel.table_for`). Returns ``{"backbone", "device", "threads", "cells":
+    [{"tenants", "local_batch", "stage", "serial_ms", "grouped_ms", "speedup", "forwards"}],
+    "split", "cost_table", ...}`` with median milliseconds; ``speedup`` is the median over the
+    interleaved pairs of ``serial / grouped`` (robust to load drift on a shared machine; close
+    to, not exactly, the ratio of the two medians).
     """
+    _validate(tenants, local_batches, stages, repeats, warmup, threads)
+    torch.set_num_threads(threads)
+    cuda = torch.cuda.is_available()
+    bb = Backbone.load(
+        backbone, dtype="bfloat16" if cuda else "float32", device="cuda" if cuda else "cpu"
+    )
+    return sweep(
+        bb,
+        backbone,
+        tenants,
+        local_batches,
+        stages=stages,
+        repeats=repeats,
+        warmup=warmup,
+        num_views=num_views,
+        token_budget=token_budget,
+        split=split,
+        cost_table=cost_table,
+    )
+
+
+def _validate(
+    tenants: Sequence[int],
+    local_batches: Sequence[int],
+    stages: Sequence[str],
+    repeats: int,
+    warmup: int,
+    threads: int,
+) -> None:
     for name, v in (("repeats", repeats), ("threads", threads)):
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
@@ -153,18 +206,37 @@ def run_grouping_bench(
     for stage in stages:
         if stage not in STAGES:
             raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
-    torch.set_num_threads(threads)
-    cuda = torch.cuda.is_available()
-    bb = Backbone.load(
-        backbone, dtype="bfloat16" if cuda else "float32", device="cuda" if cuda else "cpu"
-    )
+
+
+def sweep(
+    bb: Backbone,
+    name: str,
+    tenants: Sequence[int],
+    local_batches: Sequence[int],
+    stages: Sequence[str] = STAGES,
+    repeats: int = 5,
+    warmup: int = 1,
+    num_views: int = 1,
+    token_budget: int = 16,
+    split: bool = True,
+    cost_table: str = costmodel.MEASURE,
+) -> dict[str, Any]:
+    """The cells of :func:`run_grouping_bench` on an already built backbone ``bb`` (reported
+    as ``name``), at the current torch thread count."""
+    _validate(tenants, local_batches, stages, repeats, warmup, torch.get_num_threads())
     norm = Normaliser(bb, num_views=num_views, token_budget=token_budget)
     device = torch.device(bb.device)
+    cuda = device.type == "cuda"
+    table = None
+    if split:
+        largest = max(tenants) * max(local_batches)
+        table = costmodel.table_for(bb, cost_table, max_samples=max(2, largest))
     cells = []
     for stage in stages:
         for n in tenants:
             for b in local_batches:
-                serial_fn, grouped_fn = _cell_fns(bb, norm, stage, n, b)
+                encoder = None if table is None else costmodel.SplitEncoder(bb, table)
+                serial_fn, grouped_fn = _cell_fns(bb, norm, stage, n, b, encoder)
                 serial_ms: list[float] = []
                 grouped_ms: list[float] = []
                 for i in range(warmup + repeats):
@@ -182,20 +254,26 @@ def run_grouping_bench(
                         "serial_ms": round(statistics.median(serial_ms), 3),
                         "grouped_ms": round(statistics.median(grouped_ms), 3),
                         "speedup": round(statistics.median(ratios), 3),
+                        "forwards": (
+                            1 if table is None else len(table.chunks(n * b, norm.seq_len))
+                        ),
                     }
                 )
     return {
-        "backbone": backbone,
+        "backbone": name,
         "backbone_id": bb.backbone_id,
+        "num_params": bb.num_params,
         "device": torch.cuda.get_device_name(device) if cuda else f"cpu ({platform.machine()})",
         "dtype": str(bb.dtype).removeprefix("torch."),
-        "threads": threads,
+        "threads": torch.get_num_threads(),
         "repeats": repeats,
         "warmup": warmup,
         "num_views": num_views,
         "token_budget": token_budget,
         "prefix_tokens": norm.seq_len,
         "torch": torch.__version__,
+        "split": table is not None,
+        "cost_table": None if table is None else table.to_json(),
         "cells": cells,
     }
 
@@ -206,6 +284,7 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"group batching: backbone {result['backbone']} on {result['device']}, "
         f"{result['threads']} threads, median of {result.get('repeats', '?')} interleaved runs"
+        + (", grouped forwards split by the cost table" if result.get("split") else "")
     ]
     stages = list(dict.fromkeys(c["stage"] for c in result["cells"]))
     for stage in stages:
@@ -261,6 +340,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--views", type=int, default=1, help="camera views per sample")
     p.add_argument("--token-budget", type=int, default=16, help="text tokens per sample")
+    p.add_argument(
+        "--split",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split grouped forwards by the backbone's cost table (as the services do)",
+    )
+    p.add_argument(
+        "--cost-table",
+        default=costmodel.MEASURE,
+        help="'measure' (before the sweep) or a JSON file (read; written if missing)",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     args = p.parse_args(argv)
     repeats = args.repeats or DEFAULT_REPEATS.get(args.backbone, FALLBACK_REPEATS)
@@ -275,6 +365,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         threads=args.threads,
         num_views=args.views,
         token_budget=args.token_budget,
+        split=args.split,
+        cost_table=args.cost_table,
     )
     print(format_table(result))
     if args.json:
