@@ -218,8 +218,8 @@ def add_operator_commands(sub: Subcommands) -> None:
     ed.add_argument("--kwargs", default="{}", help="env constructor arguments as JSON")
     ed.add_argument("--image-size", type=int, default=64)
 
-    d = sub.add_parser("data", help="offline datasets")
-    dsub = d.add_subparsers(dest="data_cmd", required=True, metavar="command")
+    # The tenant CLI made the ``data`` group (push, list); record and inspect join it.
+    dsub = tenant_cli.data_commands(sub)
     dr = add_command(dsub, "record", _data_record, help="record scripted-expert demonstrations")
     dr.add_argument("--env", required=True)
     dr.add_argument("--episodes", type=int, required=True)

@@ -19,6 +19,7 @@ from typing import Any
 
 from bus.codec import decode
 from bus.connect import connect
+from bus.datasets import register_path
 from bus.kv import kv_values
 from bus.local import StackInfo
 from clients.sdk import Client
@@ -53,7 +54,7 @@ def job_specs(
                 "kind": "sft",
                 "tenant": f"{prefix}-{i}",
                 "backbone": backbone,
-                "dataset": str(data[head["action_dim"]]),
+                "dataset": data[head["action_dim"]].name,  # an id in the tenant's namespace
                 "head": head,
                 "steps": steps,
                 "batch_size": batch,
@@ -75,9 +76,15 @@ async def trainer_gauges(info: StackInfo) -> dict[str, float]:
     raise RuntimeError("no trainer heartbeat")
 
 
-async def run_jobs(info: StackInfo, specs: list[dict[str, Any]], concurrent: bool) -> float:
-    """Wall seconds from the first submit to the last job's success."""
+async def run_jobs(
+    info: StackInfo, specs: list[dict[str, Any]], concurrent: bool, data: dict[int, Path]
+) -> float:
+    """Wall seconds from the first submit to the last job's success (each tenant's dataset
+    is registered in its namespace first, as the operator does, outside the timing)."""
     async with await Client.connect(info.url, user=info.user, password=info.password) as client:
+        for spec in specs:
+            path = data[spec["head"]["action_dim"]]
+            await register_path(client.js, spec["tenant"], spec["dataset"], path)
         t0 = time.perf_counter()
         if concurrent:
             jobs = [await client.train_sft(s) for s in specs]
@@ -89,11 +96,15 @@ async def run_jobs(info: StackInfo, specs: list[dict[str, Any]], concurrent: boo
 
 
 async def measure(
-    info: StackInfo, specs: list[dict[str, Any]], concurrent: bool, samples: int
+    info: StackInfo,
+    specs: list[dict[str, Any]],
+    concurrent: bool,
+    samples: int,
+    data: dict[int, Path],
 ) -> dict[str, float]:
     await asyncio.sleep(1.5)  # let the previous run's last heartbeat gauges land
     before = await trainer_gauges(info)
-    wall = await run_jobs(info, specs, concurrent)
+    wall = await run_jobs(info, specs, concurrent, data)
     await asyncio.sleep(1.5)
     after = await trainer_gauges(info)
     compute = after["compute_s"] - before["compute_s"]
@@ -144,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                     info,
                     job_specs("warm", 1, 5, args.batch_size, data, backbone_id, args.token_budget),
                     True,
+                    data,
                 )
             )
             multi = asyncio.run(
@@ -160,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                     ),
                     True,
                     samples,
+                    data,
                 )
             )
             seq = asyncio.run(
@@ -176,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                     ),
                     False,
                     samples,
+                    data,
                 )
             )
         finally:

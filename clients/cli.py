@@ -1,5 +1,9 @@
 """The tenant half of the ``joynexus`` command line: ``submit``, ``watch``, ``status``,
-``cancel``.
+``cancel``, ``export``, ``data push`` and ``data list``.
+
+A command that names a tenant connects as that tenant: ``--creds`` / ``JOYNEXUS_CREDS`` if
+given, else, against a local stack with auth, ``<home>/creds/<tenant>.creds`` (else the
+operator's).
 
 These commands use only the SDK (so only ``bus`` and ``schemas``). The operator commands
 (``up``, ``demo``, ``bench``, ``data``, ``model``, ``scale``) need the services and the model
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -24,8 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from bus.datasets import DatasetStoreError
 from bus.local import DEFAULT_HOME
-from clients.sdk import Client, Job, JobFailed
+from clients.sdk import Client, Job, JobFailed, RequestError
 from schemas.events import (
     Accepted,
     ErrorEvent,
@@ -35,6 +41,7 @@ from schemas.events import (
     Rejected,
     StateChanged,
 )
+from schemas.ids import InvalidIdError
 from schemas.specs import JobSpecError
 
 #: ``run(args)`` of a command: its exit code.
@@ -48,16 +55,20 @@ def home_of(args: argparse.Namespace) -> Path:
     return Path(args.home or os.environ.get("JOYNEXUS_HOME") or DEFAULT_HOME)
 
 
-async def _client(args: argparse.Namespace) -> Client:
-    url = args.url or os.environ.get("JOYNEXUS_URL")
+async def _client(args: argparse.Namespace, tenant: str | None = None) -> Client:
+    """A client for the command: on ``--url`` / ``JOYNEXUS_URL`` with ``--creds`` /
+    ``JOYNEXUS_CREDS``, else on the local stack under the home, as ``tenant`` if its creds
+    file is there."""
+    url = getattr(args, "url", None) or os.environ.get("JOYNEXUS_URL")
+    creds = getattr(args, "creds", None) or os.environ.get("JOYNEXUS_CREDS")
     if url:
         return await Client.connect(
             url,
-            creds=args.creds or os.environ.get("JOYNEXUS_CREDS"),
+            creds=creds,
             user=os.environ.get("JOYNEXUS_USER"),
             password=os.environ.get("JOYNEXUS_PASSWORD"),
         )
-    return await Client.connect(home=home_of(args))
+    return await Client.connect(home=home_of(args), creds=creds, tenant=tenant)
 
 
 def _progress_line(ev: Progress, started: float, now: float) -> str:
@@ -118,7 +129,8 @@ async def _follow(client: Client, job: Job) -> int:
 
 
 async def _submit(args: argparse.Namespace, document: Any) -> int:
-    client = await _client(args)
+    tenant = document.get("tenant") if isinstance(document, dict) else None
+    client = await _client(args, tenant if isinstance(tenant, str) else None)
     try:
         try:
             job = await client.submit(document, job_id=args.job_id)
@@ -132,7 +144,7 @@ async def _submit(args: argparse.Namespace, document: Any) -> int:
 
 
 async def _watch(args: argparse.Namespace) -> int:
-    client = await _client(args)
+    client = await _client(args, args.tenant)
     try:
         return await _follow(client, Job(client, args.tenant, args.job))
     finally:
@@ -140,7 +152,7 @@ async def _watch(args: argparse.Namespace) -> int:
 
 
 async def _status(args: argparse.Namespace) -> int:
-    client = await _client(args)
+    client = await _client(args, args.tenant)
     try:
         records = await client.jobs(args.tenant)
         if args.job:
@@ -160,13 +172,99 @@ async def _status(args: argparse.Namespace) -> int:
 
 
 async def _cancel(args: argparse.Namespace) -> int:
-    client = await _client(args)
+    client = await _client(args, args.tenant)
     try:
         await client.cancel(args.tenant, args.job, args.reason)
         print(f"cancel requested for {args.tenant}/{args.job}")
         return 0
     finally:
         await client.close()
+
+
+def default_dataset_id(directory: Path) -> str:
+    """A dataset id from a directory's name (``data/Reach_2D`` → ``reach-2d``)."""
+    return re.sub(r"[^a-z0-9-]", "-", directory.resolve().name.lower()).strip("-")
+
+
+async def _data_push(args: argparse.Namespace, dataset_id: str) -> int:
+    directory = Path(args.dir)
+    client = await _client(args, args.tenant)
+    try:
+        try:
+            pushed = await client.push_dataset(
+                args.tenant,
+                directory,
+                dataset_id,
+                on_file=lambda path: print(f"uploaded {path}", flush=True),
+            )
+        except (RequestError, DatasetStoreError, InvalidIdError) as exc:
+            print(f"joynexus data push: {exc}", file=sys.stderr)
+            return 1
+        r = pushed.record
+        print(
+            f"dataset {r.dataset} in tenant {r.tenant}'s namespace: {r.files} files, "
+            f"{r.bytes} bytes ({len(pushed.report.uploaded)} uploaded, "
+            f"{len(pushed.report.skipped)} already there); name it as `dataset: {r.dataset}`"
+        )
+        return 0
+    finally:
+        await client.close()
+
+
+async def _data_list(args: argparse.Namespace) -> int:
+    client = await _client(args, args.tenant)
+    try:
+        for r in await client.datasets(args.tenant):
+            where = r.path if r.source == "registered" else f"{r.bucket}/{r.prefix}"
+            print(f"{r.dataset:<24} {r.source:<10} {r.files:>6} files {r.bytes:>12} B  {where}")
+        return 0
+    finally:
+        await client.close()
+
+
+async def _export(args: argparse.Namespace) -> int:
+    client = await _client(args, args.tenant)
+    try:
+        try:
+            path = await client.export_policy(args.tenant, args.job, args.version, args.out)
+        except RequestError as exc:
+            print(f"joynexus export: {exc}", file=sys.stderr)
+            return 1
+        print(f"exported {args.tenant}/{args.job} to {path}")
+        return 0
+    finally:
+        await client.close()
+
+
+def add_data_commands(dsub: Subcommands) -> None:
+    """``push`` and ``list`` on the ``data`` command group's subcommands ``dsub``."""
+    push = add_command(
+        dsub,
+        "push",
+        lambda a: asyncio.run(_data_push(a, a.id or default_dataset_id(Path(a.dir)))),
+        bus=True,
+        help="upload a dataset directory into a tenant's namespace (resumable)",
+    )
+    push.add_argument("dir")
+    push.add_argument("--tenant", required=True)
+    push.add_argument("--id", help="dataset id (default: the directory's name)")
+    ls = add_command(
+        dsub,
+        "list",
+        lambda a: asyncio.run(_data_list(a)),
+        bus=True,
+        help="the datasets in a tenant's namespace",
+    )
+    ls.add_argument("--tenant", required=True)
+
+
+def data_commands(sub: Subcommands) -> Subcommands:
+    """The subcommands of the ``data`` group :func:`build_parser` made (to add more to)."""
+    group = sub.choices["data"]
+    for action in group._actions:  # argparse keeps its subparsers only there
+        if isinstance(action, argparse._SubParsersAction):
+            return action
+    raise AssertionError("the data group has no subcommands")
 
 
 def add_stack_options(p: argparse.ArgumentParser, *, top: bool = False, bus: bool = True) -> None:
@@ -244,6 +342,21 @@ def build_parser(
     c.add_argument("tenant")
     c.add_argument("job")
     c.add_argument("--reason", default="")
+
+    e = add_command(
+        sub,
+        "export",
+        lambda a: asyncio.run(_export(a)),
+        bus=True,
+        help="download a committed policy version of a job (verified by its sha256)",
+    )
+    e.add_argument("tenant")
+    e.add_argument("job")
+    e.add_argument("--version", type=int, default=0, help="policy version (default: latest)")
+    e.add_argument("--out", default=".", help="directory to write <job>-v<version>.ckpt to")
+
+    d = sub.add_parser("data", help="datasets: push, list (and record, inspect with joynexus)")
+    add_data_commands(d.add_subparsers(dest="data_cmd", required=True, metavar="command"))
     return p, sub
 
 
@@ -253,7 +366,7 @@ def main(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | No
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
         return int(args.run(args))
-    except (ConnectionError, JobFailed) as exc:
+    except (ConnectionError, JobFailed, RequestError) as exc:
         print(f"joynexus: {exc}", file=sys.stderr)
         return 1
 

@@ -1,39 +1,52 @@
 """The tenant SDK: submit jobs and follow them over the bus.
 
 ```python
-client = await Client.connect("nats://127.0.0.1:4222", user=..., password=...)
-job = await client.train_sft(spec)          # validated locally, then by the master
+client = await Client.connect("nats://127.0.0.1:4222", creds="alice.creds")
+await client.push_dataset("alice", "data/reach2d", "reach2d")   # into alice's namespace
+job = await client.train_sft(spec)          # spec says dataset: reach2d
 async for event in job.events():            # accepted, progress, policy, state, ...
     print(event)
 result = await job.wait()                   # final status, metrics, policy version
+await client.export_policy("alice", job.job_id, out_dir="out")
 ```
+
+A tenant reads no KV bucket and no object store but its own bucket (the broker denies the
+rest): job records, datasets and served backbones come from the master's answers to
+``nexus.ctl.tenant.<tenant>.<op>`` / ``nexus.ctl.backbones`` (:mod:`schemas.tenantctl`), and
+a job's events come through a push consumer the tenant creates on its own events only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import DigestMismatchError, NotFoundError, ObjectNotFoundError
 from pydantic import BaseModel
 
-from bus.codec import decode
+from bus.codec import DecodeError, decode, encode
 from bus.connect import connect
+from bus.datasets import PushReport, push_dataset, sha256_file, tenant_store
 from bus.envinfo import request_description
 from bus.local import read_stack_info
-from bus.placement import live_placements
 from bus.publish import msg_id, publish
-from bus.records import get_job, list_jobs
+from bus.records import list_jobs
 from schemas import headers, subjects
 from schemas.envdesc import EnvDescription
 from schemas.events import (
@@ -49,6 +62,40 @@ from schemas.ids import validate_id
 from schemas.jobs import TERMINAL_STATUSES, JobCancel, JobRecord, JobSubmit
 from schemas.placement import PlacementRecord
 from schemas.specs import JobSpec, parse_job_spec
+from schemas.tenantctl import (
+    BACKBONES_REPLY_DECODER,
+    TENANT_REPLY_DECODER,
+    AddDataset,
+    Backbones,
+    CtlError,
+    DatasetAdded,
+    DatasetsReply,
+    ExportPolicy,
+    GetJob,
+    JobReply,
+    JobsReply,
+    ListDatasets,
+    ListJobs,
+    PolicyExported,
+    TenantReply,
+    TenantRequest,
+)
+from schemas.tenants import DatasetRecord
+
+#: How long a request waits for the master's answer (a dataset-add downloads and checks).
+REQUEST_TIMEOUT_S = 10.0
+DATASET_ADD_TIMEOUT_S = 300.0
+
+
+class RequestError(RuntimeError):
+    """The master refused or could not answer a request: ``code`` as in
+    :class:`schemas.tenantctl.CtlError` (``no_master`` when nobody answered), ``retryable``
+    whether asking again may help."""
+
+    def __init__(self, message: str, *, code: str, retryable: bool) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retryable = retryable
 
 
 class JobFailed(RuntimeError):
@@ -75,6 +122,111 @@ def new_job_id(kind: str) -> str:
     return f"{kind}-{uuid.uuid4().hex[:12]}"
 
 
+class EventFollower:
+    """One job's events from the first, in order, through a push consumer on ``EVENTS``.
+
+    The consumer is created with a fresh name and a single filter subject, so nats.py asks
+    ``$JS.API.CONSUMER.CREATE.EVENTS.<name>.nexus.event.<tenant>.<job>.>`` — the one form a
+    tenant's permissions allow, on its own events only — and it delivers to the connection's
+    own inbox. It needs no acks and no pull (tenants get no ``MSG.NEXT``). The server sends
+    an idle heartbeat every ``heartbeat_s``; when nothing at all arrives for three of them
+    (the consumer was lost: a broker restart, a deletion) or a delivery skips a sequence,
+    the follower makes a new consumer, under a new name (nats.py's ordered consumer reuses
+    its name, which the server refuses while the old consumer lives), starting after the
+    last stream sequence it returned, so nothing is skipped or repeated.
+    """
+
+    def __init__(self, nc: NATS, tenant: str, job_id: str, heartbeat_s: float = 2.0) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.filter = subjects.events_of_job(tenant, job_id)
+        self.job_id = job_id
+        self.heartbeat_s = heartbeat_s
+        self.sub: Subscription | None = None
+        self.consumer = ""
+        #: Stream sequence of the last event returned; consumer sequence of the last seen.
+        self.last_stream_seq = 0
+        self.last_consumer_seq = 0
+        #: Consumers created after the first (each a recovery from a stall or a gap).
+        self.resets = -1
+
+    async def _create(self) -> None:
+        await self._drop()
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        start = self.last_stream_seq + 1
+        config = ConsumerConfig(
+            name=uuid.uuid4().hex,
+            deliver_subject=inbox,
+            filter_subject=self.filter,
+            ack_policy=AckPolicy.NONE,
+            deliver_policy=DeliverPolicy.ALL if start == 1 else DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=None if start == 1 else start,
+            idle_heartbeat=self.heartbeat_s,
+            # Left behind by a reset or a closed client, it goes by itself (tenants may not
+            # delete consumers).
+            inactive_threshold=max(10.0, 5 * self.heartbeat_s),
+            mem_storage=True,
+            num_replicas=1,
+        )
+        try:
+            info = await self.js.add_consumer(subjects.STREAM_EVENTS, config=config)
+        except BaseException:
+            await sub.unsubscribe()
+            raise
+        self.sub, self.consumer = sub, info.name or ""
+        self.last_consumer_seq = 0
+        self.resets += 1
+
+    async def _drop(self) -> None:
+        if self.sub is not None:
+            sub, self.sub = self.sub, None
+            with contextlib.suppress(NatsError):
+                await sub.unsubscribe()
+
+    async def next(self, timeout: float) -> Msg:
+        """The next event message; TimeoutError if none comes within ``timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError(f"no event from job {self.job_id} in {timeout:g}s")
+            if self.sub is None:
+                try:
+                    await self._create()
+                except (NatsError, TimeoutError):  # the broker is away: try again shortly
+                    await asyncio.sleep(min(remaining, self.heartbeat_s))
+                    continue
+            assert self.sub is not None
+            try:
+                msg = await self.sub.next_msg(timeout=min(remaining, 3 * self.heartbeat_s))
+            except NatsTimeoutError:
+                if loop.time() < deadline:
+                    await self._drop()  # not even a heartbeat: the consumer is gone
+                continue
+            if msg.headers and msg.headers.get("Status") == "100":  # heartbeat / flow control
+                last = msg.headers.get("Nats-Last-Consumer")
+                if last is not None and int(last) > self.last_consumer_seq:
+                    await self._drop()  # a delivery was missed
+                elif msg.reply:
+                    await self.nc.publish(msg.reply)
+                continue
+            try:
+                sequence = msg.metadata.sequence
+            except (ValueError, IndexError, NatsError):
+                continue  # not a JetStream delivery
+            if sequence.consumer != self.last_consumer_seq + 1:
+                await self._drop()
+                continue
+            self.last_consumer_seq = sequence.consumer
+            self.last_stream_seq = sequence.stream
+            return msg
+
+    async def close(self) -> None:
+        await self._drop()
+
+
 class Job:
     """A submitted job: its events and its outcome."""
 
@@ -83,22 +235,17 @@ class Job:
         self.tenant = tenant
         self.job_id = job_id
 
-    async def events(self, idle_timeout: float | None = None) -> AsyncIterator[Event]:
+    async def events(
+        self, idle_timeout: float | None = None, *, heartbeat_s: float = 2.0
+    ) -> AsyncIterator[Event]:
         """All of the job's events from the first, in order, until it ends (terminal state
-        or rejection). ``idle_timeout`` bounds the wait for each next event."""
-        sub = await self.client.js.subscribe(
-            subjects.events_of_job(self.tenant, self.job_id),
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.ALL,
-        )
+        or rejection). ``idle_timeout`` bounds the wait for each next event; a delivery that
+        stalls for ``3 * heartbeat_s`` or skips one resumes after the last event seen
+        (:class:`EventFollower`)."""
+        follower = EventFollower(self.client.nc, self.tenant, self.job_id, heartbeat_s)
         try:
             while True:
-                try:
-                    msg = await sub.next_msg(timeout=idle_timeout or 3600.0)
-                except NatsTimeoutError as exc:
-                    raise TimeoutError(
-                        f"no event from job {self.job_id} in {idle_timeout}s"
-                    ) from exc
+                msg = await follower.next(idle_timeout or 3600.0)
                 event = decode(EVENT_DECODER, msg.data)
                 yield event
                 if isinstance(event, Rejected) or (
@@ -106,7 +253,7 @@ class Job:
                 ):
                     return
         finally:
-            await sub.unsubscribe()
+            await follower.close()
 
     async def wait(self, timeout: float | None = None) -> JobResult:
         """Wait for the end; return the result if it succeeded, else raise :class:`JobFailed`."""
@@ -140,6 +287,18 @@ class Job:
         await self.client.cancel(self.tenant, self.job_id, reason)
 
 
+def local_creds(creds_dir: Path, tenant: str | None) -> Path:
+    """The creds file a client of a local stack uses: the tenant's, else the operator's."""
+    if tenant is not None:
+        own = creds_dir / f"{validate_id(tenant, 'tenant')}.creds"
+        if own.exists():
+            return own
+    operator = creds_dir / "operator.creds"
+    if not operator.exists():
+        raise ConnectionError(f"no creds for tenant {tenant!r} or the operator in {creds_dir}")
+    return operator
+
+
 class Client:
     """A tenant's connection to JoyNexus."""
 
@@ -157,9 +316,12 @@ class Client:
         password: str | None = None,
         tls: ssl.SSLContext | None = None,
         home: str | Path | None = None,
+        tenant: str | None = None,
     ) -> Client:
         """Connect to ``url``, or to the local stack started under ``home`` (its stack file
-        holds the URL and credentials)."""
+        holds the URL and, with auth on, where the identities' creds files are). Against a
+        local stack with auth, the identity is ``creds`` if given, else ``tenant``'s creds
+        file (``<creds_dir>/<tenant>.creds``) if it exists, else the operator's."""
         if url is None:
             info = read_stack_info(Path(home or ".joynexus"))
             if info is None:
@@ -167,7 +329,13 @@ class Client:
                     f"no bus URL given and no local stack found under {home or '.joynexus'}; "
                     "start one with `joynexus up` or pass --url"
                 )
-            url, user, password = info.url, info.user, info.password
+            url = info.url
+            # Field names of bus.local.StackInfo (auth and creds_dir since issue 9).
+            auth, creds_dir = getattr(info, "auth", False), getattr(info, "creds_dir", "")
+            if auth and creds is None:
+                creds = local_creds(Path(creds_dir), tenant)
+            elif not auth:
+                user, password = info.user or user, info.password or password
         return cls(
             await connect(
                 url, name="joynexus-client", creds=creds, user=user, password=password, tls=tls
@@ -248,16 +416,147 @@ class Client:
             self.nc, env_id, dict(env_kwargs or {}), image_size=image_size, timeout=timeout
         )
 
+    async def request(
+        self, tenant: str, request: TenantRequest, *, timeout: float = REQUEST_TIMEOUT_S
+    ) -> TenantReply:
+        """Send one of the tenant's requests to the master; raise :class:`RequestError` for
+        an error reply or when no master answers."""
+        op = type(request).__struct_config__.tag
+        assert isinstance(op, str)
+        reply = await self._ask(subjects.tenant_ctl(tenant, op), encode(request), timeout)
+        try:
+            answer = decode(TENANT_REPLY_DECODER, reply)
+        except DecodeError as exc:
+            raise RequestError(
+                f"malformed {op} reply: {exc}", code="malformed", retryable=False
+            ) from exc
+        if isinstance(answer, CtlError):
+            raise RequestError(answer.message, code=answer.code, retryable=answer.retryable)
+        return answer
+
+    async def _ask(self, subject: str, data: bytes, timeout: float) -> bytes:
+        """One request, asked again while no master is subscribed (one may be starting or
+        restarting) until ``timeout`` has passed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            remaining = deadline - loop.time()
+            try:
+                msg = await self.nc.request(subject, data, timeout=max(remaining, 0.01))
+                return bytes(msg.data)
+            except NoRespondersError as exc:
+                if loop.time() + 0.2 >= deadline:
+                    raise RequestError(
+                        f"no master answered {subject} within {timeout:g}s (is it running?)",
+                        code="no_master",
+                        retryable=True,
+                    ) from exc
+                await asyncio.sleep(0.2)
+            except (NatsTimeoutError, TimeoutError) as exc:
+                raise RequestError(
+                    f"no answer on {subject} within {timeout:g}s (is it your tenant's subject?)",
+                    code="no_master",
+                    retryable=True,
+                ) from exc
+
     async def status(self, tenant: str, job_id: str) -> JobRecord | None:
-        """The job's record in the ``jobs`` KV (None if the master has not recorded it)."""
-        record, _ = await get_job(await self.js.key_value(subjects.KV_JOBS), tenant, job_id)
-        return record
+        """The job's record (None if the master has not recorded it), asked of the master."""
+        try:
+            reply = await self.request(tenant, GetJob(tenant, job_id))
+        except RequestError as exc:
+            if exc.code == "not_found":
+                return None
+            raise
+        assert isinstance(reply, JobReply)
+        return reply.record
 
     async def backbones(self) -> list[PlacementRecord]:
         """What is served now: one record per live trainer or inferencer instance, with
         the backbone's id, architecture, parameter count, image size and token budget."""
-        return await live_placements(self.js)
+        data = await self._ask(subjects.BACKBONES_QUERY, b"", REQUEST_TIMEOUT_S)
+        try:
+            reply = decode(BACKBONES_REPLY_DECODER, data)
+        except DecodeError as exc:
+            raise RequestError(
+                f"malformed backbones reply: {exc}", code="malformed", retryable=False
+            ) from exc
+        if isinstance(reply, CtlError):
+            raise RequestError(reply.message, code=reply.code, retryable=reply.retryable)
+        assert isinstance(reply, Backbones)
+        return reply.placements
 
     async def jobs(self, tenant: str | None = None) -> list[JobRecord]:
-        """All job records (of ``tenant`` if given), oldest first."""
-        return await list_jobs(self.js, tenant)
+        """The tenant's job records, oldest first. Without ``tenant``, every tenant's, read
+        from the ``jobs`` KV: the operator's view (a tenant's identity may not read KV)."""
+        if tenant is None:
+            return await list_jobs(self.js)
+        reply = await self.request(tenant, ListJobs(tenant))
+        assert isinstance(reply, JobsReply)
+        return reply.records
+
+    async def datasets(self, tenant: str) -> list[DatasetRecord]:
+        """The datasets in the tenant's namespace (pushed or registered by the operator)."""
+        reply = await self.request(tenant, ListDatasets(tenant))
+        assert isinstance(reply, DatasetsReply)
+        return reply.records
+
+    async def push_dataset(
+        self,
+        tenant: str,
+        directory: str | Path,
+        dataset_id: str,
+        *,
+        on_file: Callable[[str], None] | None = None,
+    ) -> PushedDataset:
+        """Upload a dataset directory into the tenant's bucket (files already there with the
+        same SHA-256 are skipped: an interrupted push resumes) and add it to the tenant's
+        namespace: the master verifies every file and checks the dataset, and a spec can
+        then name it as ``dataset: <dataset_id>``. Raises :class:`RequestError` naming the
+        bad file, or :class:`bus.datasets.DatasetStoreError` for a directory it cannot push."""
+        report = await push_dataset(self.js, tenant, directory, dataset_id, on_file=on_file)
+        reply = await self.request(
+            tenant, AddDataset(tenant, dataset_id), timeout=DATASET_ADD_TIMEOUT_S
+        )
+        assert isinstance(reply, DatasetAdded)
+        return PushedDataset(report, reply.record)
+
+    async def export_policy(
+        self, tenant: str, job_id: str, version: int = 0, out_dir: str | Path = "."
+    ) -> Path:
+        """Download a committed policy version (0 = the latest) of one of the tenant's jobs
+        into ``out_dir`` as ``<job>-v<version>.ckpt`` (a :class:`vla.slot.TenantSlot`
+        checkpoint), verified against the checkpoint's SHA-256; returns the file."""
+        reply = await self.request(tenant, ExportPolicy(tenant, job_id, version), timeout=60.0)
+        assert isinstance(reply, PolicyExported)
+        store = await tenant_store(self.js, tenant, create=False)
+        out = Path(out_dir)
+        await asyncio.to_thread(out.mkdir, parents=True, exist_ok=True)
+        target = out / f"{job_id}-v{reply.version}.ckpt"
+        partial = target.with_suffix(".partial")
+        try:
+            with partial.open("wb") as f:
+                await store.get(reply.object_name, writeinto=f)
+        except (ObjectNotFoundError, NotFoundError, DigestMismatchError) as exc:
+            raise RequestError(
+                f"exported policy {reply.object_name} could not be read: {exc!r}",
+                code="unavailable",
+                retryable=True,
+            ) from exc
+        got = await asyncio.to_thread(sha256_file, partial)
+        if got != reply.sha256:
+            raise RequestError(
+                f"exported policy {reply.object_name}: sha256 {got} is not {reply.sha256}",
+                code="invalid",
+                retryable=True,
+            )
+        await asyncio.to_thread(partial.replace, target)
+        return target
+
+
+@dataclass
+class PushedDataset:
+    """What :meth:`Client.push_dataset` did (files uploaded and skipped) and the record of
+    the dataset now in the tenant's namespace."""
+
+    report: PushReport
+    record: DatasetRecord

@@ -9,13 +9,39 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
-from schemas.ids import ID_PATTERN
+from schemas.ids import ID_PATTERN, InvalidIdError, validate_id
 from schemas.model import HeadConfig, OptimizerConfig
 from schemas.train import PPOConfig
 
 Id = Annotated[str, Field(pattern=ID_PATTERN)]
+
+
+def _dataset_id(value: str) -> str:
+    """A dataset is named by its id in the tenant's namespace, never by a path on the
+    services' disks (DESIGN.md §5)."""
+    try:
+        return validate_id(value, "dataset id")
+    except InvalidIdError:
+        looks_like_path = "/" in value or "\\" in value or value.startswith(".")
+        raise ValueError(
+            f"{value!r} is not a dataset id"
+            + (" (paths are not accepted)" if looks_like_path else "")
+            + ": name a dataset of your namespace (lowercase letters, digits and '-'); push "
+            "it with `joynexus data push DIR --tenant T` or ask the operator to register it"
+        ) from None
+
+
+#: A dataset id in the job's tenant's namespace (see :mod:`bus.datasets`).
+DatasetId = Annotated[str, AfterValidator(_dataset_id)]
 
 
 class JobSpecError(ValueError):
@@ -88,7 +114,9 @@ class SFTJobSpec(_Strict):
     kind: Literal["sft"]
     tenant: Id
     backbone: Id = Field("tiny", description="Backbone id served by a trainer.")
-    dataset: str = Field(min_length=1, description="Path of a LeRobot-style dataset dir.")
+    dataset: DatasetId = Field(
+        description="Id of a dataset in the tenant's namespace (pushed or registered)."
+    )
     head: HeadSpec
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     batch_size: int = Field(8, ge=1, le=4096)
@@ -171,7 +199,9 @@ class EvalJobSpec(_Strict):
     policy_version: int = Field(0, ge=0, description="0 = the latest at submit time.")
     env: str | None = None
     env_kwargs: dict[str, float | int | str | bool] = Field(default_factory=dict)
-    dataset: str | None = None
+    dataset: DatasetId | None = Field(
+        None, description="Id of a dataset in the tenant's namespace (held-out episodes)."
+    )
     episodes: int = Field(16, ge=1, le=100_000)
     max_episode_steps: int = Field(50, ge=1, le=10_000)
     image_size: int = Field(64, ge=8, le=1024)

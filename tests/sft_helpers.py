@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch
 from nats.js import JetStreamContext
 
+from bus.datasets import register_path
 from bus.records import get_policy
 from clients.sdk import Client, Job
 from schemas import subjects
@@ -29,13 +31,25 @@ def record_datasets(root: Path) -> dict[str, Path]:
     return paths
 
 
+async def registered(
+    js: JetStreamContext, tenant: str, path: Path, dataset_id: str | None = None
+) -> str:
+    """Put the dataset directory ``path`` into ``tenant``'s namespace, as an operator does
+    (:func:`bus.datasets.register_path`); return the id a spec names it by (default: the
+    directory's name)."""
+    dataset_id = dataset_id or re.sub(r"[^a-z0-9-]", "-", path.name.lower()).strip("-")
+    await register_path(js, tenant, dataset_id, path)
+    return dataset_id
+
+
 def sft_spec(
-    tenant: str, dataset: Path, head: dict[str, object], steps: int, **kw: object
+    tenant: str, dataset: str, head: dict[str, object], steps: int, **kw: object
 ) -> dict[str, object]:
+    """An SFT spec on ``dataset``, an id in ``tenant``'s namespace (see :func:`registered`)."""
     spec: dict[str, object] = {
         "kind": "sft",
         "tenant": tenant,
-        "dataset": str(dataset),
+        "dataset": dataset,
         "head": head,
         "steps": steps,
         "batch_size": 8,

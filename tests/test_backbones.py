@@ -67,6 +67,12 @@ def listed(home: Path, want: int, timeout: float = 120) -> str:
 
 
 @pytest.mark.timeout(420)
+def push(home: Path, ds: Path, tenant: str) -> None:
+    """Push ``ds`` into ``tenant``'s namespace as dataset ``ds`` (a spec names it by id)."""
+    out = run("--home", str(home), "data", "push", str(ds), "--tenant", tenant, "--id", "ds")
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def test_up_on_a_saved_checkpoint_plus_tiny_serves_both_and_runs_sft_and_eval_on_it(
     tmp_path: Path,
 ) -> None:
@@ -80,6 +86,7 @@ def test_up_on_a_saved_checkpoint_plus_tiny_serves_both_and_runs_sft_and_eval_on
     with stack(home, "--backbone", str(ckpt), "--backbone", "tiny"):
         table = listed(home, 2)
         assert f"{bid} " in table and model_type in table and "tiny " in table, table
+        push(home, ds, tenant)
         print(f"ran on architecture {model_type} ({ARCH})\n{table}")
 
         # Unserved: rejected at submit, naming what is served.
@@ -88,7 +95,7 @@ def test_up_on_a_saved_checkpoint_plus_tiny_serves_both_and_runs_sft_and_eval_on
             kind="sft",
             tenant=tenant,
             backbone="nope",
-            dataset=str(ds),
+            dataset="ds",
             steps=2,
             head={"kind": "oft", "action_dim": 2},
         )
@@ -102,7 +109,7 @@ def test_up_on_a_saved_checkpoint_plus_tiny_serves_both_and_runs_sft_and_eval_on
             kind="sft",
             tenant=tenant,
             backbone=bid,
-            dataset=str(ds),
+            dataset="ds",
             steps=6,
             batch_size=4,
             head={"kind": "oft", "action_dim": 2, "chunk_len": 2},
@@ -135,12 +142,13 @@ def test_a_job_whose_backbone_trainer_stays_down_fails_past_the_deadline(tmp_pat
     assert rec.returncode == 0, rec.stderr
     home, tenant = tmp_path / "home", uid("down")
     with stack(home, "--backbone", str(broken), JOYNEXUS_BACKBONE_DEADLINE_S="4"):
+        push(home, ds, tenant)
         sft = write_spec(
             tmp_path / "sft.yaml",
             kind="sft",
             tenant=tenant,
             backbone="broken",
-            dataset=str(ds),
+            dataset="ds",
             steps=2,
             head={"kind": "oft", "action_dim": 2},
         )

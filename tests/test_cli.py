@@ -79,7 +79,7 @@ def test_up_then_submit_watch_and_status(tmp_path: Path) -> None:
             {
                 "kind": "sft",
                 "tenant": tenant,
-                "dataset": str(tmp_path / "ds"),
+                "dataset": "ds",  # pushed into the tenant's namespace below
                 "steps": 12,
                 "batch_size": 4,
                 "head": {"kind": "oft", "action_dim": 2, "chunk_len": 2},
@@ -99,6 +99,21 @@ def test_up_then_submit_watch_and_status(tmp_path: Path) -> None:
         while read_stack_info(home) is None:
             assert up.poll() is None and time.monotonic() < deadline, "stack did not start"
             time.sleep(0.1)
+        pushed = run(
+            "--home",
+            str(home),
+            "data",
+            "push",
+            str(tmp_path / "ds"),
+            "--tenant",
+            tenant,
+            "--id",
+            "ds",
+        )
+        assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+        assert f"dataset ds in tenant {tenant}'s namespace" in pushed.stdout
+        listed = run("--home", str(home), "data", "list", "--tenant", tenant)
+        assert listed.returncode == 0 and "ds " in listed.stdout and "pushed" in listed.stdout
         out = run("submit", str(spec), "--watch", "--home", str(home))
         assert out.returncode == 0, out.stdout + out.stderr
         assert "accepted (sft)" in out.stdout and "succeeded" in out.stdout
@@ -106,6 +121,11 @@ def test_up_then_submit_watch_and_status(tmp_path: Path) -> None:
         status = run("--home", str(home), "status", "--tenant", tenant)
         assert status.returncode == 0 and "succeeded" in status.stdout
         job_id = out.stdout.split(f"submitted {tenant}/", 1)[1].split()[0]
+        exported = run(
+            "--home", str(home), "export", tenant, job_id, "--out", str(tmp_path / "policy")
+        )
+        assert exported.returncode == 0, exported.stdout + exported.stderr
+        assert (tmp_path / "policy").glob(f"{job_id}-v*.ckpt"), exported.stdout
         watched = run("--home", str(home), "watch", tenant, job_id, timeout=60)
         assert watched.returncode == 0, watched.stdout + watched.stderr
         assert "accepted (sft)" in watched.stdout and "12/12" in watched.stdout

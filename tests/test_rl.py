@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from nats.js import JetStreamContext
 
+from bus.datasets import register_path
 from bus.records import get_policy
 from bus.server import EmbeddedServer
 from clients.sdk import Client, JobFailed
@@ -188,6 +189,7 @@ async def test_two_maniskill_rl_tenants_and_one_sft_tenant_share_the_services(
     record("JoyNexus/Reach2D-v0", 8, tmp_path / "reach", seed=0)
     push, pull, sft = uid("push"), uid("pull"), uid("sft")
     async with await Client.connect(nats_server.url) as client:
+        await register_path(client.js, sft, "reach", tmp_path / "reach")
         jobs = [
             await client.train_rl(maniskill_rl_spec(push, "PushCube-v1", PUSH_CUBE_HEAD)),
             await client.train_rl(
@@ -201,7 +203,7 @@ async def test_two_maniskill_rl_tenants_and_one_sft_tenant_share_the_services(
             await client.train_sft(
                 {
                     "tenant": sft,
-                    "dataset": str(tmp_path / "reach"),
+                    "dataset": "reach",
                     "steps": 30,
                     "batch_size": 4,
                     "token_budget": 8,
@@ -225,6 +227,7 @@ async def test_pipeline_sft_then_rl_then_eval(
     tenant = uid("pipe")
     head = {"kind": "oft", "action_dim": 2, "proprio_dim": 4, "value_head": True}
     async with await Client.connect(nats_server.url) as client:
+        await register_path(client.js, tenant, "reach", tmp_path / "reach")
         job = await client.pipeline(
             {
                 "tenant": tenant,
@@ -232,7 +235,7 @@ async def test_pipeline_sft_then_rl_then_eval(
                     {
                         "kind": "sft",
                         "tenant": tenant,
-                        "dataset": str(tmp_path / "reach"),
+                        "dataset": "reach",
                         "head": head,
                         "steps": 10,
                         "batch_size": 4,

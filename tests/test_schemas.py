@@ -162,12 +162,20 @@ def _spec(**overrides: object) -> dict[str, object]:
     spec: dict[str, object] = {
         "kind": "sft",
         "tenant": "acme",
-        "dataset": "/data/x",
+        "dataset": "reach-x",
         "steps": 10,
         "head": {"kind": "oft", "action_dim": 7, "chunk_len": 4},
     }
     spec.update(overrides)
     return spec
+
+
+@pytest.mark.parametrize("dataset", ["/data/x", "data/reach2d", "../alice/reach", "./x"])
+def test_a_dataset_path_in_a_spec_is_refused_naming_the_namespace(dataset: str) -> None:
+    with pytest.raises(JobSpecError, match=r"dataset: .* is not a dataset id \(paths are not"):
+        parse_job_spec(_spec(dataset=dataset))
+    with pytest.raises(JobSpecError, match=r"dataset: .*joynexus data push"):
+        parse_job_spec({"kind": "eval", "tenant": "acme", "policy_job": "j", "dataset": dataset})
 
 
 def test_spec_errors_name_the_field() -> None:

@@ -16,6 +16,7 @@ from nats.js.errors import KeyNotFoundError
 
 from bus.codec import decode, encode
 from bus.connect import connect
+from bus.datasets import register_path
 from bus.declare import declare
 from bus.kv import kv_values
 from bus.server import EmbeddedServer
@@ -58,11 +59,16 @@ def _dataset(tmp_path_factory: pytest.TempPathFactory) -> None:
     record("JoyNexus/Reach2D-v0", 2, DATASET, seed=0)
 
 
+async def _register(client: Client, tenant: str) -> None:
+    """Put :data:`DATASET` into ``tenant``'s namespace as ``reach`` (the operator's way)."""
+    await register_path(client.js, tenant, "reach", DATASET)
+
+
 def _sft_spec(tenant: str, **overrides: object) -> dict[str, object]:
     spec: dict[str, object] = {
         "kind": "sft",
         "tenant": tenant,
-        "dataset": str(DATASET),
+        "dataset": "reach",  # registered in each test's tenant namespace (_register)
         "steps": 5,
         "head": {"kind": "oft", "action_dim": 2, "chunk_len": 4},
     }
@@ -82,6 +88,7 @@ async def test_master_accepts_valid_job_and_records_it(
 ) -> None:
     tenant = uid("acme")
     async with await Client.connect(nats_server.url) as client:
+        await _register(client, tenant)
         job = await client.submit(_sft_spec(tenant))
         events = []
         async for ev in job.events(idle_timeout=30):
@@ -97,6 +104,7 @@ async def test_master_rejects_bad_spec_naming_the_field_and_dead_letters_it(
 ) -> None:
     tenant = uid("acme")
     async with await Client.connect(nats_server.url) as client:
+        await _register(client, tenant)
         # Bypass the SDK's local validation: the master must not trust clients.
         spec = json.dumps(_sft_spec(tenant, optimiser={"lr": 0.1})).encode()
         await js.publish(
@@ -131,6 +139,7 @@ async def test_malformed_message_never_stops_the_master(
 
         with pytest.raises(JobFailed, match="malformed job command"):
             await Job(client, tenant, "junk").wait(timeout=30)
+        await _register(client, tenant)
         job = await client.submit(_sft_spec(tenant))
         record = await eventually(
             lambda: client.status(tenant, job.job_id), timeout=30, what="later job accepted"
@@ -204,6 +213,7 @@ async def test_broker_sigkill_loses_no_accepted_job(tmp_path: Path, procs: Procs
         tenant = uid("crash")
         async with await Client.connect(server.url) as client:
             await declare(client.js)  # as any service does at start-up
+            await _register(client, tenant)
             jobs = [await client.submit(_sft_spec(tenant)) for _ in range(5)]
         server.kill()
         server.restart()

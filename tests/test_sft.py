@@ -23,6 +23,7 @@ from tests.sft_helpers import (
     final_policy,
     follow,
     record_datasets,
+    registered,
     sft_spec,
     start_stack,
 )
@@ -45,8 +46,8 @@ async def test_two_tenants_sft_concurrently_match_their_solo_runs(
     start_stack(nats_server.url, tmp_path / "logs", procs)
     steps = 30
     a, b = uid("arm"), uid("gripper")
-    spec_a = sft_spec(a, datasets["reach"], OFT_2D, steps)
-    spec_b = sft_spec(b, datasets["grasp"], DISCRETE_3D, steps)
+    spec_a = sft_spec(a, await registered(js, a, datasets["reach"]), OFT_2D, steps)
+    spec_b = sft_spec(b, await registered(js, b, datasets["grasp"]), DISCRETE_3D, steps)
     async with await Client.connect(nats_server.url) as client:
         job_a, job_b = await client.train_sft(spec_a), await client.train_sft(spec_b)
         trace_a, trace_b = await asyncio.gather(follow(job_a), follow(job_b))
@@ -62,7 +63,9 @@ async def test_two_tenants_sft_concurrently_match_their_solo_runs(
 
         # The same job alone (same seeds, same data; only the tenant id differs).
         solo = uid("solo")
-        job_solo = await client.train_sft(sft_spec(solo, datasets["reach"], OFT_2D, steps))
+        job_solo = await client.train_sft(
+            sft_spec(solo, await registered(js, solo, datasets["reach"]), OFT_2D, steps)
+        )
         trace_solo = await follow(job_solo)
         await job_solo.wait(60)
         _, params_solo = await final_policy(client.js, solo, job_solo.job_id)
@@ -83,10 +86,20 @@ async def test_bad_dataset_is_rejected_at_submit_with_a_specific_error(
     start_stack(nats_server.url, tmp_path / "logs", procs)
     tenant = uid("bad")
     async with await Client.connect(nats_server.url) as client:
-        missing = await client.train_sft(sft_spec(tenant, tmp_path / "nope", OFT_2D, 5))
-        with pytest.raises(JobFailed, match=r"dataset: .*nope: not a dataset directory"):
+        missing = await client.train_sft(sft_spec(tenant, "nope", OFT_2D, 5))
+        with pytest.raises(
+            JobFailed, match=rf"dataset: dataset 'nope' is not in tenant {tenant}'s namespace"
+        ):
             await missing.wait(60)
-        wrong_dim = await client.train_sft(sft_spec(tenant, datasets["reach"], DISCRETE_3D, 5))
+        (tmp_path / "empty").mkdir()
+        empty = await client.train_sft(
+            sft_spec(tenant, await registered(js, tenant, tmp_path / "empty"), OFT_2D, 5)
+        )
+        with pytest.raises(JobFailed, match=r"dataset 'empty': .*missing meta/info.json"):
+            await empty.wait(60)
+        wrong_dim = await client.train_sft(
+            sft_spec(tenant, await registered(js, tenant, datasets["reach"]), DISCRETE_3D, 5)
+        )
         with pytest.raises(
             JobFailed, match=r"head\.action_dim: 3 does not match the dataset's action dimension 2"
         ):
@@ -117,7 +130,9 @@ async def test_a_bad_frame_the_submit_check_misses_fails_the_job_naming_the_fram
     procs.add(start_service("envs", nats_server.url, logs / "envs.log"))
     tenant = uid("frame")
     async with await Client.connect(nats_server.url) as client:
-        job = await client.train_sft(sft_spec(tenant, root, OFT_2D, 5))
+        job = await client.train_sft(
+            sft_spec(tenant, await registered(js, tenant, root), OFT_2D, 5)
+        )
         with pytest.raises(JobFailed, match=r"unreadable image at episode 14, frame 1") as failed:
             await job.wait(120)
         assert failed.value.result.status == "failed"  # accepted at submit, failed in the env
@@ -135,7 +150,9 @@ async def test_cancel_mid_run_frees_the_slot(
     start_stack(nats_server.url, tmp_path / "logs", procs)
     tenant = uid("cancel")
     async with await Client.connect(nats_server.url) as client:
-        job = await client.train_sft(sft_spec(tenant, datasets["reach"], OFT_2D, 10_000))
+        job = await client.train_sft(
+            sft_spec(tenant, await registered(js, tenant, datasets["reach"]), OFT_2D, 10_000)
+        )
         async for ev in job.events(idle_timeout=120):
             if type(ev).__name__ == "Progress":
                 break

@@ -17,7 +17,14 @@ from bus.server import EmbeddedServer
 from clients.sdk import Client
 from tests.conftest import Procs
 from tests.helpers import start_service, uid
-from tests.sft_helpers import DISCRETE_3D, FLOW_2D, final_policy, record_datasets, sft_spec
+from tests.sft_helpers import (
+    DISCRETE_3D,
+    FLOW_2D,
+    final_policy,
+    record_datasets,
+    registered,
+    sft_spec,
+)
 
 STEPS = 60
 
@@ -50,21 +57,24 @@ async def test_trainer_sigkilled_ten_times_ends_with_the_uninterrupted_parameter
             )
         )
 
-    def specs(prefix: str) -> list[dict[str, object]]:
+    async def specs(prefix: str) -> list[dict[str, object]]:
+        a, b = uid(f"{prefix}a"), uid(f"{prefix}b")
         return [
-            sft_spec(uid(f"{prefix}a"), data["reach"], FLOW_2D, STEPS, checkpoint_every=4),
-            sft_spec(uid(f"{prefix}b"), data["grasp"], DISCRETE_3D, STEPS, checkpoint_every=3),
+            sft_spec(a, await registered(js, a, data["reach"]), FLOW_2D, STEPS, checkpoint_every=4),
+            sft_spec(
+                b, await registered(js, b, data["grasp"]), DISCRETE_3D, STEPS, checkpoint_every=3
+            ),
         ]
 
     async with await Client.connect(nats_server.url) as client:
         # Reference: the same two jobs, uninterrupted.
         ref_trainer = trainer()
-        ref_jobs = [await client.train_sft(s) for s in specs("ref")]
+        ref_jobs = [await client.train_sft(s) for s in await specs("ref")]
         for job in ref_jobs:
             await job.wait(300)
         procs.stop(ref_trainer)
 
-        jobs = [await client.train_sft(s) for s in specs("crash")]
+        jobs = [await client.train_sft(s) for s in await specs("crash")]
         rng = random.Random(1234)
         # How each trainer life ended: a kill counts only if a live trainer died of SIGKILL
         # (one that exited by itself, or was already gone when signalled, is no kill).

@@ -1,9 +1,11 @@
 """Compiling validated job specs into the messages that run them.
 
 * SFT: an :class:`~schemas.train.OpenSlot` on the tenant's Training Queue subject and a
-  :class:`~schemas.env.StreamDataset` task. The dataset is checked here, at submit, from its
-  metadata, its files' schemas and a few decoded frames (:func:`vla.data.check_dataset`); the
-  env worker validates every frame before it streams one.
+  :class:`~schemas.env.StreamDataset` task. The spec names a dataset by its id in the
+  tenant's namespace (:mod:`bus.datasets`): a registered directory or a pushed dataset,
+  materialised into the master's cache. It is checked here, at submit, from its metadata,
+  its files' schemas and a few decoded frames (:func:`vla.data.check_dataset`); the env
+  worker resolves the same id and validates every frame before it streams one.
 * RL: an OpenSlot with the PPO settings; rollout tasks are issued per iteration as the
   trainer publishes policy versions (:func:`rollout_tasks`).
 * Eval: one read-only :class:`~schemas.env.EvalTask` against a pinned policy version.
@@ -13,8 +15,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from bus.errors import PoisonError
+from nats.js import JetStreamContext
+
+from bus.datasets import DatasetStoreError, default_cache_root, resolve
+from bus.errors import PoisonError, RetryableError
 from schemas.env import EnvTask, EvalTask, RolloutTask, StreamDataset
 from schemas.model import HeadConfig
 from schemas.specs import EvalJobSpec, RLJobSpec, SFTJobSpec
@@ -52,19 +58,44 @@ def check_dataset_fits(ds: DatasetMeta, spec: SFTJobSpec) -> None:
         raise PoisonError(f"dataset {spec.dataset} has no camera images")
 
 
-async def open_dataset(path: str) -> DatasetMeta:
+async def check_dataset_dir(path: Path, dataset_id: str) -> DatasetMeta:
     """The dataset at ``path`` checked from its metadata and a sample (not every frame)."""
     try:
         return await asyncio.to_thread(check_dataset, path)
     except DatasetError as exc:
-        raise PoisonError(f"dataset: {exc}") from exc
+        raise PoisonError(f"dataset {dataset_id!r}: {exc}") from exc
     except OSError as exc:
-        raise PoisonError(f"dataset: cannot read {path}: {exc}") from exc
+        raise PoisonError(f"dataset {dataset_id!r}: cannot read it: {exc}") from exc
 
 
-async def compile_sft(job_id: str, spec: SFTJobSpec, init: PolicyRecord | None) -> Plan:
-    """Validate ``spec`` against its dataset and build the job's start messages."""
-    ds = await open_dataset(spec.dataset)
+@dataclass(frozen=True)
+class Datasets:
+    """Resolves a spec's dataset id in its tenant's namespace (``datasets`` KV) to a local
+    directory: a registered path, or a pushed dataset materialised into ``cache_root``. A
+    path, an unknown id or another tenant's id is refused, naming the namespace."""
+
+    js: JetStreamContext
+    cache_root: Path = field(default_factory=default_cache_root)
+
+    async def path(self, tenant: str, dataset_id: str) -> Path:
+        try:
+            directory, _ = await resolve(self.js, tenant, dataset_id, self.cache_root)
+        except DatasetStoreError as exc:
+            error = RetryableError if exc.retryable else PoisonError
+            raise error(f"dataset: {exc}") from exc
+        return directory
+
+    async def open(self, tenant: str, dataset_id: str) -> DatasetMeta:
+        """The tenant's dataset ``dataset_id``, checked from its metadata and a sample."""
+        return await check_dataset_dir(await self.path(tenant, dataset_id), dataset_id)
+
+
+async def compile_sft(
+    job_id: str, spec: SFTJobSpec, init: PolicyRecord | None, datasets: Datasets
+) -> Plan:
+    """Validate ``spec`` against its dataset (an id in its tenant's namespace) and build the
+    job's start messages."""
+    ds = await datasets.open(spec.tenant, spec.dataset)
     # Omitted head dims are the dataset's.
     spec = spec.model_copy(update={"head": spec.head.filled(ds.action_dim, ds.state_dim)})
     check_dataset_fits(ds, spec)
@@ -180,7 +211,9 @@ def rollout_tasks(
     return tasks
 
 
-async def compile_eval(job_id: str, spec: EvalJobSpec, policy: PolicyRecord) -> Plan:
+async def compile_eval(
+    job_id: str, spec: EvalJobSpec, policy: PolicyRecord, datasets: Datasets
+) -> Plan:
     """One read-only task pinned to ``policy``'s version."""
     version = spec.policy_version or policy.version
     if version > policy.version:
@@ -189,7 +222,7 @@ async def compile_eval(job_id: str, spec: EvalJobSpec, policy: PolicyRecord) -> 
             f"committed version {policy.version}"
         )
     if spec.dataset is not None:
-        await open_dataset(spec.dataset)
+        await datasets.open(spec.tenant, spec.dataset)
     task = EvalTask(
         tenant=spec.tenant,
         job_id=job_id,

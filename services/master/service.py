@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from pathlib import Path
 
 import msgspec
 from nats.aio.msg import Msg
@@ -21,6 +22,7 @@ from pydantic import Field
 from bus.codec import DecodeError, decode
 from bus.config import BusConfig
 from bus.consume import ConsumerSpec
+from bus.datasets import default_cache_root
 from bus.errors import PoisonError, RetryableError
 from bus.publish import msg_id, publish
 from bus.records import get_job, get_policy, put_job
@@ -61,7 +63,15 @@ from schemas.train import CloseSlot, PolicyRecord
 from services.master.backbones import BackboneWatch
 from services.master.envfit import EnvDescriptions, fit_env
 from services.master.limits import TenantGate, check_size, check_spec_bounds
-from services.master.plans import Plan, compile_eval, compile_rl, compile_sft, rollout_tasks
+from services.master.plans import (
+    Datasets,
+    Plan,
+    compile_eval,
+    compile_rl,
+    compile_sft,
+    rollout_tasks,
+)
+from services.master.queries import Queries
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +102,9 @@ class MasterConfig(BusConfig):
     )
     env_describe_timeout_s: float = Field(
         5.0, gt=0, description="Wait for an env worker's description of a job's env."
+    )
+    dataset_cache: str = Field(
+        "", description="Where pushed datasets are materialised (default: a temp dir)."
     )
     limit: InputLimits = Field(
         default_factory=InputLimits, description="Input bounds (--limit-*, JOYNEXUS_LIMIT_*)."
@@ -126,6 +139,7 @@ class Master:
         backbones: BackboneWatch | None = None,
         envs: EnvDescriptions | None = None,
         limits: InputLimits | None = None,
+        datasets: Datasets | None = None,
     ) -> None:
         self.js = js
         #: Operator bounds on commands and specs; registered tenants and their job limits.
@@ -137,6 +151,8 @@ class Master:
         self.backbones = backbones
         #: Env descriptions a spec's head is checked against (asked of the env workers).
         self.envs = envs if envs is not None else EnvDescriptions(js._nc)
+        #: Resolves a spec's dataset id in its tenant's namespace.
+        self.datasets = datasets if datasets is not None else Datasets(js)
 
     async def handle(self, msg: Msg) -> None:
         try:
@@ -234,7 +250,7 @@ class Master:
         match spec:
             case SFTJobSpec():
                 init = await self.init_policy(spec.tenant, spec.init_from)
-                return await compile_sft(job_id, spec, init)
+                return await compile_sft(job_id, spec, init, self.datasets)
             case RLJobSpec():
                 return compile_rl(job_id, spec, await self.init_policy(spec.tenant, spec.init_from))
             case EvalJobSpec():
@@ -244,7 +260,7 @@ class Master:
                         f"policy_job: job {spec.policy_job!r} of tenant {spec.tenant!r} has "
                         "no committed policy"
                     )
-                return await compile_eval(job_id, spec, policy)
+                return await compile_eval(job_id, spec, policy, self.datasets)
             case PipelineSpec():
                 return None
         raise PoisonError(f"kind: {spec.kind!r} cannot be planned")
@@ -481,6 +497,7 @@ async def run(config: MasterConfig) -> None:
 
     async def body(rt: Runtime) -> None:
         watch = BackboneWatch(rt.js, config.backbones.split(","), config.backbone_deadline_s)
+        datasets = Datasets(rt.js, Path(config.dataset_cache or default_cache_root()))
         master = Master(
             rt.js,
             await rt.js.key_value(subjects.KV_JOBS),
@@ -488,7 +505,11 @@ async def run(config: MasterConfig) -> None:
             watch,
             EnvDescriptions(rt.nc, config.env_describe_timeout_s),
             config.limit,
+            datasets=datasets,
         )
+        # Tenants' requests (their jobs, datasets, exports) are answered beside the commands.
+        queries = Queries(rt.js, master.jobs, master.policies, datasets.cache_root)
+        await queries.subscribe(rt.nc)
         commands = await rt.consumer.bind(
             ConsumerSpec(
                 subjects.STREAM_JOBS,
@@ -508,6 +529,9 @@ async def run(config: MasterConfig) -> None:
         )
         rt.spawn(rt.consumer.run(events, master.handle_event), "master events")
         rt.spawn(watch.run(rt.stop, master.fail), "backbone watch")
-        await rt.consumer.run(commands, master.handle)
+        try:
+            await rt.consumer.run(commands, master.handle)
+        finally:
+            await queries.close()
 
     await serve("master", config, body)

@@ -1,0 +1,308 @@
+"""The master's answers to tenants' requests: ``nexus.ctl.tenant.<tenant>.<op>`` and
+``nexus.ctl.backbones`` (core NATS request-reply, queue group ``master``).
+
+A tenant may read no KV bucket and no object store but its own bucket (the broker denies
+it), so everything it needs to know about its jobs, datasets and policies comes from here.
+Every request is answered, whatever is wrong with it: a payload that does not decode, a tag
+that is not the subject's op or a tenant that is not the subject's gets a
+:class:`~schemas.tenantctl.CtlError` naming the problem, and nothing is read for it. The
+sender is the subject's tenant (the broker lets a tenant publish only under its own token);
+the tenant a message claims is checked against it, never trusted.
+
+* ``job`` / ``jobs``: the tenant's records from the ``jobs`` KV.
+* ``datasets``: its :class:`~schemas.tenants.DatasetRecord` s.
+* ``dataset-add``: after ``joynexus data push``: the master reads the manifest from the
+  tenant's bucket, downloads every file into its cache verifying each SHA-256
+  (:func:`bus.datasets.materialise`), checks the files as a dataset
+  (:func:`vla.data.check_dataset`) and writes the record. Errors name the bad file.
+* ``export``: copies a committed policy version of the tenant's own job from the
+  ``checkpoints`` store into the tenant's bucket as ``policies/<job>/v<version>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+
+from bus.checkpoints import CheckpointError, digest, get_checkpoint
+from bus.codec import DecodeError, decode, encode
+from bus.datasets import (
+    DatasetStoreError,
+    list_datasets,
+    materialise,
+    policy_object,
+    prefix_of,
+    put_dataset,
+    tenant_store,
+)
+from bus.kv import kv_values
+from bus.placement import live_placements
+from bus.records import get_job, get_policy, list_jobs
+from schemas import subjects
+from schemas.ids import InvalidIdError, validate_id
+from schemas.tenantctl import (
+    BACKBONES_QUERY_DECODER,
+    TENANT_REQUEST_DECODER,
+    AddDataset,
+    Backbones,
+    BackbonesReply,
+    CtlError,
+    DatasetAdded,
+    DatasetsReply,
+    ExportPolicy,
+    GetJob,
+    JobReply,
+    JobsReply,
+    ListDatasets,
+    ListJobs,
+    PolicyExported,
+    TenantReply,
+    TenantRequest,
+)
+from schemas.tenants import TENANT_RECORD_DECODER, DatasetRecord
+from vla.data import DatasetError, check_dataset
+
+log = logging.getLogger(__name__)
+
+#: Requests answered at once; more wait (a dataset-add downloads and checks a dataset).
+CONCURRENCY = 8
+
+
+class Queries:
+    """Answers tenants' requests for the master (state lives in the bus, not here)."""
+
+    def __init__(
+        self, js: JetStreamContext, jobs: KeyValue, policies: KeyValue, cache_root: Path
+    ) -> None:
+        self.js = js
+        self.jobs = jobs
+        self.policies = policies
+        self.cache_root = Path(cache_root)
+        self._subs: list[Subscription] = []
+        self._replies: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(CONCURRENCY)
+
+    # -- dispatch ---------------------------------------------------------------------------
+
+    async def answer(self, subject: str, data: bytes) -> TenantReply:
+        """The reply to one request on ``subject``; every failure becomes a CtlError."""
+        try:
+            subject_tenant, op = subjects.parse_tenant_ctl(subject)
+        except subjects.SubjectError as exc:
+            return CtlError("malformed", str(exc))
+        try:
+            request = decode(TENANT_REQUEST_DECODER, data)
+        except DecodeError as exc:
+            return CtlError("malformed", f"malformed {op} request: {exc}")
+        tag = type(request).__struct_config__.tag
+        if tag != op:
+            return CtlError("malformed", f"a {tag!r} request was sent on the {op!r} subject")
+        if request.tenant != subject_tenant:
+            return CtlError(
+                "tenant_mismatch",
+                f"tenant: request for tenant {request.tenant!r} sent on tenant "
+                f"{subject_tenant!r}'s subject",
+            )
+        refusal = await self.refusal(subject_tenant)
+        if refusal is not None:
+            return refusal
+        try:
+            return await self.apply(request)
+        except DatasetStoreError as exc:
+            return CtlError(exc.code, str(exc), exc.retryable)  # type: ignore[arg-type]
+        except InvalidIdError as exc:
+            return CtlError("invalid", str(exc))
+        except (NatsError, TimeoutError) as exc:
+            return CtlError("unavailable", f"{op}: the bus did not answer: {exc}", True)
+
+    async def refusal(self, tenant: str) -> CtlError | None:
+        """With registered tenants (any record in ``tenants``), only a registered, unrevoked
+        one is answered; in open mode (none registered) every tenant is."""
+        try:
+            values = await kv_values(self.js, subjects.KV_TENANTS)
+        except (BucketNotFoundError, NotFoundError):
+            return None
+        if not values:
+            return None
+        raw = values.get(tenant)
+        if raw is None:
+            return CtlError("unknown_tenant", f"unknown tenant {tenant!r}")
+        try:
+            record = decode(TENANT_RECORD_DECODER, raw)
+        except DecodeError:
+            return CtlError("unavailable", f"tenant {tenant!r}: unreadable record", True)
+        if record.revoked:
+            return CtlError("unknown_tenant", f"unknown tenant {tenant!r} (revoked)")
+        return None
+
+    async def apply(self, request: TenantRequest) -> TenantReply:
+        match request:
+            case GetJob():
+                validate_id(request.job_id, "job id")
+                record, _ = await get_job(self.jobs, request.tenant, request.job_id)
+                if record is None:
+                    return CtlError(
+                        "not_found", f"no job {request.job_id!r} of tenant {request.tenant}"
+                    )
+                return JobReply(record)
+            case ListJobs():
+                return JobsReply(await list_jobs(self.js, request.tenant))
+            case ListDatasets():
+                return DatasetsReply(await list_datasets(self.js, request.tenant))
+            case AddDataset():
+                return await self.add_dataset(request)
+            case ExportPolicy():
+                return await self.export(request)
+        raise AssertionError(f"unhandled request {request!r}")
+
+    # -- datasets ---------------------------------------------------------------------------
+
+    async def add_dataset(self, request: AddDataset) -> TenantReply:
+        """Verify a pushed dataset, check it as a dataset, record it in the namespace."""
+        tenant, dataset = request.tenant, validate_id(request.dataset, "dataset id")
+        directory, manifest, manifest_digest = await materialise(
+            self.js, tenant, dataset, self.cache_root
+        )
+        try:
+            await asyncio.to_thread(check_dataset, directory)
+        except DatasetError as exc:
+            return CtlError("invalid", f"dataset {dataset!r}: {exc}")
+        except OSError as exc:
+            return CtlError("invalid", f"dataset {dataset!r}: cannot read it: {exc}")
+        record = DatasetRecord(
+            tenant=tenant,
+            dataset=dataset,
+            source="pushed",
+            created_at=time.time(),
+            bucket=subjects.tenant_bucket(tenant),
+            prefix=prefix_of(dataset),
+            files=len(manifest.files),
+            bytes=manifest.total_bytes,
+            digest=manifest_digest,
+        )
+        await put_dataset(self.js, record)
+        log.info("dataset %s/%s added (%d files)", tenant, dataset, record.files)
+        return DatasetAdded(record)
+
+    # -- policies ---------------------------------------------------------------------------
+
+    async def export(self, request: ExportPolicy) -> TenantReply:
+        """Copy a committed version of the tenant's own job into its bucket."""
+        tenant, job_id = request.tenant, validate_id(request.job_id, "job id")
+        if request.version < 0:
+            return CtlError("invalid", f"version: {request.version} is negative")
+        policy, _ = await get_policy(self.policies, tenant, job_id)
+        if policy is None:
+            return CtlError(
+                "not_found", f"job {job_id!r} of tenant {tenant} has no committed policy"
+            )
+        version = request.version or policy.version
+        store = await self.js.object_store(subjects.OBJ_CHECKPOINTS)
+        try:
+            if version == policy.version:
+                data = await get_checkpoint(store, policy.object_name, policy.sha256)
+            elif version > policy.version:
+                return CtlError(
+                    "not_found",
+                    f"version: {version} is newer than job {job_id!r}'s latest committed "
+                    f"version {policy.version}",
+                )
+            else:
+                data = await self._older_version(store, tenant, job_id, version)
+        except CheckpointError as exc:
+            return CtlError("not_found", f"version {version} of job {job_id!r}: {exc}")
+        bucket = await tenant_store(self.js, tenant, create=True)
+        name = policy_object(job_id, version)
+        await bucket.put(name, data)
+        return PolicyExported(
+            subjects.tenant_bucket(tenant), name, job_id, version, digest(data), len(data)
+        )
+
+    async def _older_version(
+        self, store: ObjectStore, tenant: str, job_id: str, version: int
+    ) -> bytes:
+        """A version older than the latest: found by its content-hashed name (retention may
+        have pruned it); its bytes must hash to the digest prefix in the name."""
+        prefix = f"{tenant}/{job_id}/v{version:06d}-"
+        try:
+            infos = await store.list()
+        except NotFoundError:
+            infos = []
+        for info in infos:
+            name = info.name or ""
+            if info.deleted or not name.startswith(prefix):
+                continue
+            data = (await store.get(name)).data or b""
+            if not digest(data).startswith(name[len(prefix) :]):
+                raise CheckpointError(f"checkpoint {name} does not match its name's digest")
+            return bytes(data)
+        raise CheckpointError("not kept (older versions are pruned)")
+
+    # -- backbones --------------------------------------------------------------------------
+
+    async def backbones(self, data: bytes) -> BackbonesReply:
+        """The live placements (an empty or a ``BackbonesQuery`` payload)."""
+        if data:
+            try:
+                decode(BACKBONES_QUERY_DECODER, data)
+            except DecodeError as exc:
+                return CtlError("malformed", f"malformed backbones request: {exc}")
+        try:
+            return Backbones(await live_placements(self.js))
+        except (NatsError, TimeoutError) as exc:
+            return CtlError("unavailable", f"backbones: the bus did not answer: {exc}", True)
+
+    # -- subscription -----------------------------------------------------------------------
+
+    async def _reply(self, msg: Msg) -> None:
+        async with self._slots:
+            try:
+                if msg.subject == subjects.BACKBONES_QUERY:
+                    reply: TenantReply | BackbonesReply = await self.backbones(msg.data)
+                else:
+                    reply = await self.answer(msg.subject, msg.data)
+            except Exception as exc:  # a bug of ours: the requester still gets an answer
+                log.exception("request on %s failed", msg.subject)
+                reply = CtlError("unavailable", f"internal error: {exc}", True)
+        if not msg.reply:
+            return
+        try:
+            await msg.respond(encode(reply))
+        except NatsError as exc:  # the connection closed meanwhile: the requester times out
+            log.info("reply on %s not sent: %s", msg.subject, exc)
+
+    async def _on_request(self, msg: Msg) -> None:
+        # One task per request: a dataset-add's download must not hold up a status query.
+        task = asyncio.create_task(self._reply(msg))
+        self._replies.add(task)
+        task.add_done_callback(self._replies.discard)
+
+    async def subscribe(self, nc: NATS) -> None:
+        """Start answering in the master's queue group (one master answers each request)."""
+        for subject in (subjects.tenant_ctl_all(), subjects.BACKBONES_QUERY):
+            self._subs.append(
+                await nc.subscribe(subject, queue=subjects.TENANT_CTL_QUEUE, cb=self._on_request)
+            )
+
+    async def close(self, timeout: float = 1.0) -> None:
+        """Stop answering; replies in progress get ``timeout`` to finish (a requester whose
+        reply is dropped times out and asks again)."""
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except NatsError:
+                pass
+        self._subs.clear()
+        if self._replies:
+            await asyncio.wait(set(self._replies), timeout=timeout)
