@@ -275,7 +275,7 @@ def test_other_tenants_head_exception_does_not_touch_this_tenant(
 
     def break_head(r: TrainRequest, step: int) -> TrainRequest:
         if r.tenant == "oft":
-            r.slot.module.loss = explode  # type: ignore[method-assign]
+            r.slot.module.stacked_loss = explode  # type: ignore[method-assign]
         if r.tenant == "disc":  # and a mis-shaped target for another one
             return TrainRequest(r.tenant, r.slot, r.inputs, r.actions_B_C_A[:, :1])
         return r

@@ -320,13 +320,15 @@ def test_exception_in_head_leaves_slot_untouched(monkeypatch: pytest.MonkeyPatch
     feature, actions = make_feature(), make_actions()
     slot.train_step(feature, actions)
     params, opt, rng = params_of(slot), opt_state_of(slot), slot.generator.get_state()
-    real_loss = slot.module.loss
+    real_loss = slot.module.stacked_loss  # what a training step runs (vla.batched)
 
     def exploding_loss(*args: Any, **kw: Any) -> torch.Tensor:
-        real_loss(*args, **kw).backward()  # draws RNG and writes grads before failing
+        real_loss(*args, **kw).sum().backward()  # the step drew its RNG; stacked grads
+        # and the slot's own grads (and more RNG) are written before failing
+        slot.module.loss(feature, actions, generator=slot.generator).backward()
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(slot.module, "loss", exploding_loss)
+    monkeypatch.setattr(slot.module, "stacked_loss", exploding_loss)
     with pytest.raises(RuntimeError, match="boom"):
         slot.train_step(feature, actions)
     monkeypatch.undo()

@@ -8,8 +8,11 @@ shapes, so a group is a concatenation along the batch dimension. Per group:
 2. run ONE frozen ``backbone.encode`` (inference mode inside the backbone);
 3. partition the :class:`~vla.feature.VLAFeature` back by tenant (views, no copies), each with
    its own proprio;
-4. per tenant: head forward, loss, backward and optimizer step on the tenant's own
-   :class:`~vla.slot.TenantSlot` (own RNG), or ``act`` for inference.
+4. training: one head forward and backward per head *architecture* for all the tenants that
+   share it (:mod:`vla.batched`: parameters stacked, each layer one batched kernel), each
+   tenant's randomness from its own :class:`~vla.slot.TenantSlot` generator; one multi-tensor
+   clip + AdamW step for all of them with each tenant's own hyper-parameters and schedule
+   (:mod:`vla.multiopt`). Inference: ``act`` per tenant.
 
 Failures are values, not crashes: a tenant whose step raises (bad shapes, NaN loss, a bug in
 its head) gets the exception as its result and every other tenant proceeds. If a group's
@@ -28,6 +31,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from vla.batched import train_steps
 from vla.feature import CompatKey, ModelInputs, VLAFeature
 from vla.heads import ActOutput
 from vla.slot import StepResult, TenantSlot
@@ -168,14 +172,32 @@ def _act(r: ActRequest, feature: VLAFeature) -> ActOutput:
 
 
 def group_train_step(
-    backbone: FeatureEncoder, requests: Sequence[TrainRequest]
+    backbone: FeatureEncoder, requests: Sequence[TrainRequest], batch_heads: bool = True
 ) -> dict[str, StepResult | Exception]:
-    """One optimizer step per tenant, sharing one backbone forward per compatibility key.
+    """One optimizer step per tenant, sharing one backbone forward per compatibility key,
+    one head forward/backward per head architecture (:func:`vla.batched.train_steps`; with
+    ``batch_heads=False`` one per tenant) and one multi-tensor clip + AdamW step.
 
     Returns each tenant's :class:`StepResult`, or the exception its step raised (the slot is
     then unchanged; see :meth:`TenantSlot.train_step`).
     """
-    return _run_grouped(backbone, requests, _train)
+    results: dict[str, StepResult | Exception] = {}
+    ready: list[tuple[TrainRequest, VLAFeature]] = []
+    for group in group_by_key(requests):
+        for r, feature in zip(group, _encode_isolated(backbone, group), strict=True):
+            if isinstance(feature, Exception):
+                results[r.tenant] = feature
+            else:
+                ready.append((r, feature))
+    steps = train_steps(
+        [r.slot for r, _ in ready],
+        [f for _, f in ready],
+        [r.actions_B_C_A for r, _ in ready],
+        batch_heads=batch_heads,
+    )
+    for (r, _), step in zip(ready, steps, strict=True):
+        results[r.tenant] = step
+    return {r.tenant: results[r.tenant] for r in requests}
 
 
 def serial_train_step(

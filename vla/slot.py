@@ -138,38 +138,18 @@ class TenantSlot:
     def train_step(self, feature: VLAFeature, actions_B_C_A: torch.Tensor) -> StepResult:
         """One supervised update: zero grads, loss, backward, clip, AdamW step, schedule.
 
-        Raises ``ValueError`` for mis-shaped inputs and :class:`NonFiniteLossError` for a
-        NaN/inf loss or gradient; in both cases, and for any other exception raised before
-        the optimizer step, nothing in the slot changes.
+        Runs as a stack of one through :func:`vla.batched.train_steps`, the same kernels a
+        step batched with other tenants runs, so a tenant's trajectory is the same bits
+        alone or grouped. Raises ``ValueError`` for mis-shaped inputs and
+        :class:`NonFiniteLossError` for a NaN/inf loss or gradient; in both cases, and for
+        any other exception raised before the optimizer step, nothing in the slot changes.
         """
-        self.module.check_actions(feature, actions_B_C_A)
-        self.module.train()
-        rng_before = self.generator.get_state()
-        try:
-            self.optimizer.zero_grad(set_to_none=True)
-            loss = self.module.loss(feature, actions_B_C_A, generator=self.generator)
-            loss_value = float(loss.detach())
-            if not math.isfinite(loss_value):
-                raise NonFiniteLossError(self.tenant, self.step, "loss", loss_value)
-            loss.backward()
-            max_norm = self.optim_config.grad_clip if self.optim_config.grad_clip > 0 else math.inf
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
-            if not math.isfinite(grad_norm):
-                raise NonFiniteLossError(self.tenant, self.step, "grad norm", grad_norm)
-        except BaseException:
-            # Leave the slot as it was: no update, grads dropped, the RNG rewound so a retry
-            # (or the next batch) draws exactly what it would have drawn.
-            self.optimizer.zero_grad(set_to_none=True)
-            self.generator.set_state(rng_before)
-            raise
-        lr = lr_at(self.optim_config, self.step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        # Free grads now: memory accounting (nbytes) assumes they exist only during a step.
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return StepResult(loss=loss_value, grad_norm=grad_norm, lr=lr, step=self.step)
+        from vla.batched import train_steps  # vla.batched builds on this module
+
+        (result,) = train_steps([self], [feature], [actions_B_C_A])
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     @torch.no_grad()
     def act(self, feature: VLAFeature, deterministic: bool = False) -> ActOutput:

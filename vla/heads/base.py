@@ -10,6 +10,7 @@ from torch import nn
 
 from schemas.model import HeadConfig
 from vla.feature import VLAFeature
+from vla.heads import stacked
 from vla.heads.blocks import ValueHead, _Memory
 
 
@@ -153,7 +154,33 @@ class ActionHead(nn.Module):
         actions_B_C_A: torch.Tensor,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """Supervised loss (scalar mean over the batch)."""
+        """Supervised loss (scalar mean over the batch): :meth:`check_actions`, then
+        :meth:`loss_from` on what :meth:`draw` takes from ``generator``."""
+        self.check_actions(feature, actions_B_C_A)
+        return self.loss_from(feature, actions_B_C_A, self.draw(feature.batch_size, generator))
+
+    def draw(self, batch_size: int, generator: torch.Generator | None) -> tuple[torch.Tensor, ...]:
+        """The random tensors one loss over ``batch_size`` samples needs, drawn from
+        ``generator`` in a fixed order (none for a head without noise). Kept apart from
+        :meth:`loss_from` so a batched step across tenants (:mod:`vla.batched`) draws each
+        tenant's from its own generator exactly as its own step would."""
+        return ()
+
+    def loss_from(
+        self,
+        feature: VLAFeature,
+        actions_B_C_A: torch.Tensor,
+        draws: tuple[torch.Tensor, ...],
+    ) -> torch.Tensor:
+        """The loss on already-checked inputs and already-drawn randomness (the module's
+        own per-tenant computation; a training step runs :meth:`stacked_loss`)."""
+        raise NotImplementedError
+
+    def stacked_loss(self, p: stacked.Params, inputs: stacked.StackedInputs) -> torch.Tensor:
+        """The training loss of ``N`` tenants with this head's architecture at once:
+        ``losses_N`` from their stacked parameters ``p`` (by this module's parameter names)
+        and stacked, already-checked inputs (:mod:`vla.heads.stacked`). ``self`` supplies
+        only the architecture (config, head counts), never its own weights."""
         raise NotImplementedError
 
     def act(

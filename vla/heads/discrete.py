@@ -8,6 +8,7 @@ from torch import nn
 
 from schemas.model import HeadConfig
 from vla.feature import VLAFeature
+from vla.heads import stacked
 from vla.heads.base import ActionHead, ActOutput
 from vla.heads.blocks import _masked_mean
 
@@ -35,6 +36,9 @@ class DiscreteHead(ActionHead):
     def logits(self, feature: VLAFeature) -> torch.Tensor:
         """Bin logits ``logits_B_C_A_K``."""
         self.check_feature(feature)
+        return self._logits(feature)
+
+    def _logits(self, feature: VLAFeature) -> torch.Tensor:
         memory = self._memory(feature)
         # Pool the prefix tokens and keep the state token apart, so proprio is not diluted.
         pooled_B_D = _masked_mean(memory.tokens_B_T_D, memory.attend_B_M[:, :-1])
@@ -52,19 +56,31 @@ class DiscreteHead(ActionHead):
         """Action value at the centre of each bin."""
         return -1.0 + (idx_B_C_A.to(self._dtype) + 0.5) * (2.0 / self.num_bins)
 
-    def loss(
+    def loss_from(
         self,
         feature: VLAFeature,
         actions_B_C_A: torch.Tensor,
-        generator: torch.Generator | None = None,
+        draws: tuple[torch.Tensor, ...],
     ) -> torch.Tensor:
         """Mean cross-entropy over every (sample, chunk step, action dim)."""
-        self.check_actions(feature, actions_B_C_A)
-        logits_B_C_A_K = self.logits(feature)
+        logits_B_C_A_K = self._logits(feature)
         return F.cross_entropy(
             logits_B_C_A_K.reshape(-1, self.num_bins),
             self.bin_index(self._as_param(actions_B_C_A)).reshape(-1),
         )
+
+    def stacked_loss(self, p: stacked.Params, inputs: stacked.StackedInputs) -> torch.Tensor:
+        """Per-tenant mean cross-entropy (see :meth:`ActionHead.stacked_loss`)."""
+        memory = stacked.memory(p, inputs, self.proprio_proj is not None)
+        pooled = stacked.masked_mean(memory.tokens_N_B_T_D, memory.attend_N_B_M[..., :-1])
+        h = torch.cat([pooled, memory.state_N_B_1_D[:, :, 0]], dim=-1)
+        for i in range(self.config.num_layers):  # Sequential(Linear, GELU, ...): 0, 2, ...
+            h = F.gelu(stacked.linear(p, f"mlp.{2 * i}", h))
+        K = self.num_bins
+        logits = stacked.linear(p, "out_proj", h).reshape(-1, K)
+        targets = self.bin_index(inputs.actions_N_B_C_A).reshape(-1)
+        ce = F.cross_entropy(logits, targets, reduction="none")
+        return stacked.mean_per_tenant(ce.view(inputs.actions_N_B_C_A.shape[0], -1))
 
     def act(
         self,

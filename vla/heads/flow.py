@@ -10,6 +10,7 @@ from torch import nn
 
 from schemas.model import HeadConfig
 from vla.feature import VLAFeature
+from vla.heads import stacked
 from vla.heads.base import ActionHead, ActOutput
 from vla.heads.blocks import _Block, _GaussianPolicy, _Memory
 
@@ -68,23 +69,54 @@ class FlowHead(ActionHead):
             h_B_C_H = block(h_B_C_H, memory)
         return self.out_proj(self.out_norm(h_B_C_H))
 
-    def loss(
+    def draw(self, batch_size: int, generator: torch.Generator | None) -> tuple[torch.Tensor, ...]:
+        """Flow times ``t_B ~ U(0, 1)`` then noise ``noise_B_C_A ~ N(0, I)``, in that order."""
+        ref = self.state_token_D
+        t_B = torch.rand(batch_size, generator=generator, device=ref.device, dtype=ref.dtype)
+        shape = (batch_size, self.chunk_len, self.action_dim)
+        noise_B_C_A = torch.randn(shape, generator=generator, device=ref.device, dtype=ref.dtype)
+        return t_B, noise_B_C_A
+
+    def loss_from(
         self,
         feature: VLAFeature,
         actions_B_C_A: torch.Tensor,
-        generator: torch.Generator | None = None,
+        draws: tuple[torch.Tensor, ...],
     ) -> torch.Tensor:
-        """Rectified-flow velocity MSE; noise and ``t`` come from ``generator``."""
-        self.check_actions(feature, actions_B_C_A)
+        """Rectified-flow velocity MSE at the drawn times and noise."""
+        t_B, noise_B_C_A = draws
         memory = self._memory(feature)
         target_B_C_A = self._as_param(actions_B_C_A)
-        B, dev, dt = feature.batch_size, target_B_C_A.device, self._dtype
-        t_B = torch.rand(B, generator=generator, device=dev, dtype=dt)
-        noise_B_C_A = torch.randn(target_B_C_A.shape, generator=generator, device=dev, dtype=dt)
         t_B_1_1 = t_B[:, None, None]
         x_t = (1.0 - t_B_1_1) * noise_B_C_A + t_B_1_1 * target_B_C_A
         v_B_C_A = self.velocity(x_t, t_B, memory)
         return F.mse_loss(v_B_C_A, target_B_C_A - noise_B_C_A)
+
+    def stacked_loss(self, p: stacked.Params, inputs: stacked.StackedInputs) -> torch.Tensor:
+        """Per-tenant rectified-flow velocity MSE (see :meth:`ActionHead.stacked_loss`)."""
+        t_N_B, noise = inputs.draws
+        memory = stacked.memory(p, inputs, self.proprio_proj is not None)
+        target = inputs.actions_N_B_C_A
+        t = t_N_B[..., None, None]
+        x_t = (1.0 - t) * noise + t * target
+        pos = p["pos_C_H"]
+        H = pos.shape[-1]
+        half = H // 2
+        freqs = torch.exp(
+            -math.log(1000.0) * torch.arange(half, device=t_N_B.device, dtype=t_N_B.dtype) / half
+        )
+        angles = t_N_B[..., None] * freqs * 1000.0
+        emb = torch.cat([angles.sin(), angles.cos()], dim=-1)
+        if emb.shape[-1] < H:  # odd hidden_dim: pad one zero column
+            emb = F.pad(emb, (0, 1))
+        time_N_B_H = stacked.linear(p, "time_mlp.2", F.gelu(stacked.linear(p, "time_mlp.0", emb)))
+        h = stacked.linear(p, "action_in", x_t) + pos.unsqueeze(1) + time_N_B_H.unsqueeze(2)
+        for i, blk in enumerate(self.blocks):
+            assert isinstance(blk, _Block)
+            heads = (blk.self_attn.num_heads, blk.cross_attn.num_heads)
+            h = stacked.block(p, f"blocks.{i}", h, memory, heads)
+        v = stacked.linear(p, "out_proj", stacked.layer_norm(p, "out_norm", h))
+        return stacked.mean_per_tenant((v - (target - noise)).square())
 
     def sample(self, feature: VLAFeature, x0_B_C_A: torch.Tensor | None = None) -> torch.Tensor:
         """Euler-integrate the learned flow from ``x0_B_C_A`` (zeros by default) to ``t = 1``."""

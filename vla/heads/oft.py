@@ -8,6 +8,7 @@ from torch import nn
 
 from schemas.model import HeadConfig
 from vla.feature import VLAFeature
+from vla.heads import stacked
 from vla.heads.base import ActionHead, ActOutput
 from vla.heads.blocks import _Block, _GaussianPolicy
 
@@ -34,21 +35,36 @@ class OFTHead(ActionHead):
     def mean(self, feature: VLAFeature) -> torch.Tensor:
         """The regressed action chunk ``mean_B_C_A``."""
         self.check_feature(feature)
+        return self._mean(feature)
+
+    def _mean(self, feature: VLAFeature) -> torch.Tensor:
         memory = self._memory(feature)
         x_B_C_H = self.queries_C_H.expand(feature.batch_size, -1, -1)
         for block in self.blocks:
             x_B_C_H = block(x_B_C_H, memory)
         return self.out_proj(self.out_norm(x_B_C_H))
 
-    def loss(
+    def loss_from(
         self,
         feature: VLAFeature,
         actions_B_C_A: torch.Tensor,
-        generator: torch.Generator | None = None,
+        draws: tuple[torch.Tensor, ...],
     ) -> torch.Tensor:
-        """L1 between the regressed chunk and the target (``generator`` unused: no noise)."""
-        self.check_actions(feature, actions_B_C_A)
-        return F.l1_loss(self.mean(feature), self._as_param(actions_B_C_A))
+        """L1 between the regressed chunk and the target (no noise: ``draws`` is empty)."""
+        return F.l1_loss(self._mean(feature), self._as_param(actions_B_C_A))
+
+    def stacked_loss(self, p: stacked.Params, inputs: stacked.StackedInputs) -> torch.Tensor:
+        """Per-tenant L1 of the regressed chunks (see :meth:`ActionHead.stacked_loss`)."""
+        memory = stacked.memory(p, inputs, self.proprio_proj is not None)
+        N, B = inputs.prefix_N_B_T_D.shape[:2]
+        queries = p["queries_C_H"]
+        x = queries.unsqueeze(1).expand(N, B, *queries.shape[1:])
+        for i, blk in enumerate(self.blocks):
+            assert isinstance(blk, _Block)
+            heads = (blk.self_attn.num_heads, blk.cross_attn.num_heads)
+            x = stacked.block(p, f"blocks.{i}", x, memory, heads)
+        mean = stacked.linear(p, "out_proj", stacked.layer_norm(p, "out_norm", x))
+        return stacked.mean_per_tenant((mean - inputs.actions_N_B_C_A).abs())
 
     def act(
         self,

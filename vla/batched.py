@@ -1,0 +1,255 @@
+"""Batched heads: one head forward and backward for several tenants whose heads share an
+architecture, and one shared clip + AdamW step for all of a round's tenants.
+
+Heads are small, so run one tenant at a time their cost is per-operation overhead, not
+arithmetic. Tenants whose heads have the same architecture (:func:`arch_key`: kind, dims,
+chunk length, hidden sizes, dtype, device) and the same batch and prefix shape are stacked:
+each parameter name becomes one ``(N, ...)`` tensor, the inputs ``(N, B, ...)``, and the
+head's :meth:`~vla.heads.ActionHead.stacked_loss` runs every layer as one batched kernel
+(:mod:`vla.heads.stacked`: ``baddbmm`` per linear, fused attention with the tenant dim
+folded into the batch). One backward gives the stacked gradients; each tenant's ``p.grad``
+is its slice. Randomness is drawn per tenant from its own generator before the call
+(:meth:`~vla.heads.ActionHead.draw`), in the order its own step draws it.
+
+A tenant alone runs as a stack of one: the same kernels, and slices of a batched kernel do
+not depend on the other slices, so a tenant's losses, gradients and parameters are the same
+bits whoever it is stacked with (``tests/test_batched_heads.py``). The head modules' own
+``loss`` computes the same function with per-tenant kernels (equal up to rounding).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vla.feature import VLAFeature
+from vla.heads import ActionHead
+from vla.heads.stacked import StackedInputs
+from vla.multiopt import adamw_step, clip_grad_norms
+from vla.slot import NonFiniteLossError, StepResult, TenantSlot, lr_at
+
+__all__ = ["arch_key", "batched_backward", "train_steps"]
+
+
+def arch_key(module: ActionHead, batch_size: int) -> Hashable:
+    """What two tenants' heads and batches must share to run as one batched call: the
+    head class and config (kind, dims, chunk length, hidden sizes, ...), the backbone
+    width, each parameter's name, shape and dtype, the device, and the local batch size."""
+    shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
+    return (
+        type(module),
+        module.config,
+        module.hidden_size,
+        module.state_token_D.device,
+        shapes,
+        batch_size,
+    )
+
+
+def _ready(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # Backbone outputs are inference tensors; stacking copies them into normal ones.
+    return t.to(device=device, dtype=dtype)
+
+
+def batched_backward(
+    modules: Sequence[ActionHead],
+    features: Sequence[VLAFeature],
+    actions: Sequence[torch.Tensor],
+    draws: Sequence[tuple[torch.Tensor, ...]],
+) -> list[float]:
+    """Every tenant's loss from one batched forward, and its gradients from one batched
+    backward, written into each module's own ``p.grad`` (views of the stacked gradient).
+
+    Inputs must already be checked (``check_actions``) and share one :func:`arch_key`;
+    ``draws[i]`` is what ``modules[i].draw`` gave for tenant ``i``. A tenant whose loss is
+    not finite gets no gradient at all (its ``p.grad`` stay ``None``), and the backward
+    does not run through it, so nothing of it reaches the others. Returns the losses.
+    """
+    n = len(modules)
+    if not n or not (len(features) == len(actions) == len(draws) == n):
+        raise ValueError(
+            f"batched_backward needs one feature, target and draw per module: {n} modules, "
+            f"{len(features)} features, {len(actions)} targets, {len(draws)} draws"
+        )
+    template = modules[0]
+    dtype, device = template.state_token_D.dtype, template.state_token_D.device
+    named = [dict(m.named_parameters()) for m in modules]
+    # Leaves of their own (not autograd views of the tenants' parameters): the backward
+    # then ends in one gradient per name instead of one accumulation per tenant and name.
+    with torch.no_grad():
+        params = {k: torch.stack([p[k] for p in named]).requires_grad_() for k in named[0]}
+    inputs = StackedInputs(
+        prefix_N_B_T_D=torch.stack([_ready(f.prefix_B_T_D, dtype, device) for f in features]),
+        mask_N_B_T=torch.stack([f.mask_B_T.to(device).bool() for f in features]),
+        proprio_N_B_P=torch.stack([_ready(f.proprio_B_P, dtype, device) for f in features]),
+        actions_N_B_C_A=torch.stack([_ready(a, dtype, device) for a in actions]),
+        draws=tuple(torch.stack(list(d)) for d in zip(*draws, strict=True)),
+    )
+    losses_N = template.stacked_loss(params, inputs)
+    values = losses_N.detach().tolist()
+    finite = [math.isfinite(v) for v in values]
+    if any(finite):
+        # A non-finite tenant gets a zero upstream gradient; its slice of the gradients is
+        # discarded below in any case.
+        weights_N = torch.tensor(finite, dtype=losses_N.dtype, device=losses_N.device)
+        grads = torch.autograd.grad(
+            (losses_N * weights_N).sum(), list(params.values()), allow_unused=True
+        )
+        for k, g in zip(params, grads, strict=True):
+            if g is None:  # a parameter the loss does not use (e.g. the value head)
+                continue
+            # Contiguous first: each tenant's view then has its parameter's own layout.
+            for i, gi in enumerate(g.contiguous().unbind(0)):
+                if finite[i]:
+                    named[i][k].grad = gi
+    return values
+
+
+@dataclass
+class _Live:
+    """A tenant's step in progress: its slot, inputs and the RNG state to rewind to."""
+
+    index: int
+    slot: TenantSlot
+    feature: VLAFeature
+    actions_B_C_A: torch.Tensor
+    rng_before: torch.Tensor
+    loss: float = math.nan
+    grad_norm: float = math.nan
+
+
+def _max_norm(slot: TenantSlot) -> float:
+    clip = slot.optim_config.grad_clip
+    return clip if clip > 0 else math.inf
+
+
+def _abandon(live: _Live) -> None:
+    """Leave the slot as it was before the step: grads dropped, RNG rewound."""
+    live.slot.optimizer.zero_grad(set_to_none=True)
+    live.slot.generator.set_state(live.rng_before)
+
+
+def _backward(members: list[_Live], results: list[StepResult | Exception | None]) -> None:
+    """Draws, then one stacked loss + backward for ``members`` (same :func:`arch_key`),
+    booking each loss; a non-finite one fails its own tenant only."""
+    draws = [m.slot.module.draw(m.feature.batch_size, m.slot.generator) for m in members]
+    losses = batched_backward(
+        [m.slot.module for m in members],
+        [m.feature for m in members],
+        [m.actions_B_C_A for m in members],
+        draws,
+    )
+    for m, value in zip(members, losses, strict=True):
+        m.loss = value
+        if not math.isfinite(value):
+            _abandon(m)
+            results[m.index] = NonFiniteLossError(m.slot.tenant, m.slot.step, "loss", value)
+
+
+def _backward_isolated(members: list[_Live], results: list[StepResult | Exception | None]) -> None:
+    """:func:`_backward` for the whole stack; if the stacked call itself fails, every member
+    runs again as a stack of one (same numbers: see the module docstring), so only a tenant
+    at fault fails."""
+    try:
+        _backward(members, results)
+        return
+    except Exception as exc:  # noqa: BLE001 - retried per tenant below when there are several
+        for m in members:
+            _abandon(m)
+        if len(members) == 1:
+            results[members[0].index] = exc
+            return
+    for m in members:
+        try:
+            _backward([m], results)
+        except Exception as exc:  # noqa: BLE001 - one tenant's failure is its result
+            _abandon(m)
+            results[m.index] = exc
+
+
+def train_steps(
+    slots: Sequence[TenantSlot],
+    features: Sequence[VLAFeature],
+    actions: Sequence[torch.Tensor],
+    batch_heads: bool = True,
+) -> list[StepResult | Exception]:
+    """One supervised update per tenant, as :meth:`TenantSlot.train_step` would make it, with
+    the heads batched across tenants and one shared clip + AdamW step.
+
+    Tenants whose heads and batches share an :func:`arch_key` (and prefix shape) run one
+    stacked forward and backward (:func:`batched_backward`; ``batch_heads=False`` runs each
+    tenant as a stack of one, which gives the same bits). Then every tenant's gradients are
+    clipped and its AdamW step applied by shared multi-tensor calls (:mod:`vla.multiopt`,
+    bit for bit as its own optimizer would).
+
+    A tenant's failure is its result: ``ValueError`` for mis-shaped input,
+    :class:`NonFiniteLossError` for a NaN/inf loss or grad norm, or whatever its head raised;
+    that slot is left exactly as before (parameters, optimizer state, RNG, step), and the
+    other tenants' steps do not see it.
+    """
+    if not (len(slots) == len(features) == len(actions)):
+        raise ValueError(
+            f"train_steps needs one feature and target per slot: {len(slots)} slots, "
+            f"{len(features)} features, {len(actions)} targets"
+        )
+    if len({id(s) for s in slots}) != len(slots):
+        raise ValueError("a slot appears twice in one train_steps call")
+    results: list[StepResult | Exception | None] = [None] * len(slots)
+    live: list[_Live] = []
+    for i, (slot, feature, target) in enumerate(zip(slots, features, actions, strict=True)):
+        try:
+            slot.module.check_actions(feature, target)
+        except Exception as exc:  # noqa: BLE001 - bad input fails its own tenant only
+            results[i] = exc
+            continue
+        slot.module.train()
+        rng_before = slot.generator.get_state()
+        slot.optimizer.zero_grad(set_to_none=True)
+        live.append(_Live(i, slot, feature, target, rng_before))
+    # Which tenants share one batched head call: same architecture, batch and prefix shape.
+    batches: dict[Hashable, list[_Live]] = {}
+    for m in live:
+        key = (arch_key(m.slot.module, m.feature.batch_size), tuple(m.feature.prefix_B_T_D.shape))
+        batches.setdefault(key if batch_heads else id(m), []).append(m)
+    for members in batches.values():
+        _backward_isolated(members, results)
+    stepping = [m for m in live if results[m.index] is None]
+    try:
+        norms = clip_grad_norms(
+            [list(m.slot.module.parameters()) for m in stepping],
+            [_max_norm(m.slot) for m in stepping],
+        )
+    except Exception as exc:  # noqa: BLE001 - nothing was applied: every tenant gets it
+        for m in stepping:
+            _abandon(m)
+            results[m.index] = exc
+        stepping = []
+        norms = []
+    applied: list[_Live] = []
+    for m, norm in zip(stepping, norms, strict=True):
+        m.grad_norm = norm
+        if not math.isfinite(norm):
+            _abandon(m)
+            results[m.index] = NonFiniteLossError(m.slot.tenant, m.slot.step, "grad norm", norm)
+            continue
+        applied.append(m)
+    lrs = []
+    for m in applied:
+        lr = lr_at(m.slot.optim_config, m.slot.step)
+        for group in m.slot.optimizer.param_groups:
+            group["lr"] = lr
+        lrs.append(lr)
+    adamw_step([m.slot.optimizer for m in applied])
+    for m, lr in zip(applied, lrs, strict=True):
+        # Free grads now: memory accounting (nbytes) assumes they exist only during a step.
+        m.slot.optimizer.zero_grad(set_to_none=True)
+        m.slot.step += 1
+        results[m.index] = StepResult(loss=m.loss, grad_norm=m.grad_norm, lr=lr, step=m.slot.step)
+    out: list[StepResult | Exception] = []
+    for r in results:
+        assert r is not None
+        out.append(r)
+    return out
