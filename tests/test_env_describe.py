@@ -72,6 +72,8 @@ def test_proprio_is_all_or_nothing_never_truncated() -> None:
     proprio = np.arange(4, dtype=np.float32)
     assert proprio_for_head(proprio, 4).tolist() == [0, 1, 2, 3]
     assert proprio_for_head(proprio, 0).shape == (0,)
+    # A dataset batch (B, P) keeps its rows (the SFT stream sends one per sample).
+    assert proprio_for_head(np.zeros((2, 4), dtype=np.float32), 0).shape == (2, 0)
     with pytest.raises(ProprioMismatchError, match=r"proprio_dim 2 does not match .* 4"):
         proprio_for_head(proprio, 2)
 

@@ -190,7 +190,7 @@ def proprio_for_head(proprio_P: np.ndarray, proprio_dim: int) -> np.ndarray:
     """
     proprio_P = np.asarray(proprio_P, dtype=np.float32)
     if proprio_dim == 0:
-        return proprio_P[:0]
+        return proprio_P[..., :0]  # (P,) -> (0,), (B, P) -> (B, 0)
     if proprio_P.shape[-1] != proprio_dim:
         raise ProprioMismatchError(
             f"head.proprio_dim {proprio_dim} does not match the proprio dimension "
