@@ -187,6 +187,25 @@ async def test_the_trainer_refuses_a_message_claiming_another_tenant(
     assert await record(js, victim, job) is None and await record(js, mallory, job) is None
 
 
+@pytest.mark.timeout(120)
+async def test_a_rollout_can_never_reach_another_tenants_job(
+    limited_trainer: subprocess.Popen[bytes], js: JetStreamContext
+) -> None:
+    """``victim`` trains job J; ``mallory`` sends rollouts for J on its own subject, naming
+    itself (the job is looked up as mallory's, which does not exist) or naming the victim
+    (refused for the subject): both dead, and the victim's job completes untouched."""
+    mallory, victim, job = uid("mallory"), uid("victim"), uid("j")
+    await send(js, victim, sft_open(victim, job, 2))
+    await send(js, mallory, episode(mallory, job, 0, 0, 1))
+    await publish(js, subjects.train("tiny", mallory), episode(victim, job, 0, 0, 1))
+    await dead_with(js, "TRAIN", mallory, f"no slot is open for job {job!r} of tenant {mallory!r}")
+    await dead_with(js, "TRAIN", mallory, f"message for tenant {victim!r}")
+    await send(js, victim, *(sft_batch(victim, job, s) for s in range(2)))
+    rec = await eventually(lambda: done(js, victim, job, 2), timeout=90, what="victim's job done")
+    assert rec.step == 2 and rec.batches_done == 2
+    assert not [e for e in await events_of(js, victim, job) if isinstance(e, ErrorEvent)]
+
+
 # -- the inferencer --------------------------------------------------------------------------
 @pytest.mark.timeout(150)
 async def test_the_inferencer_refuses_an_oversized_image_and_a_foreign_tenant(
