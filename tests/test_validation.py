@@ -285,7 +285,12 @@ async def test_a_spec_over_an_operator_bound_is_rejected_and_a_cancel_for_anothe
     nc = await connect(fresh_server.url)
     js = nc.jetstream()
     await declare(js)
-    start_master_and_envs(fresh_server.url, tmp_path, procs, JOYNEXUS_LIMIT_MAX_ITERATIONS="50")
+    from bus.datasets import register_path
+    from services.envs.datasets import record as record_dataset
+
+    record_dataset(REACH2D_ID, 1, tmp_path / "demos", seed=0)
+    limits = {"JOYNEXUS_LIMIT_MAX_ITERATIONS": "50", "JOYNEXUS_LIMIT_MAX_DATASET_FRAMES": "5"}
+    start_master_and_envs(fresh_server.url, tmp_path, procs, **limits)
     bad, good = uid("over"), uid("good")
     await submit(js, rl_spec(bad, iterations=500), "too-long")
     await submit(js, rl_spec(good), "fine")
@@ -294,6 +299,19 @@ async def test_a_spec_over_an_operator_bound_is_rejected_and_a_cancel_for_anothe
     assert "iterations: 500 exceeds max_iterations 50" in rejected.reason
     assert isinstance(await outcome(js, good, "fine"), Accepted)
     await dead_with(js, "JOBS", bad, "exceeds max_iterations 50")
+    # A dataset past max_dataset_frames is refused at submit, before any frame is streamed.
+    await register_path(js, bad, "demos", tmp_path / "demos")
+    sft = {
+        "kind": "sft",
+        "tenant": bad,
+        "dataset": "demos",
+        "steps": 2,
+        "head": {"kind": "oft", "action_dim": 2},
+    }
+    await submit(js, sft, "big-data")
+    refused = await outcome(js, bad, "big-data")
+    assert isinstance(refused, Rejected) and "exceeds max_dataset_frames 5" in refused.reason
+    assert refused.reason.startswith("dataset 'demos': ")
 
     # The bad tenant cancels the good tenant's job by naming it in the body of a command on
     # its own subject: refused, and the good job goes on.

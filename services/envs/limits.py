@@ -12,13 +12,12 @@ Every failure is a :class:`~bus.errors.PoisonError` naming the field and the lim
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from bus.errors import PoisonError
 from schemas import subjects
 from schemas.env import EnvTask, EvalTask, RolloutTask, StreamDataset
 from schemas.limits import InputLimits, exceeds
 from vla.data import DatasetMeta
+from vla.data.limits import dataset_violation
 
 
 def check_task(subject: str, task: EnvTask, limits: InputLimits) -> None:
@@ -61,47 +60,9 @@ def _at_most(field: str, value: int, limit: str, bound: int) -> None:
         raise PoisonError(exceeds(field, value, limit, bound))
 
 
-def dataset_bytes(root: Path) -> int:
-    """Bytes of the files under ``root`` (symlinks not followed)."""
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
-
-
 def check_dataset(name: str, meta: DatasetMeta, limits: InputLimits) -> None:
-    """A dataset within the size, frame, image-side and episode-length limits."""
-    size = dataset_bytes(meta.root)
-    if size > limits.max_dataset_bytes:
-        raise PoisonError(
-            exceeds(
-                f"dataset {name!r}", f"{size} bytes", "max_dataset_bytes", limits.max_dataset_bytes
-            )
-        )
-    if meta.num_frames > limits.max_dataset_frames:
-        raise PoisonError(
-            exceeds(
-                f"dataset {name!r}",
-                f"{meta.num_frames} frames",
-                "max_dataset_frames",
-                limits.max_dataset_frames,
-            )
-        )
-    for key in meta.camera_keys:
-        shape = meta.info.features[key].shape
-        if max(shape[:2]) > limits.max_image_side:
-            raise PoisonError(
-                exceeds(
-                    f"dataset {name!r} {key}",
-                    f"{shape[0]}x{shape[1]}",
-                    "max_image_side",
-                    limits.max_image_side,
-                )
-            )
-    longest = max((ep.length for ep in meta.episodes), default=0)
-    if longest > limits.max_episode_steps:
-        raise PoisonError(
-            exceeds(
-                f"dataset {name!r}",
-                f"an episode of {longest} frames",
-                "max_episode_steps",
-                limits.max_episode_steps,
-            )
-        )
+    """A dataset within the size, frame, image-side and episode-length limits (read from its
+    metadata: call it before loading the frames)."""
+    violation = dataset_violation(name, meta, limits)
+    if violation:
+        raise PoisonError(violation)

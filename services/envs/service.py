@@ -48,7 +48,7 @@ from services.envs.datasets import iter_batches
 from services.envs.describe import Describer
 from services.envs.limits import check_dataset, check_task
 from services.envs.rollouts import AdapterPool, collect, evaluate_env
-from vla.data import Dataset, DatasetError, load_dataset
+from vla.data import Dataset, DatasetError, load_dataset, read_meta
 
 log = logging.getLogger(__name__)
 DURABLE = "envs"
@@ -151,7 +151,6 @@ class EnvWorker:
     async def evaluate_dataset(self, client: PolicyClient, task: EvalTask) -> dict[str, float]:
         """Action error of the policy's deterministic actions on held-out episodes."""
         ds = await self.dataset(task.tenant, task.dataset)
-        check_dataset(task.dataset, ds.meta, self.limits)
         _, held_out = ds.split(task.val_fraction, task.seed)
         if not held_out:
             raise PoisonError(f"val_fraction {task.val_fraction} holds out no episode")
@@ -206,6 +205,9 @@ class EnvWorker:
         key = (tenant, dataset_id, record.digest or str(path))
         if key not in self.datasets:
             try:
+                # Within the operator's limits before any frame is read.
+                meta = await asyncio.to_thread(read_meta, path)
+                await asyncio.to_thread(check_dataset, dataset_id, meta, self.limits)
                 self.datasets[key] = await asyncio.to_thread(load_dataset, path)
             except DatasetError as exc:
                 raise PoisonError(f"dataset {dataset_id!r}: {exc}") from exc
@@ -230,7 +232,6 @@ class EnvWorker:
 
     async def stream(self, task: StreamDataset) -> None:
         ds = await self.dataset(task.tenant, task.dataset)
-        check_dataset(task.dataset, ds.meta, self.limits)
         train_episodes, _ = ds.split(task.val_fraction, task.seed)
         per_epoch = ds.num_batches(task.batch_size, train_episodes, drop_last=True)
         if per_epoch == 0:

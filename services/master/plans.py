@@ -22,10 +22,12 @@ from nats.js import JetStreamContext
 from bus.datasets import DatasetStoreError, default_cache_root, resolve
 from bus.errors import PoisonError, RetryableError
 from schemas.env import EnvTask, EvalTask, RolloutTask, StreamDataset
+from schemas.limits import InputLimits
 from schemas.model import HeadConfig
 from schemas.specs import EvalJobSpec, RLJobSpec, SFTJobSpec
 from schemas.train import OpenSlot, PolicyRecord
 from vla.data import DatasetError, DatasetMeta, check_dataset
+from vla.data.limits import dataset_violation
 
 #: Batches beyond one commit interval a stream may have waiting in TRAIN.
 PREFETCH_ALLOWANCE = 4
@@ -90,12 +92,25 @@ class Datasets:
         return await check_dataset_dir(await self.path(tenant, dataset_id), dataset_id)
 
 
+async def check_dataset_limits(name: str, meta: DatasetMeta, limits: InputLimits | None) -> None:
+    """Refuse a dataset past the operator's limits (bytes, frames, image side, episode
+    length), naming the limit, before anything reads its frames."""
+    violation = await asyncio.to_thread(dataset_violation, name, meta, limits or InputLimits())
+    if violation:
+        raise PoisonError(violation)
+
+
 async def compile_sft(
-    job_id: str, spec: SFTJobSpec, init: PolicyRecord | None, datasets: Datasets
+    job_id: str,
+    spec: SFTJobSpec,
+    init: PolicyRecord | None,
+    datasets: Datasets,
+    limits: InputLimits | None = None,
 ) -> Plan:
-    """Validate ``spec`` against its dataset (an id in its tenant's namespace) and build the
-    job's start messages."""
+    """Validate ``spec`` against its dataset (an id in its tenant's namespace, within the
+    operator's ``limits``) and build the job's start messages."""
     ds = await datasets.open(spec.tenant, spec.dataset)
+    await check_dataset_limits(spec.dataset, ds, limits)
     # Omitted head dims are the dataset's.
     spec = spec.model_copy(update={"head": spec.head.filled(ds.action_dim, ds.state_dim)})
     check_dataset_fits(ds, spec)
@@ -212,7 +227,11 @@ def rollout_tasks(
 
 
 async def compile_eval(
-    job_id: str, spec: EvalJobSpec, policy: PolicyRecord, datasets: Datasets
+    job_id: str,
+    spec: EvalJobSpec,
+    policy: PolicyRecord,
+    datasets: Datasets,
+    limits: InputLimits | None = None,
 ) -> Plan:
     """One read-only task pinned to ``policy``'s version."""
     version = spec.policy_version or policy.version
@@ -222,7 +241,8 @@ async def compile_eval(
             f"committed version {policy.version}"
         )
     if spec.dataset is not None:
-        await datasets.open(spec.tenant, spec.dataset)
+        meta = await datasets.open(spec.tenant, spec.dataset)
+        await check_dataset_limits(spec.dataset, meta, limits)
     task = EvalTask(
         tenant=spec.tenant,
         job_id=job_id,

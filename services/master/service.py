@@ -250,7 +250,7 @@ class Master:
         match spec:
             case SFTJobSpec():
                 init = await self.init_policy(spec.tenant, spec.init_from)
-                return await compile_sft(job_id, spec, init, self.datasets)
+                return await compile_sft(job_id, spec, init, self.datasets, self.limits)
             case RLJobSpec():
                 return compile_rl(job_id, spec, await self.init_policy(spec.tenant, spec.init_from))
             case EvalJobSpec():
@@ -260,7 +260,7 @@ class Master:
                         f"policy_job: job {spec.policy_job!r} of tenant {spec.tenant!r} has "
                         "no committed policy"
                     )
-                return await compile_eval(job_id, spec, policy, self.datasets)
+                return await compile_eval(job_id, spec, policy, self.datasets, self.limits)
             case PipelineSpec():
                 return None
         raise PoisonError(f"kind: {spec.kind!r} cannot be planned")
