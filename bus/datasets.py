@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import io
 import os
 import shutil
 import tempfile
@@ -28,13 +29,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
 import msgspec
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import StorageType
 from nats.js.errors import (
     BucketNotFoundError,
-    DigestMismatchError,
     KeyNotFoundError,
     NotFoundError,
     ObjectNotFoundError,
@@ -156,7 +158,15 @@ async def tenant_store(js: JetStreamContext, tenant: str, *, create: bool) -> Ob
                 f"tenant {tenant} has no bucket {bucket}: ask the operator to add the tenant",
                 code="not_found",
             ) from exc
-    return await js.create_object_store(bucket=bucket, storage=StorageType.FILE)
+    try:
+        return await js.create_object_store(bucket=bucket, storage=StorageType.FILE)
+    except (NatsTimeoutError, TimeoutError) as exc:
+        # Under auth a tenant may not create streams: the broker drops the request unanswered.
+        raise DatasetStoreError(
+            f"tenant {tenant} has no bucket {bucket} and this identity may not create it: "
+            "ask the operator to add the tenant (`joynexus tenant add`)",
+            code="not_found",
+        ) from exc
 
 
 @dataclass
@@ -220,20 +230,22 @@ def encode_manifest(manifest: DatasetManifest) -> bytes:
     return msgspec.json.encode(manifest)
 
 
-async def read_manifest(store: ObjectStore, dataset_id: str) -> tuple[DatasetManifest, str]:
+async def read_manifest(
+    js: JetStreamContext, bucket: str, dataset_id: str
+) -> tuple[DatasetManifest, str]:
     """The pushed dataset's manifest and its SHA-256; ``not_found`` when the push never
     finished (or never started)."""
     name = prefix_of(dataset_id) + MANIFEST
+    buffer = io.BytesIO()
     try:
-        data = (await store.get(name)).data or b""
+        await download(js, bucket, name, buffer)
+        data = buffer.getvalue()
     except (ObjectNotFoundError, NotFoundError) as exc:
         raise DatasetStoreError(
             f"dataset {dataset_id!r} has no manifest in the tenant's bucket: the push did not "
             "finish; push it again with `joynexus data push`",
             code="not_found",
         ) from exc
-    except DigestMismatchError as exc:
-        raise DatasetStoreError(f"{name}: object does not match its own digest") from exc
     try:
         manifest = MANIFEST_DECODER.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -257,15 +269,55 @@ def default_cache_root() -> Path:
     return Path(tempfile.gettempdir()) / f"joynexus-datasets-{os.getuid()}"
 
 
-async def _download(store: ObjectStore, name: str, entry: ManifestFile, target: Path) -> None:
+async def download(
+    js: JetStreamContext, bucket: str, name: str, out: BinaryIO, *, timeout: float = 30.0
+) -> int:
+    """Write object ``name`` of ``bucket`` into ``out``, checked against the object's own
+    digest; return its size. Unlike nats.py's ``ObjectStore.get`` it names the bucket's
+    stream when it subscribes to the chunks, so it needs no ``$JS.API.STREAM.NAMES`` lookup
+    (which a tenant may not make: it would list every stream). Raises ObjectNotFoundError
+    for a missing object and :class:`DatasetStoreError` for a torn one."""
+    store = await js.object_store(bucket)
+    info = await store.get_info(name)
+    if not info.size:
+        return 0
+    chunks = f"$O.{bucket}.C.{info.nuid}"
+    sub = await js.subscribe(chunks, stream=f"OBJ_{bucket}", ordered_consumer=True)
+    h = hashlib.sha256()
+    received = 0
+    try:
+        while received < info.size:
+            try:
+                msg = await sub.next_msg(timeout=timeout)
+            except NatsTimeoutError as exc:
+                raise DatasetStoreError(
+                    f"{name}: no chunk within {timeout:g}s ({received} of {info.size} bytes)",
+                    code="unavailable",
+                    retryable=True,
+                ) from exc
+            out.write(msg.data)
+            h.update(msg.data)
+            received += len(msg.data)
+    finally:
+        await sub.unsubscribe()
+    if received != info.size or h.hexdigest() != _object_sha256(info.digest):
+        raise DatasetStoreError(f"{name}: object does not match its own digest")
+    return received
+
+
+async def _download(
+    js: JetStreamContext, bucket: str, name: str, entry: ManifestFile, target: Path
+) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         with target.open("wb") as f:
-            await store.get(name, writeinto=f)
+            await download(js, bucket, name, f)
     except (ObjectNotFoundError, NotFoundError) as exc:
         raise DatasetStoreError(f"{entry.path}: listed in the manifest but not pushed") from exc
-    except DigestMismatchError as exc:
-        raise DatasetStoreError(f"{entry.path}: object does not match its own digest") from exc
+    except DatasetStoreError as exc:
+        raise DatasetStoreError(
+            f"{entry.path}: {exc}", code=exc.code, retryable=exc.retryable
+        ) from exc
     size, got = await asyncio.to_thread(lambda: (target.stat().st_size, sha256_file(target)))
     if size != entry.size or got != entry.sha256:
         raise DatasetStoreError(
@@ -285,8 +337,8 @@ async def materialise(
     """Download a pushed dataset into ``cache_root`` (once per manifest digest), verifying
     every file; return its directory, manifest and the manifest's digest. With
     ``expected_digest`` (a DatasetRecord's), a manifest pushed since is refused."""
-    store = await tenant_store(js, tenant, create=False)
-    manifest, digest = await read_manifest(store, dataset_id)
+    await tenant_store(js, tenant, create=False)  # a clear error when it is missing
+    manifest, digest = await read_manifest(js, subjects.tenant_bucket(tenant), dataset_id)
     if expected_digest and digest != expected_digest:
         raise DatasetStoreError(
             f"dataset {dataset_id!r} was pushed again since it was added (manifest "
@@ -300,7 +352,8 @@ async def materialise(
     try:
         prefix = prefix_of(dataset_id)
         for entry in manifest.files:
-            await _download(store, prefix + entry.path, entry, tmp / entry.path)
+            bucket = subjects.tenant_bucket(tenant)
+            await _download(js, bucket, prefix + entry.path, entry, tmp / entry.path)
         (tmp / MANIFEST).write_bytes(encode_manifest(manifest))
         try:
             os.rename(tmp, target)

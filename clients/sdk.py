@@ -37,12 +37,12 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import DigestMismatchError, NotFoundError, ObjectNotFoundError
+from nats.js.errors import NotFoundError, ObjectNotFoundError
 from pydantic import BaseModel
 
 from bus.codec import DecodeError, decode, encode
 from bus.connect import connect
-from bus.datasets import PushReport, push_dataset, sha256_file, tenant_store
+from bus.datasets import DatasetStoreError, PushReport, download, push_dataset, sha256_file
 from bus.envinfo import request_description
 from bus.local import read_stack_info
 from bus.publish import msg_id, publish
@@ -528,15 +528,14 @@ class Client:
         checkpoint), verified against the checkpoint's SHA-256; returns the file."""
         reply = await self.request(tenant, ExportPolicy(tenant, job_id, version), timeout=60.0)
         assert isinstance(reply, PolicyExported)
-        store = await tenant_store(self.js, tenant, create=False)
         out = Path(out_dir)
         await asyncio.to_thread(out.mkdir, parents=True, exist_ok=True)
         target = out / f"{job_id}-v{reply.version}.ckpt"
         partial = target.with_suffix(".partial")
         try:
             with partial.open("wb") as f:
-                await store.get(reply.object_name, writeinto=f)
-        except (ObjectNotFoundError, NotFoundError, DigestMismatchError) as exc:
+                await download(self.js, reply.bucket, reply.object_name, f)
+        except (ObjectNotFoundError, NotFoundError, DatasetStoreError) as exc:
             raise RequestError(
                 f"exported policy {reply.object_name} could not be read: {exc!r}",
                 code="unavailable",
