@@ -68,10 +68,16 @@ async def run_demo(stack: LocalStack, data: dict[str, Path], steps: int) -> bool
         stamp = time.strftime("%H%M%S")
         jobs = []
         for tenant, dataset, head in TENANTS:
+            # Each tenant pushes its dataset into its own namespace; the spec names its id.
+            pushed = await client.push_dataset(tenant, data[dataset], dataset)
+            print(
+                f"{tenant}: dataset {dataset} pushed ({len(pushed.report.uploaded)} files "
+                f"uploaded, {len(pushed.report.skipped)} already there)"
+            )
             spec = {
                 "kind": "sft",
                 "tenant": tenant,
-                "dataset": str(data[dataset]),
+                "dataset": dataset,
                 "head": head,
                 "steps": steps,
                 "batch_size": 4,
