@@ -1,4 +1,5 @@
-"""Connecting to NATS: URL, credentials file, user/password, TLS."""
+"""Connecting to NATS: URL, credentials file (our NKey identities or a standard JWT
+``.creds``), user/password, TLS."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import nats
 from nats.aio.client import Client as NATS
+
+from bus.identity import is_joynexus_creds, load_creds
+from schemas.subjects import tenant_inbox_prefix
 
 
 async def connect(
@@ -22,19 +25,23 @@ async def connect(
     max_reconnect_attempts: int = -1,
     error_cb: Callable[[Exception], Awaitable[None]] | None = None,
 ) -> NATS:
-    """Connect with reconnects on (a broker restart is survivable); ``creds`` is a NATS
-    ``.creds`` file (JWT + nkey), ``user``/``password`` plain auth, ``tls`` a client context."""
+    """Connect with reconnects on (a broker restart is survivable). ``creds`` is an identity
+    file of :mod:`bus.identity` (its NKey signs the server's nonce; a tenant's connection
+    uses the tenant's inbox prefix, the only one it may subscribe to) or a standard NATS
+    ``.creds`` file (JWT + nkey); ``user``/``password`` plain auth (empty = none), ``tls`` a
+    client context. Raises :class:`bus.identity.IdentityError` for an unreadable creds file."""
     options: dict[str, Any] = {
         "servers": [url],
         "name": name,
         "max_reconnect_attempts": max_reconnect_attempts,
         "reconnect_time_wait": 0.2,
         "connect_timeout": 5,
-        "allow_reconnect": True,
+        # 0: one attempt, no retries (nats.py otherwise retries a refused first connect)
+        "allow_reconnect": max_reconnect_attempts != 0,
     }
     if creds is not None:
-        options["user_credentials"] = str(creds)
-    if user is not None:
+        options.update(creds_options(Path(creds)))
+    if user:
         options["user"] = user
         options["password"] = password or ""
     if tls is not None:
@@ -43,7 +50,29 @@ async def connect(
         options["error_cb"] = error_cb
     else:
         options["error_cb"] = _quiet_error
-    return await nats.connect(**options)
+    nc = NATS()
+    try:
+        await nc.connect(**options)
+    except BaseException:
+        # a refused connect (e.g. a revoked key) leaves nats.py's socket open otherwise
+        await nc.close()
+        raise
+    return nc
+
+
+def creds_options(creds: Path) -> dict[str, Any]:
+    """nats.py connect options for a creds file: our identity's seed in memory (nats.py's
+    ``nkeys_seed`` would read a file holding only the seed) and, for a tenant, its inbox
+    prefix; a standard JWT ``.creds`` file is handed to nats.py as it is."""
+    if is_joynexus_creds(creds):
+        identity = load_creds(creds).identity
+        options: dict[str, Any] = {"nkeys_seed_str": identity.seed}
+        if identity.role == "tenant":
+            options["inbox_prefix"] = tenant_inbox_prefix(identity.name)
+        return options
+    if not creds.is_file():
+        raise FileNotFoundError(f"creds file {creds} does not exist")
+    return {"user_credentials": str(creds)}
 
 
 async def _quiet_error(exc: Exception) -> None:

@@ -44,6 +44,66 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+AUTH_FILE = "auth.conf"
+PID_FILE = "nats-server.pid"
+_RELOADED = "Reloaded server configuration"
+
+
+def auth_file(store_dir: Path) -> Path:
+    """Where a server under ``store_dir`` reads its authorization config from."""
+    return Path(store_dir) / AUTH_FILE
+
+
+def pid_file(store_dir: Path) -> Path:
+    """Where a server under ``store_dir`` writes its pid."""
+    return Path(store_dir) / PID_FILE
+
+
+def write_auth_file(store_dir: Path, text: str) -> Path:
+    """Write the authorization config atomically (mode 0600): a reload never reads half."""
+    path = auth_file(store_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.replace(tmp, path)
+    return path
+
+
+def running_pid(store_dir: Path) -> int | None:
+    """The pid of the server running under ``store_dir``, or None if none runs."""
+    try:
+        pid = int(pid_file(store_dir).read_text().strip())
+        os.kill(pid, 0)
+    except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
+        return None
+    return pid
+
+
+def reload_running(pid: int, log_file: Path, timeout: float = 10.0) -> None:
+    """SIGHUP the server ``pid`` (``nats-server --signal reload``) and wait until its log
+    says the config was reloaded; raise :class:`ServerError` with its error lines if the
+    new config was refused (the server keeps the old one then)."""
+    offset = log_file.stat().st_size if log_file.exists() else 0
+    os.kill(pid, signal.SIGHUP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(log_file, "rb") as f:
+                f.seek(offset)
+                text = f.read().decode(errors="replace")
+        except FileNotFoundError:
+            text = ""
+        if _RELOADED in text:
+            return
+        errors = [ln for ln in text.splitlines() if "[ERR]" in ln and "reload" in ln.lower()]
+        if errors:
+            raise ServerError("nats-server refused the new config: " + "; ".join(errors))
+        time.sleep(0.02)
+    raise ServerError(f"nats-server {pid} did not confirm a reload within {timeout}s")
+
+
 class EmbeddedServer:
     """``nats-server -js`` bound to 127.0.0.1 with ``store_dir``.
 
@@ -60,6 +120,7 @@ class EmbeddedServer:
         user: str | None = None,
         password: str | None = None,
         max_payload: int | None = None,
+        auth: str | None = None,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.port = port
@@ -67,6 +128,9 @@ class EmbeddedServer:
         self.user = user
         self.password = password
         self.max_payload = max_payload
+        #: Rendered authorization config (:func:`bus.auth.render`), kept in ``auth.conf``
+        #: beside the server's config so that an operator's tool can rewrite it and reload.
+        self.auth = auth
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -77,14 +141,22 @@ class EmbeddedServer:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    @property
+    def auth_file(self) -> Path:
+        return auth_file(self.store_dir)
+
     def _write_config(self) -> Path:
         lines = [
             f'listen: "127.0.0.1:{self.port}"',
             f'jetstream {{ store_dir: "{self.store_dir / "jetstream-data"}" }}',
+            f'pid_file: "{pid_file(self.store_dir)}"',
         ]
         if self.max_payload:
             lines.append(f"max_payload: {self.max_payload}")
-        if self.user and self.password:
+        if self.auth is not None:
+            write_auth_file(self.store_dir, self.auth)
+            lines.append(f"include {AUTH_FILE}")  # relative to this file's directory
+        elif self.user and self.password:
             lines.append(f'authorization {{ user: "{self.user}", password: "{self.password}" }}')
         conf = self.store_dir / "nats-server.conf"
         conf.write_text("\n".join(lines) + "\n")
@@ -126,6 +198,16 @@ class EmbeddedServer:
             time.sleep(0.01)
         self.kill()
         raise ServerError(f"nats-server not ready after {timeout}s; see {self.log_file}")
+
+    def reload(self, auth: str | None = None, timeout: float = 10.0) -> None:
+        """Apply a new authorization config (``auth``, else the current file) to the running
+        server: its connections are re-checked at once (a removed key is disconnected)."""
+        if self._proc is None or self._proc.poll() is not None:
+            raise ServerError("server is not running")
+        if auth is not None:
+            self.auth = auth
+            write_auth_file(self.store_dir, auth)
+        reload_running(self._proc.pid, self.log_file, timeout)
 
     def _log_since(self, offset: int) -> str:
         try:

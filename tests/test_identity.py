@@ -1,0 +1,91 @@
+"""Identities and the rendered authorization config, without a server."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import msgspec
+import nkeys
+import pytest
+
+from bus import tenantadmin
+from bus.auth import Registry, load_registry, registry_path, render, save_registry
+from bus.identity import IdentityError, load_creds, new_identity, write_creds
+from schemas.ids import InvalidIdError
+from schemas.tenants import TenantLimits
+
+
+def test_creds_round_trip_signs_as_the_registered_key(tmp_path: Path) -> None:
+    identity = new_identity("tenant", "alice")
+    path = write_creds(tmp_path / "creds", identity)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    loaded = load_creds(path)
+    assert (loaded.role, loaded.name, loaded.public_key) == ("tenant", "alice", identity.public_key)
+    # the seed signs, and the public key verifies it: what the server checks at connect
+    signer = nkeys.from_seed(bytearray(loaded.identity.seed.encode()))
+    assert signer.public_key.decode() == identity.public_key
+    assert signer.verify(b"nonce", signer.sign(b"nonce"))
+    assert identity.seed not in repr(identity)
+    assert new_identity("tenant", "alice").public_key != identity.public_key
+
+
+@pytest.mark.parametrize(
+    ("role", "name", "error"),
+    [
+        ("tenant", "service", IdentityError),
+        ("tenant", "operator", IdentityError),
+        ("tenant", "a.b", InvalidIdError),
+        ("tenant", "*", InvalidIdError),
+        ("admin", "x", IdentityError),
+    ],
+)
+def test_bad_identity_names_are_refused(role: str, name: str, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        new_identity(role, name)  # type: ignore[arg-type]
+
+
+def test_a_file_without_an_identity_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "x.creds"
+    bad.write_text("-----BEGIN USER NKEY SEED-----\nSUXXX\n------END USER NKEY SEED------\n")
+    with pytest.raises(IdentityError, match="no '# joynexus identity"):
+        load_creds(bad)
+    with pytest.raises(IdentityError, match="cannot read"):
+        load_creds(tmp_path / "missing.creds")
+
+
+def test_render_grants_a_tenant_only_its_own_subjects(tmp_path: Path) -> None:
+    tenantadmin.init_home(tmp_path)
+    tenantadmin.add_tenant(tmp_path, "alice", TenantLimits(2, 1 << 20))
+    text = render(load_registry(tmp_path))
+    alice = next(line for line in text.splitlines() if "nexus.job.alice.>" in line)
+    assert '"$JS.API.CONSUMER.CREATE.EVENTS.*.nexus.event.alice.>"' in alice
+    assert 'subscribe: { allow: ["_INBOX_alice.>"] }' in alice
+    assert '"$JS.API.CONSUMER.CREATE.EVENTS.master-events.>"' in alice  # in its deny list
+    assert "MSG.NEXT" not in alice and "$KV" not in alice and "STREAM.NAMES" not in alice
+    assert text.count("nkey: U") == 3  # service, operator, alice
+    tenantadmin.revoke_tenant(tmp_path, "alice")
+    assert "nexus.job.alice" not in render(load_registry(tmp_path))
+
+
+def test_tenant_admin_refuses_what_it_cannot_do(tmp_path: Path) -> None:
+    tenantadmin.add_tenant(tmp_path, "alice")
+    with pytest.raises(tenantadmin.TenantAdminError, match="already exists"):
+        tenantadmin.add_tenant(tmp_path, "alice")
+    with pytest.raises(tenantadmin.TenantAdminError, match="unknown tenant 'bob'"):
+        tenantadmin.rotate_tenant(tmp_path, "bob")
+    with pytest.raises(tenantadmin.TenantAdminError, match="--max-jobs must be >= 1"):
+        tenantadmin.set_limits(tmp_path, "alice", max_jobs=0)
+    tenantadmin.revoke_tenant(tmp_path, "alice")
+    with pytest.raises(tenantadmin.TenantAdminError, match="revoked"):
+        tenantadmin.rotate_tenant(tmp_path, "alice")
+    assert tenantadmin.add_tenant(tmp_path, "alice").exists()  # re-added with a new key
+
+
+def test_registry_rejects_unknown_fields(tmp_path: Path) -> None:
+    save_registry(tmp_path, Registry())
+    path = registry_path(tmp_path)
+    path.write_text('{"identities": [], "limits": {}, "typo": 1}')
+    with pytest.raises(msgspec.ValidationError, match="typo"):
+        load_registry(tmp_path)

@@ -1,0 +1,426 @@
+"""The broker keeps tenants apart: with tenant bob's credentials, every attempt on tenant
+alice's things fails with the server's permission error, and nothing of alice's is reached
+or changed. Positive controls in the same test show alice (and bob, on his own things) can
+do what they are allowed, so the denials are not an artefact of a broken connection.
+
+A real ``nats-server`` runs with the authorization config rendered from the identities
+registry (:mod:`bus.auth`); the service identity declares the real layout and writes alice's
+events, job record, checkpoint and bucket content. A revoked tenant is disconnected at the
+reload and cannot reconnect; a rotated key replaces the old one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from bus import tenantadmin
+from bus.auth import load_registry, render
+from bus.codec import encode
+from bus.connect import connect
+from bus.declare import declare
+from bus.identity import IdentityError, creds_path, load_creds
+from bus.server import EmbeddedServer
+from schemas import subjects as s
+from schemas.jobs import JobRecord, job_key
+from schemas.tenants import TENANT_RECORD_DECODER
+from tests.helpers import eventually, uid
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@dataclass
+class Tenant:
+    """A tenant's connection, the errors its server sent it, and replies on its inbox."""
+
+    name: str
+    nc: NATS
+    errors: list[str] = field(default_factory=list)
+    replies: list[Msg] = field(default_factory=list)
+
+    async def denied(self, subject: str, kind: str = "publish") -> None:
+        """Wait for the server's permissions violation naming ``subject``."""
+        want = f'permissions violation for {kind} to "{subject.lower()}"'
+        await eventually(
+            lambda: any(want in e for e in self.errors), timeout=5, what=f"violation {want!r}"
+        )
+
+    async def attempt(self, subject: str, payload: bytes = b"", kind: str = "publish") -> None:
+        """Publish ``payload`` to ``subject`` with a reply on our inbox and assert the
+        server refused it (a denied request reaches nobody, so nothing can answer)."""
+        await self.nc.publish(subject, payload, reply=f"{s.tenant_inbox_prefix(self.name)}.r")
+        await self.denied(subject, kind)
+
+
+@dataclass
+class Secured:
+    home: Path
+    server: EmbeddedServer
+    service: NATS
+
+    def creds(self, name: str) -> Path:
+        return creds_path(tenantadmin.creds_dir(self.home), name)
+
+    async def tenant(self, name: str) -> Tenant:
+        errors: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc).lower())
+
+        nc = await connect(self.server.url, creds=self.creds(name), error_cb=on_error)
+        t = Tenant(name, nc, errors)
+
+        async def on_reply(msg: Msg) -> None:
+            t.replies.append(msg)
+
+        await nc.subscribe(f"{s.tenant_inbox_prefix(name)}.r", cb=on_reply)
+        return t
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Iterator[Path]:
+    """A home with the service, operator and two tenants registered."""
+    tenantadmin.init_home(tmp_path)
+    for name in ("alice", "bob"):
+        tenantadmin.ensure_tenant(tmp_path, name)
+    yield tmp_path
+
+
+@pytest_asyncio.fixture
+async def secured(home: Path) -> AsyncIterator[Secured]:
+    server = EmbeddedServer(
+        tenantadmin.server_dir(home),
+        log_file=home / tenantadmin.SERVER_LOG,
+        auth=render(load_registry(home)),
+    ).start()
+    service = await connect(server.url, creds=creds_path(tenantadmin.creds_dir(home), "service"))
+    try:
+        await declare(service.jetstream())
+        await tenantadmin.sync_bus(service, load_registry(home))
+        yield Secured(home, server, service)
+    finally:
+        await service.close()
+        server.stop()
+
+
+async def alice_things(sec: Secured) -> dict[str, object]:
+    """What the services hold of alice's: events, a job record, a checkpoint, bucket
+    content, the master's durables, and an ephemeral consumer of hers."""
+    js = sec.service.jetstream()
+    job = uid("job")
+    for kind in ("accepted", "progress"):
+        await js.publish(s.event("alice", job, kind), b"alice's " + kind.encode())
+    record = JobRecord("alice", job, "sft", "running", b'{"secret": 1}', 1.0, 1.0)
+    jobs = await js.key_value(s.KV_JOBS)
+    await jobs.put(job_key("alice", job), encode(record))
+    checkpoints = await js.object_store(s.OBJ_CHECKPOINTS)
+    await checkpoints.put(f"alice/{job}/v1", b"alice's weights")
+    bucket = await js.object_store(s.tenant_bucket("alice"))
+    await bucket.put("datasets/d1/data.parquet", b"alice's data")
+    await js.add_consumer(
+        s.STREAM_JOBS,
+        ConsumerConfig(durable_name="master", filter_subject="nexus.job.>"),
+    )
+    await js.add_consumer(
+        s.STREAM_EVENTS,
+        ConsumerConfig(durable_name="master-events", filter_subject="nexus.event.*.*.>"),
+    )
+    await js.add_consumer(
+        s.STREAM_EVENTS,
+        ConsumerConfig(
+            name="alice-view",
+            filter_subject="nexus.event.alice.>",
+            ack_policy=AckPolicy.EXPLICIT,
+            inactive_threshold=60,
+        ),
+    )
+    return {"job": job}
+
+
+async def snapshot(sec: Secured, job: str) -> dict[str, object]:
+    """Everything of alice's the attacks could change, read as the service."""
+    js = sec.service.jetstream()
+    streams = {}
+    for name in (s.STREAM_JOBS, s.STREAM_EVENTS, f"OBJ_{s.tenant_bucket('alice')}"):
+        info = await js.stream_info(name)
+        streams[name] = (info.state.messages, info.state.last_seq, info.config.max_bytes)
+    consumers = {}
+    for stream, name in (
+        (s.STREAM_JOBS, "master"),
+        (s.STREAM_EVENTS, "master-events"),
+        (s.STREAM_EVENTS, "alice-view"),
+    ):
+        info = await js.consumer_info(stream, name)
+        consumers[name] = (
+            info.config.filter_subject,
+            info.delivered.stream_seq,
+            info.num_pending,
+            info.num_ack_pending,
+        )
+    jobs = await js.key_value(s.KV_JOBS)
+    entry = await jobs.get(job_key("alice", job))
+    names = sorted(str(info.config.name) for info in await js.streams_info())
+    return {"streams": streams, "consumers": consumers, "record": entry.value, "names": names}
+
+
+async def test_bob_reaches_nothing_of_alice(secured: Secured) -> None:
+    sec = secured
+    job = str((await alice_things(sec))["job"])
+    alice = await sec.tenant("alice")
+    bob = await sec.tenant("bob")
+    try:
+        # -- positive controls: alice's own things work --------------------------------------
+        ack = await alice.nc.jetstream().publish(s.job("alice", "submit"), b"{}")
+        assert ack.stream == s.STREAM_JOBS
+        seen: asyncio.Queue[Msg] = asyncio.Queue()
+
+        async def on_event(msg: Msg) -> None:
+            await seen.put(msg)
+
+        sub = await alice.nc.jetstream().subscribe(
+            "nexus.event.alice.>",
+            stream=s.STREAM_EVENTS,
+            cb=on_event,
+            ordered_consumer=True,
+            config=ConsumerConfig(name=uid("alice-follow"), deliver_policy=DeliverPolicy.ALL),
+        )
+        first = await asyncio.wait_for(seen.get(), 10)
+        assert first.subject == s.event("alice", job, "accepted")
+        await sub.unsubscribe()
+        mine = await alice.nc.jetstream().object_store(s.tenant_bucket("alice"))
+        await mine.put("exports/p1", b"alice's export")
+        assert (await mine.get_info("exports/p1")).size == len(b"alice's export")
+        await mine.delete("exports/p1")
+        # bob's own subjects work too (his connection is not simply broken)
+        assert (await bob.nc.jetstream().publish(s.job("bob", "submit"), b"{}")).seq > 0
+        assert alice.errors == [] and bob.errors == []
+        before = await snapshot(sec, job)
+
+        # -- bob on alice's job subjects: cancel, submit, requests -------------------------
+        for verb in ("cancel", "submit", "pause"):
+            await bob.attempt(s.job("alice", verb), b"{}")
+        await bob.attempt(s.tenant_ctl("alice", "jobs"))
+        await bob.attempt(s.tenant_ctl("alice", "job"), json.dumps({"job_id": job}).encode())
+
+        # -- subscribe to alice's events, her inbox, anyone's inbox, the backbone ---------
+        got: list[Msg] = []
+
+        async def collect(msg: Msg) -> None:
+            got.append(msg)
+
+        for subject in (
+            "nexus.event.alice.>",
+            f"{s.tenant_inbox_prefix('alice')}.>",
+            "_INBOX.>",
+            ">",
+            "nexus.train.>",
+            f"$O.{s.tenant_bucket('alice')}.>",
+        ):
+            await bob.nc.subscribe(subject, cb=collect)
+            await bob.denied(subject, "subscription")
+
+        # -- consumers on alice's events: filtered, unfiltered, legacy durable, update of
+        #    the master's durable under bob's own filter ----------------------------------
+        api = "$JS.API"
+        alice_filter = ConsumerConfig(
+            name="bob-spy", filter_subject="nexus.event.alice.>", deliver_subject="_INBOX_bob.x"
+        )
+        body = json.dumps({"stream_name": "EVENTS", "config": alice_filter.as_dict()}).encode()
+        for subject in (
+            f"{api}.CONSUMER.CREATE.EVENTS.bob-spy.nexus.event.alice.>",
+            f"{api}.CONSUMER.CREATE.EVENTS",
+            f"{api}.CONSUMER.CREATE.EVENTS.bob-spy",
+            f"{api}.CONSUMER.DURABLE.CREATE.EVENTS.bob-spy",
+            f"{api}.CONSUMER.CREATE.EVENTS.master-events.nexus.event.bob.>",
+        ):
+            await bob.attempt(subject, body)
+        # bob's own filtered subject with alice's filter inside: the server checks the two
+        # agree and refuses with its own error
+        with pytest.raises(NatsError, match="filter"):
+            await _create_mismatched(bob)
+
+        # -- pull from existing consumers: the master's durables and alice's ---------------
+        for stream, consumer in (
+            (s.STREAM_JOBS, "master"),
+            (s.STREAM_EVENTS, "master-events"),
+            (s.STREAM_EVENTS, "alice-view"),
+        ):
+            await bob.attempt(f"{api}.CONSUMER.MSG.NEXT.{stream}.{consumer}", b'{"batch": 5}')
+            await bob.attempt(f"{api}.CONSUMER.INFO.{stream}.{consumer}")
+            await bob.attempt(f"{api}.CONSUMER.DELETE.{stream}.{consumer}")
+
+        # -- alice's job record in the jobs KV ----------------------------------------------
+        key = job_key("alice", job)
+        await bob.attempt(f"$KV.{s.KV_JOBS}.{key}", b"overwritten")
+        await bob.attempt(f"{api}.STREAM.INFO.KV_{s.KV_JOBS}")
+        await bob.attempt(
+            f"{api}.STREAM.MSG.GET.KV_{s.KV_JOBS}",
+            json.dumps({"last_by_subj": f"$KV.{s.KV_JOBS}.{key}"}).encode(),
+        )
+        await bob.attempt(f"{api}.DIRECT.GET.KV_{s.KV_JOBS}.$KV.{s.KV_JOBS}.{key}")
+        await bob.attempt(f"{api}.DIRECT.GET.KV_{s.KV_TENANTS}")
+        # -- checkpoints and alice's bucket --------------------------------------------------
+        for bucket in (s.OBJ_CHECKPOINTS, s.tenant_bucket("alice")):
+            stream = f"OBJ_{bucket}"
+            await bob.attempt(f"{api}.STREAM.INFO.{stream}")
+            await bob.attempt(f"{api}.CONSUMER.CREATE.{stream}", b"{}")
+            await bob.attempt(f"{api}.DIRECT.GET.{stream}", b'{"seq": 1}')
+            await bob.attempt(f"{api}.STREAM.MSG.GET.{stream}", b'{"seq": 1}')
+            await bob.attempt(f"{api}.STREAM.PURGE.{stream}", b"{}")
+            await bob.attempt(f"$O.{bucket}.M.planted", b"{}")
+        with pytest.raises(NatsError):
+            await bob.nc.jetstream().object_store(s.tenant_bucket("alice"))
+
+        # -- stream admin and the account's JetStream API ------------------------------------
+        for subject in (
+            f"{api}.STREAM.PURGE.{s.STREAM_EVENTS}",
+            f"{api}.STREAM.DELETE.{s.STREAM_EVENTS}",
+            f"{api}.STREAM.DELETE.{s.STREAM_JOBS}",
+            f"{api}.STREAM.UPDATE.OBJ_{s.tenant_bucket('bob')}",
+            f"{api}.STREAM.DELETE.OBJ_{s.tenant_bucket('bob')}",
+            f"{api}.STREAM.CREATE.bobs",
+            f"{api}.STREAM.MSG.DELETE.{s.STREAM_EVENTS}",
+            f"{api}.INFO",
+            f"{api}.STREAM.LIST",
+            f"{api}.STREAM.NAMES",
+            f"{api}.CONSUMER.LIST.{s.STREAM_EVENTS}",
+            f"{api}.CONSUMER.NAMES.{s.STREAM_EVENTS}",
+        ):
+            await bob.attempt(subject, b"{}")
+        # nothing of the backbone either: bob cannot plant work or control messages
+        for subject in ("nexus.train.tiny.alice", "nexus.env.alice.j", "nexus.event.alice.j.x"):
+            await bob.attempt(subject, b"{}")
+
+        # -- nothing reached bob, nothing of alice's changed ---------------------------------
+        await bob.nc.flush()
+        await alice.nc.flush()
+        await sec.service.jetstream().publish(s.event("alice", job, "state"), b"after")
+        after = await snapshot(sec, job)
+        before_events = before["streams"][s.STREAM_EVENTS]  # type: ignore[index]
+        after_events = after["streams"][s.STREAM_EVENTS]  # type: ignore[index]
+        assert after_events[0] == before_events[0] + 1  # only the service's own publish
+        assert after["streams"][s.STREAM_JOBS] == before["streams"][s.STREAM_JOBS]  # type: ignore[index]
+        bucket_stream = f"OBJ_{s.tenant_bucket('alice')}"
+        assert after["streams"][bucket_stream] == before["streams"][bucket_stream]  # type: ignore[index]
+        assert after["record"] == before["record"]
+        assert after["names"] == before["names"]
+        b_consumers = before["consumers"]
+        a_consumers = after["consumers"]
+        assert isinstance(a_consumers, dict) and isinstance(b_consumers, dict)
+        assert a_consumers["master"] == b_consumers["master"]
+        for name in ("alice-view", "master-events"):
+            # same filter, nothing delivered (to bob or anyone), one more pending: the
+            # service's own event above
+            filter_, delivered, pending, acks = b_consumers[name]
+            assert a_consumers[name] == (filter_, delivered, pending + 1, acks)
+        assert got == [] and bob.replies == []
+        with pytest.raises(NatsError):
+            await sec.service.jetstream().consumer_info(s.STREAM_EVENTS, "bob-spy")
+        assert alice.errors == []  # alice was never affected
+    finally:
+        await alice.nc.close()
+        await bob.nc.close()
+
+
+async def _create_mismatched(bob: Tenant) -> None:
+    """A consumer create on bob's own filtered subject whose body asks for alice's events."""
+    config = ConsumerConfig(
+        name="bob-trick", filter_subject="nexus.event.alice.>", deliver_subject="_INBOX_bob.t"
+    )
+    body = json.dumps({"stream_name": "EVENTS", "config": config.as_dict()}).encode()
+    reply = await bob.nc.request(
+        "$JS.API.CONSUMER.CREATE.EVENTS.bob-trick.nexus.event.bob.>", body, timeout=5
+    )
+    error = msgspec.json.decode(reply.data).get("error")
+    if error:
+        raise NatsError(str(error.get("description")))
+
+
+async def test_revoked_tenant_is_disconnected_and_cannot_return(secured: Secured) -> None:
+    sec = secured
+    tenantadmin.ensure_tenant(sec.home, "carol")
+    await tenantadmin.apply(sec.home, sec.server.url)
+    carol_creds = sec.creds("carol")
+    kept = carol_creds.read_text()
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc).lower())
+
+    carol = await connect(sec.server.url, creds=carol_creds, error_cb=on_error)
+    assert (await carol.jetstream().publish(s.job("carol", "submit"), b"{}")).seq > 0
+
+    tenantadmin.revoke_tenant(sec.home, "carol")
+    applied = await tenantadmin.apply(sec.home, sec.server.url)
+    assert applied.reloaded and applied.synced
+    assert not carol_creds.exists()
+    # the server drops carol's connection at the reload; her reconnects are refused
+    await eventually(lambda: any("authorization violation" in e for e in errors), timeout=10)
+    assert not carol.is_connected
+    await carol.close()
+    kept_path = sec.home / "kept.creds"
+    kept_path.write_text(kept)
+    with pytest.raises(NatsError, match="Authorization Violation"):
+        await connect(sec.server.url, creds=kept_path, max_reconnect_attempts=0)
+    # the tenants KV says revoked, so the master refuses work that got in any other way
+    kv = await sec.service.jetstream().key_value(s.KV_TENANTS)
+    record = TENANT_RECORD_DECODER.decode((await kv.get("carol")).value or b"")
+    assert record.revoked
+
+
+async def test_rotated_key_works_and_the_old_one_does_not(secured: Secured) -> None:
+    sec = secured
+    old_text = sec.creds("alice").read_text()
+    old_key = load_creds(sec.creds("alice")).public_key
+    new_path = tenantadmin.rotate_tenant(sec.home, "alice")
+    await tenantadmin.apply(sec.home, sec.server.url)
+    assert load_creds(new_path).public_key != old_key
+    old_path = sec.home / "old.creds"
+    old_path.write_text(old_text)
+    with pytest.raises(NatsError, match="Authorization Violation"):
+        await connect(sec.server.url, creds=old_path, max_reconnect_attempts=0)
+    alice = await connect(sec.server.url, creds=new_path, max_reconnect_attempts=0)
+    try:
+        assert (await alice.jetstream().publish(s.job("alice", "submit"), b"{}")).seq > 0
+    finally:
+        await alice.close()
+    kv = await sec.service.jetstream().key_value(s.KV_TENANTS)
+    record = TENANT_RECORD_DECODER.decode((await kv.get("alice")).value or b"")
+    assert record.public_key == load_creds(new_path).public_key and record.rotated_at > 0
+
+
+async def test_storage_limit_is_the_buckets_max_bytes(secured: Secured) -> None:
+    sec = secured
+    tenantadmin.set_limits(sec.home, "bob", max_storage=4096)
+    await tenantadmin.apply(sec.home, sec.server.url)
+    bob = await connect(sec.server.url, creds=sec.creds("bob"))
+    try:
+        bucket = await bob.jetstream().object_store(s.tenant_bucket("bob"))
+        await bucket.put("small", b"x" * 1000)
+        with pytest.raises(NatsError):
+            await bucket.put("large", b"x" * 10_000)
+    finally:
+        await bob.close()
+    info = await sec.service.jetstream().stream_info(f"OBJ_{s.tenant_bucket('bob')}")
+    assert info.config.max_bytes == 4096
+
+
+def test_a_tampered_creds_file_is_refused(home: Path) -> None:
+    path = creds_path(tenantadmin.creds_dir(home), "alice")
+    text = path.read_text()
+    other = load_creds(creds_path(tenantadmin.creds_dir(home), "bob")).public_key
+    bad = home / "bad.creds"
+    bad.write_text(text.replace(load_creds(path).public_key, other))
+    with pytest.raises(IdentityError, match="is not the named"):
+        load_creds(bad)
