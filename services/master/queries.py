@@ -31,7 +31,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
@@ -46,7 +46,7 @@ from bus.datasets import (
     put_dataset,
     tenant_store,
 )
-from bus.kv import kv_values
+from bus.errors import PoisonError
 from bus.placement import live_placements
 from bus.records import get_job, get_policy, list_jobs
 from schemas import subjects
@@ -70,7 +70,8 @@ from schemas.tenantctl import (
     TenantReply,
     TenantRequest,
 )
-from schemas.tenants import TENANT_RECORD_DECODER, DatasetRecord
+from schemas.tenants import DatasetRecord
+from services.master.limits import TenantGate
 from vla.data import DatasetError, check_dataset
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class Queries:
         self.jobs = jobs
         self.policies = policies
         self.cache_root = Path(cache_root)
+        self.gate = TenantGate(js)
         self._subs: list[Subscription] = []
         self._replies: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(CONCURRENCY)
@@ -128,22 +130,12 @@ class Queries:
 
     async def refusal(self, tenant: str) -> CtlError | None:
         """With registered tenants (any record in ``tenants``), only a registered, unrevoked
-        one is answered; in open mode (none registered) every tenant is."""
+        one is answered; in open mode (none registered) every tenant is. The same check as
+        the master's at submit (:class:`services.master.limits.TenantGate`)."""
         try:
-            values = await kv_values(self.js, subjects.KV_TENANTS)
-        except (BucketNotFoundError, NotFoundError):
-            return None
-        if not values:
-            return None
-        raw = values.get(tenant)
-        if raw is None:
-            return CtlError("unknown_tenant", f"unknown tenant {tenant!r}")
-        try:
-            record = decode(TENANT_RECORD_DECODER, raw)
-        except DecodeError:
-            return CtlError("unavailable", f"tenant {tenant!r}: unreadable record", True)
-        if record.revoked:
-            return CtlError("unknown_tenant", f"unknown tenant {tenant!r} (revoked)")
+            await self.gate.record(tenant)
+        except PoisonError as exc:
+            return CtlError("unknown_tenant", str(exc))
         return None
 
     async def apply(self, request: TenantRequest) -> TenantReply:
