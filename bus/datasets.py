@@ -36,6 +36,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import StorageType
 from nats.js.errors import (
+    APIError,
     BucketNotFoundError,
     KeyNotFoundError,
     NotFoundError,
@@ -214,8 +215,14 @@ async def push_dataset(
                 continue
         except (ObjectNotFoundError, NotFoundError):
             pass
-        with (root / entry.path).open("rb") as f:
-            await store.put(name, f)
+        try:
+            with (root / entry.path).open("rb") as f:
+                await store.put(name, f)
+        except APIError as exc:  # e.g. the bucket's max_bytes (the tenant's storage limit)
+            raise DatasetStoreError(
+                f"{entry.path}: the bucket {subjects.tenant_bucket(tenant)} refused it: "
+                f"{exc.description or exc} (the tenant's storage limit is its bucket's max_bytes)"
+            ) from exc
         report.uploaded.append(entry.path)
         report.bytes_uploaded += entry.size
         if on_file is not None:

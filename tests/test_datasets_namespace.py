@@ -17,7 +17,14 @@ from nats.js import JetStreamContext
 
 from bus.codec import encode
 from bus.connect import connect
-from bus.datasets import prefix_of, push_dataset, register_path, scan, tenant_store
+from bus.datasets import (
+    DatasetStoreError,
+    prefix_of,
+    push_dataset,
+    register_path,
+    scan,
+    tenant_store,
+)
 from bus.declare import declare
 from bus.server import EmbeddedServer
 from clients.sdk import Client, Job, JobFailed, RequestError
@@ -163,3 +170,15 @@ async def test_pushed_dataset_trains_and_only_its_tenant_can_name_it_or_its_poli
         )
         with pytest.raises(JobFailed, match="is not a dataset id \\(paths are not accepted\\)"):
             await Job(client, bob, "raw-path").wait(60)
+
+
+async def test_a_push_past_the_tenants_storage_limit_is_refused_naming_the_file(
+    client: Client, reach: Path
+) -> None:
+    tenant = uid("small")
+    # What `joynexus tenant add --max-storage` creates: the bucket's max_bytes is the limit.
+    await client.js.create_object_store(bucket=subjects.tenant_bucket(tenant), max_bytes=4096)
+    with pytest.raises(DatasetStoreError, match=r"refused it: .*storage limit") as full:
+        await client.push_dataset(tenant, reach, "reach")
+    assert any(f.path in str(full.value) for f in scan(reach))
+    assert await client.datasets(tenant) == [], "nothing recorded"
