@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, overload
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,6 +22,20 @@ def uid(prefix: str = "t") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
+@overload
+async def eventually(
+    probe: Callable[[], Awaitable[T | None]],
+    timeout: float = ...,
+    interval: float = ...,
+    what: str = ...,
+) -> T: ...
+@overload
+async def eventually(
+    probe: Callable[[], T | None],
+    timeout: float = ...,
+    interval: float = ...,
+    what: str = ...,
+) -> T: ...
 async def eventually(
     probe: Callable[[], Awaitable[T | None]] | Callable[[], T | None],
     timeout: float = 10.0,

@@ -19,6 +19,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -326,7 +327,8 @@ class Beats:
             now = time.time()
             for role in ROLES:
                 try:
-                    beat = decode(HEARTBEAT_DECODER, (await kv.get(f"{role}.fuzz-{role}")).value)
+                    entry = await kv.get(f"{role}.fuzz-{role}")
+                    beat = decode(HEARTBEAT_DECODER, entry.value or b"")
                 except Exception:  # noqa: BLE001 - missing: counted as a gap below
                     beat = None
                 if beat is not None:
@@ -457,22 +459,25 @@ async def test_a_thousand_malformed_payloads_leave_every_service_and_another_ten
     t1 = time.monotonic()
     await in_chunks(
         [
-            lambda v=verb, d=data, i=i: js.publish(
-                subjects.job(fuzz, v), d, headers={headers.JOB_ID: f"fz{i}"} if i % 2 else None
+            partial(
+                js.publish,
+                subjects.job(fuzz, verb),
+                data,
+                headers={headers.JOB_ID: f"fz{i}"} if i % 2 else None,
             )
             for i, (verb, data) in enumerate(jobs)
         ],
         50,
     )
     ctl_replies = await in_chunks(
-        [lambda o=op, d=data: ask(nc, subjects.tenant_ctl(fuzz, o), d) for op, data in ctl],
+        [partial(ask, nc, subjects.tenant_ctl(fuzz, op), data) for op, data in ctl],
         25,
     )
     describe_replies = await in_chunks(
-        [lambda d=data: ask(nc, subjects.ENV_DESCRIBE, d) for data in describes], 10
+        [partial(ask, nc, subjects.ENV_DESCRIBE, data) for data in describes], 10
     )
     backbone_replies = await in_chunks(
-        [lambda d=data: ask(nc, subjects.BACKBONES_QUERY, d) for data in backbones], 25
+        [partial(ask, nc, subjects.BACKBONES_QUERY, data) for data in backbones], 25
     )
     sent_s = time.monotonic() - t1
 
@@ -541,7 +546,7 @@ async def _events(js: JetStreamContext, subject: str) -> list[object]:
     from schemas.events import EVENT_DECODER
 
     sub = await js.subscribe(subject, ordered_consumer=True)
-    found = []
+    found: list[object] = []
     try:
         while True:
             msg = await sub.next_msg(timeout=0.5)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import signal
 import subprocess
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -39,11 +41,11 @@ def trainer(url: str, log: Path, procs: Procs, *args: str) -> subprocess.Popen[b
     return procs.add(start_service("trainer", url, log, "--deterministic", *args))
 
 
-def sft_open(tenant: str, job: str, steps: int, **kw: object) -> OpenSlot:
+def sft_open(tenant: str, job: str, steps: int, **kw: Any) -> OpenSlot:
     head = HeadConfig(kind="oft", action_dim=2, proprio_dim=3, hidden_dim=32)
     return OpenSlot(
         tenant, job, head, OptimizerConfig(lr=1e-3), 0, steps, token_budget=TOKENS, **kw
-    )  # type: ignore[arg-type]
+    )
 
 
 def sft_batch(tenant: str, job: str, step: int, *, nan: bool = False, b: int = 2) -> SFTBatch:
@@ -98,7 +100,7 @@ def episode(
 
 async def send(js: JetStreamContext, tenant: str, *bodies: object) -> None:
     for body in bodies:
-        await publish(js, subjects.train("tiny", tenant), body)  # type: ignore[arg-type]
+        await publish(js, subjects.train("tiny", tenant), body)
 
 
 async def record(js: JetStreamContext, tenant: str, job: str) -> PolicyRecord | None:
@@ -112,7 +114,7 @@ async def record(js: JetStreamContext, tenant: str, job: str) -> PolicyRecord | 
 
 async def events_of(js: JetStreamContext, tenant: str, job: str) -> list[object]:
     sub = await js.subscribe(f"{subjects.PREFIX}.event.{tenant}.{job}.*", ordered_consumer=True)
-    found = []
+    found: list[object] = []
     try:
         while True:
             msg = await sub.next_msg(timeout=0.5)
@@ -214,7 +216,7 @@ async def test_E_slots_that_do_not_fit_together_take_turns_instead_of_crashing(
         for tenant, job in jobs:
             await send(js, tenant, sft_batch(tenant, job, step))
     for tenant, job in jobs:
-        await eventually(lambda t=tenant, j=job: done(js, t, j, 4), timeout=90, what="4 steps")
+        await eventually(partial(done, js, tenant, job, 4), timeout=90, what="4 steps")
     assert proc.poll() is None
 
 
