@@ -84,6 +84,8 @@ def parse(msg: Msg, limits: InputLimits | None = None) -> ActRequest:
         raise PoisonError(f"not an inference request subject: {exc}") from exc
     if request.tenant != tenant:
         raise PoisonError(f"request for tenant {request.tenant!r} on tenant {tenant!r}'s subject")
+    if request.policy_version < 0:
+        raise PoisonError(f"policy_version: {request.policy_version} is negative (0 = latest)")
     if len(request.observations) > limits.max_observations:
         raise PoisonError(
             exceeds(
