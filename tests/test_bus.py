@@ -17,7 +17,7 @@ from opentelemetry import trace
 from bus import tracing
 from bus.codec import decode
 from bus.connect import connect
-from bus.consume import HOLD, Consumer, ConsumerSpec, Handler
+from bus.consume import HOLD, Consumer, ConsumerSpec, Handler, Hold
 from bus.declare import BusLayout, DeclareConflict, declare
 from bus.errors import Interrupted, PoisonError, RetryableError
 from bus.publish import Outgoing, publish, publish_all
@@ -241,7 +241,7 @@ async def test_held_message_stays_alive_until_released_then_is_acked(
     tenant = uid("hold")
     held: list[Msg] = []
 
-    async def handler(msg: Msg) -> object:
+    async def handler(msg: Msg) -> Hold:
         held.append(msg)
         return HOLD  # e.g. applied, waiting for the checkpoint that contains it
 

@@ -22,7 +22,7 @@ from schemas.ids import InvalidIdError, validate_id
 from schemas.infer import ACT_REPLY_DECODER, INFER_DECODER
 from schemas.jobs import JOB_COMMAND_DECODER, JOB_RECORD_DECODER, JobCancel, JobSubmit
 from schemas.model import HeadConfig, Observation
-from schemas.specs import JobSpecError, parse_job_spec
+from schemas.specs import JobSpecError, SFTJobSpec, parse_job_spec
 from schemas.tensor import Tensor, TensorError
 from schemas.train import POLICY_RECORD_DECODER, TRAIN_DECODER
 from tests.golden.regen import SAMPLES
@@ -179,7 +179,8 @@ def test_a_dataset_path_in_a_spec_is_refused_naming_the_namespace(dataset: str) 
 
 
 def test_spec_errors_name_the_field() -> None:
-    assert parse_job_spec(_spec()).head.action_dim == 7
+    spec = parse_job_spec(_spec())
+    assert isinstance(spec, SFTJobSpec) and spec.head.action_dim == 7
     with pytest.raises(JobSpecError, match=r"optimiser: unknown field"):
         parse_job_spec(_spec(optimiser={"lr": 1}))
     with pytest.raises(JobSpecError, match=r"head\.action_dim: Input should be greater"):

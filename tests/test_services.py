@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import msgspec
@@ -22,8 +23,14 @@ from bus.kv import kv_values
 from bus.server import EmbeddedServer
 from clients.sdk import Client, JobFailed
 from schemas import headers, subjects
-from schemas.health import HEALTH_REPORT_DECODER, HEALTH_SUBJECT, HEARTBEAT_DECODER, ROLES
-from schemas.jobs import JobSubmit
+from schemas.health import (
+    HEALTH_REPORT_DECODER,
+    HEALTH_SUBJECT,
+    HEARTBEAT_DECODER,
+    ROLES,
+    HealthReport,
+)
+from schemas.jobs import JobRecord, JobSubmit
 from schemas.specs import JobSpecError
 from tests.conftest import Procs
 from tests.helpers import ROOT, eventually, start_service, uid
@@ -156,7 +163,7 @@ async def test_health_manager_reports_live_roles(
     nc = await connect(nats_server.url)
     try:
 
-        async def report_has_envs() -> object:
+        async def report_has_envs() -> HealthReport | None:
             try:
                 msg = await nc.request(HEALTH_SUBJECT, b"", timeout=1)
             except NatsError:  # health manager not subscribed yet
@@ -221,7 +228,7 @@ async def test_broker_sigkill_loses_no_accepted_job(tmp_path: Path, procs: Procs
         async with await Client.connect(server.url) as client:
             for job in jobs:
                 record = await eventually(
-                    lambda j=job: _status(client, tenant, j.job_id),
+                    partial(_status, client, tenant, job.job_id),
                     timeout=30,
                     what=f"{job.job_id} accepted",
                 )
@@ -230,7 +237,7 @@ async def test_broker_sigkill_loses_no_accepted_job(tmp_path: Path, procs: Procs
         server.kill()
 
 
-async def _status(client: Client, tenant: str, job_id: str) -> object:
+async def _status(client: Client, tenant: str, job_id: str) -> JobRecord | None:
     try:
         return await client.status(tenant, job_id)
     except (KeyNotFoundError, msgspec.DecodeError):

@@ -164,14 +164,14 @@ def test_grasp_variant_has_a_gripper_dimension_the_expert_uses() -> None:
     for seed in range(10):
         env.reset(seed=seed)
         for _ in range(50):
-            _, _, terminated, truncated, info = env.step(env.unwrapped.expert_action())
+            _, _, terminated, truncated, info = env.step(env.unwrapped.expert_action())  # type: ignore[attr-defined]
             if terminated or truncated:
                 successes += int(info["is_success"])
                 break
     assert successes == 10
     env.reset(seed=0)
     for _ in range(50):  # never closing the gripper never succeeds
-        action = env.unwrapped.expert_action()
+        action = env.unwrapped.expert_action()  # type: ignore[attr-defined]
         action[2] = -1.0
         _, _, terminated, _, _ = env.step(action)
         assert not terminated

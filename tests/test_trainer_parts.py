@@ -126,7 +126,8 @@ def test_every_episode_of_overlapping_iterations_is_used_exactly_once(seed: int)
     stream = [(i, e) for i in range(iterations) for e in range(per_iteration)]
     rng.shuffle(stream)  # lag > 0: several iterations' episodes interleave in TRAIN
     stream += rng.sample(stream, 3)  # redeliveries
-    done, held = 0, {}
+    done = 0
+    held: dict[int, tuple[int, int]] = {}
     used: list[tuple[int, int]] = []
     buffer = list(stream)
     for _ in range(100):

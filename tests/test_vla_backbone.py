@@ -195,7 +195,8 @@ def test_pixels_and_ids_match_the_processor_for_native_size_images() -> None:
         norm = Normaliser(bb, num_views=2, token_budget=len(instruction_ids))
         ours = norm.normalise([sample])
         images = [t.to_numpy() for t in sample.images]
-        prompt = bb.tokenizer.bos_token + bb.processor.image_token * 2 + sample.instruction
+        image_token: str = bb.processor.image_token  # type: ignore[attr-defined]
+        prompt = bb.tokenizer.bos_token + image_token * 2 + sample.instruction
         ref = bb.processor(
             text=[prompt], images=[images], add_special_tokens=False, return_tensors="pt"
         )
