@@ -56,6 +56,9 @@ STAGES = ("forward", "train_step")
 #: minutes on two shared CPU cores; other backbones (real checkpoints) get the fallback.
 DEFAULT_REPEATS = {"tiny": 9, "tiny-224": 5}
 FALLBACK_REPEATS = 3
+#: The cost table's measurement may take longer here than at a service's start-up: on a
+#: loaded machine a short budget ends it at a few samples and caps every group there.
+COST_TABLE_BUDGET_S = 20.0
 _INSTRUCTIONS = ("pick up the red block", "open the top drawer", "push the cube to the left")
 #: Tenant i's head: kinds and action schemas cycle, so a group mixes them like a real service.
 _HEADS = (
@@ -230,7 +233,9 @@ def sweep(
     table = None
     if split:
         largest = max(tenants) * max(local_batches)
-        table = costmodel.table_for(bb, cost_table, max_samples=max(2, largest))
+        table = costmodel.table_for(
+            bb, cost_table, max_samples=max(2, largest), budget_s=COST_TABLE_BUDGET_S
+        )
     cells = []
     for stage in stages:
         for n in tenants:
