@@ -21,6 +21,7 @@ import msgspec
 import yaml
 from pydantic import TypeAdapter
 
+from bus.datasets import DatasetManifest
 from bus.declare import BusLayout
 from schemas import headers, subjects
 from schemas.dead import DeadLetter
@@ -51,6 +52,8 @@ class Channel:
     #: JetStream stream the subject is stored in, or "" for core NATS request-reply.
     stream: str = ""
     headers: tuple[str, ...] = ()
+    #: Messages whose payload is not a Struct: name → (content type, inline JSON schema).
+    raw: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
 
 
 TENANT = {
@@ -128,7 +131,39 @@ def channels() -> list[Channel]:
             replies={"HealthReport": HealthReport},
         ),
     ]
-    return found + _tenant_requests()
+    return found + _tenant_requests() + [_tenant_bucket()]
+
+
+def _tenant_bucket() -> Channel:
+    """The tenant's own object store bucket (NATS object store, ADR-20)."""
+    return Channel(
+        "tenantBucket",
+        "$O.data-{tenant}.{part}.{token}",
+        "The tenant's object store bucket `data-{tenant}` (stream `OBJ_data-{tenant}`), used "
+        "with any NATS object store client: {part} `C` carries an object's chunks under a "
+        "random {token}, `M` its metadata under the base64url of its name. Datasets are pushed "
+        "as `datasets/<id>/<relative path>` with `datasets/<id>/MANIFEST` (a "
+        "`DatasetManifest`, JSON) written last, then added with the `dataset-add` request; "
+        "exported policies appear as `policies/<job>/v<version>`. The bucket's size is capped "
+        "by the operator (the tenant's storage limit).",
+        {},
+        "send",
+        {
+            "tenant": TENANT,
+            "part": {"enum": ["C", "M"]},
+            "token": {"description": "chunk id (C) or base64url object name (M)"},
+        },
+        raw={
+            "ObjectChunk": (
+                "application/octet-stream",
+                {"type": "string", "format": "binary", "description": "raw object bytes"},
+            ),
+            "ObjectMeta": (
+                "application/json",
+                {"type": "object", "description": "NATS object store ObjectInfo (ADR-20)"},
+            ),
+        },
+    )
 
 
 def _tenant_requests() -> list[Channel]:
@@ -202,6 +237,7 @@ def document() -> dict[str, Any]:
     for ch in chans:
         types.update(ch.messages)
         types.update(ch.replies)
+    types["DatasetManifest"] = DatasetManifest
     _, components = msgspec.json.schema_components(list(types.values()), ref_template=REF)
     schemas: dict[str, Any] = {k: _fix_schema(v) for k, v in sorted(components.items())}
     spec_schema = TypeAdapter(JobSpec).json_schema(ref_template="#/components/schemas/{model}")
@@ -237,7 +273,10 @@ def document() -> dict[str, Any]:
                 }
             messages[name] = message
             msg_refs[name] = {"$ref": f"#/components/messages/{name}"}
-        if not ch.messages:  # an empty request
+        for name, (content_type, payload) in ch.raw.items():
+            messages[name] = {"name": name, "contentType": content_type, "payload": payload}
+            msg_refs[name] = {"$ref": f"#/components/messages/{name}"}
+        if not ch.messages and not ch.raw:  # an empty request
             messages[f"{ch.key}Request"] = {
                 "name": f"{ch.key}Request",
                 "payload": {"type": "string", "maxLength": 0, "description": "empty"},

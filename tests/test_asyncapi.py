@@ -101,3 +101,18 @@ def test_real_encoded_messages_validate_against_the_document(golden: str, schema
     broken.pop(required[0])
     with pytest.raises(jsonschema.ValidationError, match=required[0]):
         jsonschema.validate(_jsonable(broken), target)
+
+
+def test_tenant_requests_and_replies_validate_against_the_document() -> None:
+    from schemas.tenantctl import CtlError, GetJob, ListDatasets
+
+    doc = document()
+    assert {"tenantRequests", "backbones", "tenantBucket"} <= set(doc["channels"])
+    for message, schema in [
+        (GetJob("alice", "sft-1"), "GetJob"),
+        (ListDatasets("alice"), "ListDatasets"),
+        (CtlError("not_found", "no job 'sft-1' of tenant alice", False), "CtlError"),
+    ]:
+        raw = msgspec.msgpack.decode(msgspec.msgpack.encode(message))
+        target = {"$ref": f"#/components/schemas/{schema}", "components": doc["components"]}
+        jsonschema.validate(_jsonable(raw), target)
