@@ -68,7 +68,10 @@ def listed(home: Path, want: int, timeout: float = 120) -> str:
 
 @pytest.mark.timeout(420)
 def push(home: Path, ds: Path, tenant: str) -> None:
-    """Push ``ds`` into ``tenant``'s namespace as dataset ``ds`` (a spec names it by id)."""
+    """Add ``tenant`` to the running stack (its own identity: the commands below pick its
+    creds from the home) and push ``ds`` into its namespace as dataset ``ds``."""
+    added = run("--home", str(home), "tenant", "add", tenant)
+    assert added.returncode == 0, added.stdout + added.stderr
     out = run("--home", str(home), "data", "push", str(ds), "--tenant", tenant, "--id", "ds")
     assert out.returncode == 0, out.stdout + out.stderr
 

@@ -99,6 +99,9 @@ def test_up_then_submit_watch_and_status(tmp_path: Path) -> None:
         while read_stack_info(home) is None:
             assert up.poll() is None and time.monotonic() < deadline, "stack did not start"
             time.sleep(0.1)
+        # The tenant gets its own identity; the tenant commands below use its creds file.
+        added = run("--home", str(home), "tenant", "add", tenant)
+        assert added.returncode == 0, added.stdout + added.stderr
         pushed = run(
             "--home",
             str(home),
