@@ -34,9 +34,62 @@ def _up(args: argparse.Namespace) -> int:
     if len(set(ids)) != len(ids):
         print(f"joynexus up: two --backbone values share an id: {ids}", file=sys.stderr)
         return 2
+    auth = not args.no_auth
     if args.check:
-        return int(launcher.check_stack(home_of(args), args.timeout, backbones))
-    return int(launcher.run_stack(home_of(args), backbones=backbones))
+        return int(launcher.check_stack(home_of(args), args.timeout, backbones, auth=auth))
+    return int(launcher.run_stack(home_of(args), backbones=backbones, auth=auth))
+
+
+def _tenant(args: argparse.Namespace) -> int:
+    """``joynexus tenant add|list|rotate|revoke|set``: change the home's registry, then
+    apply it to the running stack (reload + tenants KV + bucket) if one runs there."""
+    from bus import tenantadmin
+    from bus.auth import load_registry
+    from bus.local import read_stack_info
+    from schemas.tenants import TenantLimits
+
+    home = home_of(args)
+    op = args.tenant_cmd
+    try:
+        if op == "list":
+            print("\n".join(tenantadmin.describe(load_registry(home))))
+            return 0
+        if op == "init":
+            tenantadmin.init_home(home)
+            print(f"service and operator creds in {tenantadmin.creds_dir(home)}")
+            print(f"server authorization config: {tenantadmin.auth_conf(home)}")
+        if op == "add":
+            defaults = TenantLimits()
+            limits = tenantadmin.check_limits(
+                TenantLimits(
+                    args.max_jobs or defaults.max_concurrent_jobs,
+                    args.max_storage or defaults.max_storage_bytes,
+                )
+            )
+            print(f"tenant {args.name}: creds {tenantadmin.add_tenant(home, args.name, limits)}")
+        elif op == "rotate":
+            print(f"tenant {args.name}: new key in {tenantadmin.rotate_tenant(home, args.name)}")
+        elif op == "revoke":
+            tenantadmin.revoke_tenant(home, args.name)
+            print(f"tenant {args.name}: revoked (its data is kept)")
+        elif op == "set":
+            limits = tenantadmin.set_limits(
+                home, args.name, max_jobs=args.max_jobs, max_storage=args.max_storage
+            )
+            print(f"tenant {args.name}: {limits}")
+        info = read_stack_info(home)
+        url = args.url or (info.url if info and info.auth else None)
+        applied = asyncio.run(tenantadmin.apply(home, url))
+    except (tenantadmin.TenantAdminError, ValueError) as exc:
+        print(f"joynexus tenant {op}: {exc}", file=sys.stderr)
+        return 2
+    if applied.reloaded:
+        print("the local stack's server reloaded its authorization config")
+    else:
+        print(f"no server runs under {home}: `joynexus up` applies it (elsewhere: SIGHUP it)")
+    if applied.synced:
+        print(f"tenant records and buckets written to {url}")
+    return 0
 
 
 async def _served(args: argparse.Namespace) -> int:
@@ -152,12 +205,18 @@ def _env_describe(args: argparse.Namespace) -> int:
 
 
 def add_operator_commands(sub: Subcommands) -> None:
-    """``up``, ``backbones``, ``scale``, ``demo``, ``bench``, ``model``, ``data`` on ``sub``."""
+    """``up``, ``backbones``, ``tenant``, ``scale``, ``demo``, ``bench``, ``model``, ``data``
+    on ``sub``."""
     up = add_command(
         sub, "up", _up, home=True, help="run the local stack (embedded NATS + every role)"
     )
     up.add_argument("--check", action="store_true", help="start, wait for 5 healthy roles, stop")
     up.add_argument("--timeout", type=float, default=90.0, help="--check's bound in seconds")
+    up.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="open mode: one generated password for everyone, no per-tenant permissions",
+    )
     up.add_argument(
         "--backbone",
         action="append",
@@ -172,6 +231,26 @@ def add_operator_commands(sub: Subcommands) -> None:
         bus=True,
         help="list the served backbones (id, architecture, parameters, image size, tokens)",
     )
+
+    tn = sub.add_parser("tenant", help="operator: tenants' identities and limits")
+    tsub = tn.add_subparsers(dest="tenant_cmd", required=True, metavar="command")
+    for name, summary in (
+        ("init", "create the service and operator identities and the server's auth config"),
+        ("add", "create a tenant: its creds file under <home>/creds/, its bucket, its limits"),
+        ("list", "list tenants, their state and limits"),
+        ("rotate", "give a tenant a new key (the old one stops working at once)"),
+        ("revoke", "revoke a tenant (its connections are closed; its data is kept)"),
+        ("set", "change a tenant's limits"),
+    ):
+        tp = add_command(tsub, name, _tenant, home=True, help=summary)
+        tp.add_argument(
+            "--url", help="also write tenant records and buckets to this bus (as the operator)"
+        )
+        if name not in ("list", "init"):
+            tp.add_argument("name", help="tenant id")
+        if name in ("add", "set"):
+            tp.add_argument("--max-jobs", type=int, help="jobs accepted and not yet finished")
+            tp.add_argument("--max-storage", type=int, help="bytes its bucket may hold")
 
     sc = add_command(
         sub,

@@ -10,6 +10,7 @@ job succeeded and every role stayed healthy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -64,10 +65,16 @@ async def run_demo(stack: LocalStack, data: dict[str, Path], steps: int) -> bool
         print(f"  {role:<11} {'healthy ' + seen[role] if role in seen else 'MISSING'}")
     if missing:
         return False
-    async with await Client.connect(info.url, user=info.user, password=info.password) as client:
+    async with contextlib.AsyncExitStack() as clients:
         stamp = time.strftime("%H%M%S")
         jobs = []
         for tenant, dataset, head in TENANTS:
+            # Each tenant connects as itself (its own creds file; `joynexus up` made them).
+            client = await clients.enter_async_context(
+                await Client.connect(
+                    info.url, creds=info.creds(tenant), user=info.user, password=info.password
+                )
+            )
             # Each tenant pushes its dataset into its own namespace; the spec names its id.
             pushed = await client.push_dataset(tenant, data[dataset], dataset)
             print(
@@ -121,7 +128,8 @@ def main(home: Path, steps: int = 60) -> int:
     home.mkdir(parents=True, exist_ok=True)
     print(f"JoyNexus demo (home {home})")
     data = ensure_datasets(home)
-    stack = LocalStack(home)
+    # every demo tenant gets its own identity (and creds file) at start
+    stack = LocalStack(home, tenants=tuple(t for t, _, _ in TENANTS))
     try:
         info = stack.start_server()
         print(f"bus: {info.url}")

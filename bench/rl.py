@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bus.identity import OPERATOR_NAME
 from bus.local import StackInfo
 from clients.sdk import Client
 from schemas.events import Progress
@@ -32,7 +33,10 @@ def env_dims(env_id: str, image_size: int, env_kwargs: dict[str, Any]) -> tuple[
 
 async def run_job(info: StackInfo, spec: dict[str, Any]) -> list[dict[str, float]]:
     rows: list[dict[str, float]] = []
-    async with await Client.connect(info.url, user=info.user, password=info.password) as client:
+    # the operator acts for the bench's tenant (no TenantRecord: the master takes any)
+    async with await Client.connect(
+        info.url, creds=info.creds(OPERATOR_NAME), user=info.user, password=info.password
+    ) as client:
         job = await client.train_rl(spec)
         t0 = time.perf_counter()
         async for ev in job.events(idle_timeout=1800):
@@ -102,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'iteration':>9} {'success_rate':>12} {'mean_return':>12} {'ep_len':>10} {'wall s':>8}")
     with tempfile.TemporaryDirectory(prefix="joynexus-bench-rl-") as tmp:
         stack = LocalStack(
-            Path(tmp), roles={"master": 1, "envs": args.env_workers, "inferencer": 1, "trainer": 1}
+            Path(tmp),
+            tenants=(),
+            roles={"master": 1, "envs": args.env_workers, "inferencer": 1, "trainer": 1},
         )
         try:
             info = stack.start_server()

@@ -20,6 +20,7 @@ from typing import Any
 from bus.codec import decode
 from bus.connect import connect
 from bus.datasets import register_path
+from bus.identity import OPERATOR_NAME
 from bus.kv import kv_values
 from bus.local import StackInfo
 from clients.sdk import Client
@@ -67,7 +68,9 @@ def job_specs(
 
 
 async def trainer_gauges(info: StackInfo) -> dict[str, float]:
-    nc = await connect(info.url, user=info.user, password=info.password)
+    nc = await connect(
+        info.url, creds=info.creds(OPERATOR_NAME), user=info.user, password=info.password
+    )
     try:
         for value in (await kv_values(nc.jetstream(), subjects.KV_HEARTBEATS, "trainer.")).values():
             return dict(decode(HEARTBEAT_DECODER, value).gauges)
@@ -81,7 +84,10 @@ async def run_jobs(
 ) -> float:
     """Wall seconds from the first submit to the last job's success (each tenant's dataset
     is registered in its namespace first, as the operator does, outside the timing)."""
-    async with await Client.connect(info.url, user=info.user, password=info.password) as client:
+    # the operator acts for the bench's tenants (no TenantRecord: the master takes any)
+    async with await Client.connect(
+        info.url, creds=info.creds(OPERATOR_NAME), user=info.user, password=info.password
+    ) as client:
         for spec in specs:
             path = data[spec["head"]["action_dim"]]
             await register_path(client.js, spec["tenant"], spec["dataset"], path)
@@ -136,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         record(REACH_GRASP_ID, 24, data[3], seed=1)
         stack = LocalStack(
             home,
+            tenants=(),
             roles={"master": 1, "envs": 1, "trainer": 1},
             role_args={
                 "trainer": ["--backbone", args.backbone, "--torch-threads", str(args.torch_threads)]

@@ -13,12 +13,22 @@ STACK_FILE = "stack.json"
 
 
 class StackInfo(msgspec.Struct, frozen=True):
-    """Written by ``joynexus up`` (mode 0600): how to reach the running local stack."""
+    """Written by ``joynexus up`` (mode 0600): how to reach the running local stack.
+
+    With ``auth`` (the default of ``joynexus up``) every identity has its own creds file,
+    ``<creds_dir>/<name>.creds`` (``operator``, ``service``, each tenant's), and there is no
+    shared password; ``user``/``password`` are the open mode's (``--no-auth``)."""
 
     url: str
-    user: str
-    password: str
     pid: int
+    auth: bool = False
+    creds_dir: str = ""
+    user: str = ""
+    password: str = ""
+
+    def creds(self, name: str) -> Path | None:
+        """The creds file of identity ``name`` (None in open mode)."""
+        return Path(self.creds_dir) / f"{name}.creds" if self.auth else None
 
 
 def write_stack_info(home: Path, info: StackInfo) -> Path:

@@ -91,12 +91,12 @@ def add_tenant(home: Path, name: str, limits: TenantLimits | None = None) -> Pat
     its creds file."""
     registry = init_home(home)
     entry = registry.find(name)
+    if entry is not None and entry.role != "tenant":
+        raise TenantAdminError(f"{name!r} is the {entry.role} identity's name, not a tenant's")
     if entry is not None and not entry.revoked:
         raise TenantAdminError(
             f"tenant {name!r} already exists; `joynexus tenant rotate {name}` gives it a new key"
         )
-    if entry is not None and entry.role != "tenant":
-        raise TenantAdminError(f"{name!r} is the {entry.role} identity, not a tenant")
     identity = new_identity("tenant", name)
     registry.register(identity, limits or TenantLimits())
     path = write_creds(creds_dir(home), identity)
@@ -211,17 +211,17 @@ async def sync_bus(nc: NATS, registry: Registry) -> int:
 
 
 async def apply(home: Path, url: str | None = None, timeout: float = 10.0) -> Applied:
-    """Render the registry into the server's auth config; if the home's server runs, reload
-    it and write the tenants' records and buckets to the bus as the operator."""
+    """Render the registry into the server's auth config and reload the home's server if it
+    runs; with ``url``, write the tenants' records and buckets to that bus as the operator
+    (a server elsewhere, e.g. compose's, is reloaded by its own operator: SIGHUP)."""
     home = Path(home)
     registry = load_registry(home)
     write_auth_file(server_dir(home), render(registry))
     pid = running_pid(server_dir(home))
-    if pid is None:
-        return Applied(reloaded=False, synced=False)
-    reload_running(pid, home / SERVER_LOG, timeout)
+    if pid is not None:
+        reload_running(pid, home / SERVER_LOG, timeout)
     if url is None:
-        return Applied(reloaded=True, synced=False)
+        return Applied(reloaded=pid is not None, synced=False)
     nc = await connect(
         url,
         name="joynexus-tenant-admin",
@@ -232,7 +232,7 @@ async def apply(home: Path, url: str | None = None, timeout: float = 10.0) -> Ap
         await sync_bus(nc, registry)
     finally:
         await nc.close()
-    return Applied(reloaded=True, synced=True)
+    return Applied(reloaded=pid is not None, synced=True)
 
 
 def auth_conf(home: Path) -> Path:

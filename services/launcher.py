@@ -2,8 +2,9 @@
 
 ``joynexus up`` runs :func:`run_stack`; ``joynexus up --check`` runs :func:`check_stack`.
 Children get the bus URL and credentials through ``JOYNEXUS_*`` variables (their typed
-config reads them); their logs go to ``<home>/logs/<role>.log``. A child that exits
-unexpectedly is restarted in place with backoff.
+config reads them): with auth (the default) the service identity's creds file
+(``JOYNEXUS_CREDS``), no password anywhere; their logs go to ``<home>/logs/<role>.log``. A
+child that exits unexpectedly is restarted in place with backoff.
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 
+from bus import tenantadmin
+from bus.auth import load_registry, render
 from bus.codec import DecodeError, decode
 from bus.connect import connect
 from bus.declare import declare
+from bus.identity import OPERATOR_NAME, SERVICE_NAME
 from bus.kv import kv_values
 from bus.local import StackInfo, write_stack_info
 from bus.server import EmbeddedServer
@@ -40,6 +45,8 @@ log = logging.getLogger("joynexus.up")
 PER_BACKBONE = ("trainer", "inferencer")
 #: Tiny names :meth:`vla.backbone.Backbone.load` builds in-process (no checkpoint directory).
 TINY_PREFIX = "tiny"
+#: Tenants whose identities ``joynexus up`` creates (if missing): the demo's.
+DEMO_TENANTS = ("acme-arm", "beta-gripper", "gamma-flow")
 
 
 @dataclass(frozen=True)
@@ -99,29 +106,48 @@ class LocalStack:
     server: EmbeddedServer | None = None
     children: list[Child] = field(default_factory=list)
     info: StackInfo | None = None
+    #: Per-identity NKey auth (``joynexus up``'s default); False = the open mode's one
+    #: generated user/password (``--no-auth``).
+    auth: bool = True
+    #: Tenants given identities at start (existing ones are kept).
+    tenants: tuple[str, ...] = DEMO_TENANTS
 
     def start_server(self) -> StackInfo:
         self.home.mkdir(parents=True, exist_ok=True)
-        user, password = "joynexus", secrets.token_urlsafe(18)
-        self.server = EmbeddedServer(
-            self.home / "nats",
-            log_file=self.home / "logs" / "nats-server.log",
-            user=user,
-            password=password,
-        ).start()
-        self.info = StackInfo(self.server.url, user, password, os.getpid())
+        store, log_file = tenantadmin.server_dir(self.home), self.home / tenantadmin.SERVER_LOG
+        if self.auth:
+            tenantadmin.init_home(self.home)
+            for tenant in self.tenants:
+                tenantadmin.ensure_tenant(self.home, tenant)
+            self.server = EmbeddedServer(
+                store, log_file=log_file, auth=render(load_registry(self.home))
+            ).start()
+            creds_dir = str(tenantadmin.creds_dir(self.home).resolve())
+            self.info = StackInfo(self.server.url, os.getpid(), auth=True, creds_dir=creds_dir)
+        else:
+            user, password = "joynexus", secrets.token_urlsafe(18)
+            self.server = EmbeddedServer(
+                store, log_file=log_file, user=user, password=password
+            ).start()
+            self.info = StackInfo(self.server.url, os.getpid(), user=user, password=password)
         # Declare before announcing: a client that finds the stack file can submit at once.
-        asyncio.run(declare_layout(self.info))
+        asyncio.run(declare_layout(self.info, self.home))
         write_stack_info(self.home, self.info)
         return self.info
 
     def child_env(self) -> dict[str, str]:
         assert self.info is not None
         env = dict(os.environ)
+        # An operator's own credentials in this shell are not the roles' to inherit.
+        for name in ("JOYNEXUS_CREDS", "JOYNEXUS_USER", "JOYNEXUS_PASSWORD"):
+            env.pop(name, None)
+        service_creds = self.info.creds(SERVICE_NAME)
+        if service_creds is not None:
+            env["JOYNEXUS_CREDS"] = str(service_creds)
+        else:
+            env.update(JOYNEXUS_USER=self.info.user, JOYNEXUS_PASSWORD=self.info.password)
         env.update(
             JOYNEXUS_URL=self.info.url,
-            JOYNEXUS_USER=self.info.user,
-            JOYNEXUS_PASSWORD=self.info.password,
             JOYNEXUS_HOME=str(self.home.resolve()),
             HF_HUB_OFFLINE="1",
             PYTHONUNBUFFERED="1",
@@ -264,10 +290,25 @@ class LocalStack:
         return codes
 
 
-async def declare_layout(info: StackInfo) -> None:
-    nc = await connect(info.url, user=info.user, password=info.password, name="joynexus-up")
+async def operator_connect(info: StackInfo, name: str) -> NATS:
+    """Connect to the local stack as its operator (or with the open mode's password)."""
+    return await connect(
+        info.url,
+        name=name,
+        creds=info.creds(OPERATOR_NAME),
+        user=info.user,
+        password=info.password,
+    )
+
+
+async def declare_layout(info: StackInfo, home: Path | None = None) -> None:
+    """Declare the layout; with auth, also write the registry's tenants (records in the
+    ``tenants`` KV, their buckets): what ``joynexus tenant`` did while the stack was down."""
+    nc = await operator_connect(info, "joynexus-up")
     try:
         await declare(nc.jetstream())
+        if info.auth and home is not None:
+            await tenantadmin.sync_bus(nc, load_registry(home))
     finally:
         await nc.close()
 
@@ -276,7 +317,7 @@ async def wait_healthy(
     info: StackInfo, roles: list[str], timeout: float
 ) -> tuple[dict[str, str], list[str]]:
     """Wait (bounded) until each role has a fresh heartbeat; return (role → instance, missing)."""
-    nc = await connect(info.url, user=info.user, password=info.password, name="joynexus-check")
+    nc = await operator_connect(info, "joynexus-check")
     try:
         js = nc.jetstream()
         seen: dict[str, str] = {}
@@ -298,11 +339,14 @@ async def wait_healthy(
 
 
 def check_stack(
-    home: Path, timeout: float = 60.0, backbones: list[ServedBackbone] | None = None
+    home: Path,
+    timeout: float = 60.0,
+    backbones: list[ServedBackbone] | None = None,
+    auth: bool = True,
 ) -> int:
     """Start the stack, wait for five heartbeating roles, print them and a JSON summary line,
     stop everything; exit code 0 only if all are healthy."""
-    stack = LocalStack(home)
+    stack = LocalStack(home, auth=auth)
     stack.backbones = backbones or stack.backbones
     try:
         info = stack.start_server()
@@ -324,10 +368,12 @@ def run_stack(
     home: Path,
     roles: dict[str, int] | None = None,
     backbones: list[ServedBackbone] | None = None,
+    auth: bool = True,
 ) -> int:
     """Run the stack until Ctrl-C / SIGTERM; supervise children meanwhile. ``backbones``
-    (default: the tiny one) each get their own trainer and inferencer."""
-    stack = LocalStack(home, roles=roles or {r: 1 for r in ROLES})
+    (default: the tiny one) each get their own trainer and inferencer; ``auth`` False runs
+    the open mode (one generated password, every client is everyone)."""
+    stack = LocalStack(home, roles=roles or {r: 1 for r in ROLES}, auth=auth)
     stack.backbones = backbones or stack.backbones
     stopping = False
 
@@ -340,7 +386,8 @@ def run_stack(
     try:
         info = stack.start_server()
         stack.start_roles()
-        print(f"JoyNexus local stack up. bus: {info.url}  (credentials in {home}/stack.json)")
+        where = f"creds in {info.creds_dir}" if info.auth else f"credentials in {home}/stack.json"
+        print(f"JoyNexus local stack up. bus: {info.url}  ({where})")
         for b in stack.backbones:
             print(
                 f"serving backbone {b.backbone_id}  ({b.source}); specs name it "

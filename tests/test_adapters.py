@@ -137,7 +137,7 @@ def test_the_local_stack_gives_its_roles_a_maniskill_asset_dir_under_home(
     # ManiSkill reads MS_ASSET_DIR once, at import: the launcher passes it in each child's
     # environment (nothing sets it in a running process), unless the operator chose one.
     stack = LocalStack(tmp_path / "home")
-    stack.info = StackInfo("nats://127.0.0.1:4222", "u", "p", 1)
+    stack.info = StackInfo("nats://127.0.0.1:4222", 1, user="u", password="p")
     monkeypatch.delenv("MS_ASSET_DIR", raising=False)
     assert stack.child_env()["MS_ASSET_DIR"] == str((tmp_path / "home").resolve() / "maniskill")
     assert "MS_SKIP_ASSET_DOWNLOAD_PROMPT" not in stack.child_env()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -89,3 +91,30 @@ def test_registry_rejects_unknown_fields(tmp_path: Path) -> None:
     path.write_text('{"identities": [], "limits": {}, "typo": 1}')
     with pytest.raises(msgspec.ValidationError, match="typo"):
         load_registry(tmp_path)
+
+
+def test_tenant_commands_on_a_stopped_home(tmp_path: Path) -> None:
+    joynexus = str(Path(sys.executable).parent / "joynexus")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [joynexus, "tenant", *args, "--home", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    added = run("add", "acme", "--max-jobs", "2", "--max-storage", "5000")
+    assert added.returncode == 0, added.stderr
+    assert str(tmp_path / "creds" / "acme.creds") in added.stdout
+    assert "applied" in added.stdout or "applies it" in added.stdout
+    key = load_creds(tmp_path / "creds" / "acme.creds").public_key
+    listed = run("list")
+    assert "acme" in listed.stdout and "active" in listed.stdout and " 5000 " in listed.stdout
+    assert run("rotate", "acme").returncode == 0
+    assert load_creds(tmp_path / "creds" / "acme.creds").public_key != key
+    bad = run("add", "operator")
+    assert bad.returncode == 2 and "operator identity's name" in bad.stderr
+    assert run("revoke", "acme").returncode == 0
+    assert "revoked" in run("list").stdout
+    assert "nexus.job.acme" not in (tmp_path / "nats" / "auth.conf").read_text()
