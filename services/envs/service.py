@@ -46,12 +46,15 @@ from schemas.train import SFTBatch
 from services.envs.adapters import EnvUnavailableError, ProprioMismatchError, proprio_for_head
 from services.envs.datasets import iter_batches
 from services.envs.describe import Describer
+from services.envs.flow import Flow
 from services.envs.limits import check_dataset, check_task
 from services.envs.rollouts import AdapterPool, collect, evaluate_env
 from vla.data import Dataset, DatasetError, load_dataset, read_meta
 
 log = logging.getLogger(__name__)
 DURABLE = "envs"
+#: A stream that is not throttled checks whether its job ended this often.
+JOB_CHECK_S = 1.0
 
 
 class EnvsConfig(BusConfig):
@@ -243,16 +246,48 @@ class EnvWorker:
         log.info(
             "streaming %s/%s from step %d of %d", task.tenant, task.job_id, step, task.total_steps
         )
+        # Backpressure follows the trainer's commits (services.envs.flow): no request per
+        # batch, and a throttled stream wakes when a commit lands instead of polling.
+        flow = Flow(
+            await self.js.key_value(subjects.KV_POLICIES),
+            task.tenant,
+            task.job_id,
+            lambda: self.unconsumed(subject),
+        )
+        await flow.start(committed=step)
+        try:
+            await self._stream_batches(task, subject, step, per_epoch, train_episodes, ds, flow)
+        finally:
+            await flow.close()
+
+    async def _stream_batches(
+        self,
+        task: StreamDataset,
+        subject: str,
+        step: int,
+        per_epoch: int,
+        train_episodes: Any,
+        ds: Dataset,
+        flow: Flow,
+    ) -> None:
         batches: Any = None
         epoch = -1
+        checked_at = -1e9
         while step < task.total_steps:
             if self.stop.is_set():
                 raise Interrupted(f"stopping at step {step} of {task.tenant}/{task.job_id}")
-            if await self.job_ended(task.tenant, task.job_id):
-                log.info("job %s/%s ended; stream stops at step %d", task.tenant, task.job_id, step)
-                return
-            if await self.unconsumed(subject) >= task.max_in_flight:
-                await asyncio.sleep(0.02)
+            throttled = flow.in_flight >= task.max_in_flight
+            # A cancelled job stops its stream: checked when throttled and once a second,
+            # not per batch (at most max_in_flight batches go out for an ended job).
+            if throttled or time.monotonic() - checked_at >= JOB_CHECK_S:
+                checked_at = time.monotonic()
+                if await self.job_ended(task.tenant, task.job_id):
+                    log.info(
+                        "job %s/%s ended; stream stops at step %d", task.tenant, task.job_id, step
+                    )
+                    return
+            if throttled:
+                await flow.wait_below(task.max_in_flight, self.stop)
                 continue
             want_epoch, index = divmod(step, per_epoch)
             if want_epoch != epoch:
@@ -288,6 +323,7 @@ class EnvWorker:
                 message,
                 message_id=msg_id("sft", task.tenant, task.job_id, epoch, batch.batch_index),
             )
+            flow.published()
             step += 1
 
     async def on_dead(self, msg: Msg, reason: str, error: BaseException) -> None:

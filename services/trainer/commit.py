@@ -16,8 +16,10 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
@@ -26,6 +28,7 @@ from nats.js.object_store import ObjectStore
 from bus import checkpoints as ckpt
 from bus import records
 from bus.consume import Consumer
+from bus.errors import HandlerError
 from schemas.events import PolicyPublished
 from schemas.train import OpenSlot, PolicyRecord
 from vla.slot import TenantSlot
@@ -47,21 +50,27 @@ async def write_version(
     stream_seq: int = 0,
     batches_done: int = 0,
     metrics: dict[str, float] | None = None,
+    frozen: Frozen | None = None,
 ) -> tuple[PolicyRecord, int]:
     """Publish the slot's next version: checkpoint object, then the KV entry (created when
     ``revision`` is None or 0, else updated only if still at ``revision``: a lost race raises
-    :class:`bus.records.RevisionConflict`). Returns the record and the new revision."""
-    # Versions count from 1 (the initial weights): 0 means "none" / "latest" elsewhere.
-    slot.publish_version()
-    data = await asyncio.to_thread(slot.to_bytes)
-    sha = ckpt.digest(data)
-    name = ckpt.object_name(spec.tenant, spec.job_id, slot.version, sha)
-    await ckpt.put_checkpoint(store, name, data)
+    :class:`bus.records.RevisionConflict`). Returns the record and the new revision.
+
+    ``frozen``: the version already taken with :func:`freeze` (the trainer freezes at the
+    round boundary, then writes while the next round trains the slot); else it is taken
+    here."""
+    if frozen is None:
+        # Versions count from 1 (the initial weights): 0 means "none" / "latest" elsewhere.
+        slot.publish_version()
+        frozen = Frozen(slot.version, slot.step, await asyncio.to_thread(slot.to_bytes))
+    sha = ckpt.digest(frozen.data)
+    name = ckpt.object_name(spec.tenant, spec.job_id, frozen.version, sha)
+    await ckpt.put_checkpoint(store, name, frozen.data)
     record = PolicyRecord(
         spec.tenant,
         spec.job_id,
-        slot.version,
-        slot.step,
+        frozen.version,
+        frozen.step,
         name,
         sha,
         stream_seq,
@@ -73,10 +82,31 @@ async def write_version(
     return record, await records.put_policy(policies, record, last=revision or 0)
 
 
+@dataclass(frozen=True)
+class Frozen:
+    """A slot's next version, serialised: what its checkpoint will hold."""
+
+    version: int
+    step: int
+    data: bytes
+
+
+def freeze(slot: TenantSlot) -> Frozen:
+    """Take the slot's next version now (its bytes are copied: training may go on)."""
+    slot.publish_version()
+    return Frozen(slot.version, slot.step, slot.to_bytes())
+
+
 class Committer:
     """The trainer's commit: :func:`write_version` → ``policy`` event → settle the messages
     the checkpoint holds (acked, or dead-lettered with the error they were dropped for) →
-    prune old versions to the retention setting."""
+    prune old versions to the retention setting.
+
+    Off the critical path: :meth:`start` freezes the slot at the round boundary (a copy of
+    its bytes, a few ms for a head) and writes the checkpoint, the KV entry and the event,
+    then settles, in a background task while the next rounds train. One commit per job is in
+    flight at a time (the next needs the KV revision this one writes); :meth:`drain` waits
+    for them (at a stop, or before a commit that must be awaited)."""
 
     def __init__(
         self,
@@ -93,15 +123,66 @@ class Committer:
         #: Fault injection: SIGKILL this process after this many commits, before the acks.
         self.crash_after_commits = crash_after_commits
         self.commits = 0
+        #: Seconds the trainer loop waited on commits (freezing, or awaited commits).
+        self.blocking_s = 0.0
+        #: In-flight background commits by job key.
+        self.in_flight: dict[str, asyncio.Task[None]] = {}
+
+    def busy(self, job: JobSlot) -> bool:
+        """Whether a commit of ``job`` is in flight."""
+        return job.key in self.in_flight
+
+    def start(self, job: JobSlot) -> bool:
+        """Freeze ``job``'s slot now and commit it in the background. Returns False (nothing
+        started) while a commit of the job is still in flight."""
+        if self.busy(job):
+            return False
+        t0 = time.perf_counter()
+        covered, job.held = job.held, []
+        frozen = freeze(job.slot)
+        # What the checkpoint records is what the job stands at now, not when it lands.
+        at = (job.applied_seq, job.batches_done, dict(job.metrics), job.finished)
+        self.blocking_s += time.perf_counter() - t0
+        task = asyncio.ensure_future(self._commit(job, covered, frozen, at))
+        self.in_flight[job.key] = task
+        task.add_done_callback(lambda _: self.in_flight.pop(job.key, None))
+        return True
 
     async def commit(self, job: JobSlot, initial: bool = False) -> None:
-        """Commit the job's slot. A commit the broker could not take is tried again at the
-        next chance (nothing was settled)."""
+        """Commit the job's slot and wait for it (after any commit of it in flight). A
+        commit the broker could not take is tried again at the next chance (nothing was
+        settled)."""
+        t0 = time.perf_counter()
+        await self.drain([job])
         covered, job.held = job.held, []
+        frozen = freeze(job.slot)
+        at = (job.applied_seq, job.batches_done, dict(job.metrics), job.finished)
+        await self._commit(job, covered, frozen, at, initial)
+        self.blocking_s += time.perf_counter() - t0
+
+    async def drain(self, jobs: Iterable[JobSlot] | None = None, within_s: float = 60.0) -> None:
+        """Wait (at most ``within_s``) for the in-flight commits of ``jobs`` (default: all)."""
+        keys = None if jobs is None else {j.key for j in jobs}
+        tasks = [t for k, t in self.in_flight.items() if keys is None or k in keys]
+        if tasks:
+            await asyncio.wait(tasks, timeout=within_s)
+
+    async def _commit(
+        self,
+        job: JobSlot,
+        covered: list[tuple[Msg, HandlerError | None]],
+        frozen: Frozen,
+        at: tuple[int, int, dict[str, float], bool],
+        initial: bool = False,
+    ) -> None:
         try:
-            record = await self._write(job, initial)
+            record = await self._write(job, frozen, at, initial)
         except (NatsError, TimeoutError) as exc:
             log.warning("commit of %s failed (%s); trying again", job.key, exc)
+            job.held = covered + job.held
+            return
+        except Exception:  # a bug: keep the messages for the next commit, and say so loudly
+            log.exception("commit of %s failed; trying again", job.key)
             job.held = covered + job.held
             return
         self.commits += 1
@@ -116,25 +197,34 @@ class Committer:
                 await self.registry.store.delete(job.versions.popleft())
 
     async def commit_applied(self, jobs: Iterable[JobSlot], within_s: float) -> None:
-        """On stop: commit what was applied (so it is acked), as far as ``within_s`` allows;
-        whatever is left is handed back and replayed."""
+        """On stop: let in-flight commits land, then commit what was applied (so it is
+        acked), as far as ``within_s`` allows; whatever is left is handed back and replayed."""
         deadline = time.monotonic() + within_s
+        await self.drain(within_s=within_s)
         for job in list(jobs):
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or self.busy(job):
                 return
             if job.batches_done > job.committed_batches or job.held:
                 await self.commit(job)
 
-    async def _write(self, job: JobSlot, initial: bool) -> PolicyRecord:
+    async def _write(
+        self,
+        job: JobSlot,
+        frozen: Frozen,
+        at: tuple[int, int, dict[str, float], bool],
+        initial: bool,
+    ) -> PolicyRecord:
+        applied_seq, batches_done, metrics, finished = at
         record, job.kv_revision = await write_version(
             self.registry.store,
             self.registry.policies,
             job.spec,
             job.slot,
             revision=None if initial else job.kv_revision,
-            stream_seq=job.applied_seq,
-            batches_done=job.batches_done,
-            metrics=job.metrics,
+            stream_seq=applied_seq,
+            batches_done=batches_done,
+            metrics=metrics,
+            frozen=frozen,
         )
         job.committed_seq, job.committed_step = record.stream_seq, record.step
         job.committed_batches = record.batches_done
@@ -147,7 +237,7 @@ class Committer:
                 record.object_name,
                 record.step,
                 time.time(),
-                final=job.finished,
+                final=finished,
             )
         )
         return record

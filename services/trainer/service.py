@@ -13,18 +13,22 @@ Commit protocol (exactly-once steps): checkpoint + ``policies`` KV compare-and-s
 (:mod:`~services.trainer.commit`) → ``policy`` event → settle the messages the checkpoint
 contains. Until then they are held (kept alive by the consume runtime). A crash anywhere
 replays unacked messages; the restored slot's progress recognises what it already contains.
+
+Nothing waits that need not: a commit freezes the slot at the round boundary and is written
+in the background while the next rounds train (one per job in flight); the buffers are topped
+up while a round computes in its thread; a job that starts running wakes tenant discovery.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
 import torch
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
+from nats.js.kv import KeyValue
 
 from bus.consume import ConsumerSpec
 from bus.durables import DurableSet
@@ -80,6 +84,8 @@ class Trainer:
         )
         self.intake = Intake(rt.consumer, self.tenants, config.prefetch, config.limit)
         self.deficits: dict[str, float] = {}
+        #: Set when a job record changes (a new job may have opened a tenant's queue).
+        self.job_changed = asyncio.Event()
 
     def spec_for(self, tenant: str) -> ConsumerSpec:
         return ConsumerSpec(
@@ -95,13 +101,19 @@ class Trainer:
     async def run(self) -> None:
         await self.registry.connect()
         self.rt.spawn(
-            follow_kv(self.registry.jobs_kv, self.rt.stop, self.registry.observe_job),
+            follow_kv(self.registry.jobs_kv, self.rt.stop, self.observe_job),
             "job status follower",
         )
         last_discovery = -1e9
         try:
             while not self.rt.stop.is_set():
-                if time.monotonic() - last_discovery > self.config.discover_every_s:
+                # A job that starts running (its OpenSlot is already in TRAIN: the master
+                # publishes it first) wakes discovery at once; the period is the fallback.
+                if (
+                    self.job_changed.is_set()
+                    or time.monotonic() - last_discovery > self.config.discover_every_s
+                ):
+                    self.job_changed.clear()
                     for tenant in await self.tenants.discover():
                         log.info(
                             "serving tenant %s on %s", tenant, subjects.train(self.bid, tenant)
@@ -109,19 +121,35 @@ class Trainer:
                         self.intake.add_tenant(tenant)
                     last_discovery = time.monotonic()
                 if not self.tenants.durables:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.rt.stop.wait(), self.config.discover_every_s)
+                    await self.idle(self.config.discover_every_s)
                     continue
-                live = {j.spec.tenant for j in self.registry.jobs.values() if j.live}
-                arrived = await self.intake.fill(live)
+                arrived = await self.intake.fill(self.live())
                 worked = await self.round()
-                await self.commit_due()
+                self.commit_due()
                 if not arrived and not worked:
                     # Nothing to fetch from: new tenants' messages show up at discovery.
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.rt.stop.wait(), 0.05)
+                    await self.idle(0.05)
         finally:
             await self.committer.commit_applied(self.registry.jobs.values(), STOP_COMMIT_S)
+
+    def observe_job(self, entry: KeyValue.Entry) -> None:
+        self.registry.observe_job(entry)
+        self.job_changed.set()
+
+    def live(self) -> set[str]:
+        """Tenants with a live job: worth fetching from even when discovery saw nothing."""
+        return {j.spec.tenant for j in self.registry.jobs.values() if j.live}
+
+    async def idle(self, seconds: float) -> None:
+        """Wait until a stop, a job change or ``seconds``, whichever comes first."""
+        stop = asyncio.ensure_future(self.rt.stop.wait())
+        changed = asyncio.ensure_future(self.job_changed.wait())
+        try:
+            await asyncio.wait({stop, changed}, timeout=seconds, return_when="FIRST_COMPLETED")
+        finally:
+            # Event.wait() holds no nats call: cancelling it is safe (unlike PITFALLS' case).
+            for fut in (stop, changed):
+                fut.cancel()
 
     async def round(self) -> bool:
         """Triage every buffer; DRR picks the tenants served; one grouped step; RL updates.
@@ -141,7 +169,10 @@ class Trainer:
         for tenant in drr.chosen:
             self.intake.remove(tenant, ready[tenant][0])
         if chosen:
-            await self.stepper.step(chosen)
+            # While the round computes (in a thread), top up the buffers (triage is done:
+            # nothing else touches them until the next round), so the next round's batches
+            # are there when this one ends.
+            await self.stepper.step(chosen, during=lambda: self.intake.fill(self.live()))
         complete = any(j.iteration_complete for j in self.registry.jobs.values())
         if complete:
             await self.stepper.rl_updates()
@@ -225,10 +256,12 @@ class Trainer:
             await self.consumer.release([m for m, _ in job.rollouts.values()])
             log.info("closed slot %s (%s)", job.key, close.reason)
 
-    async def commit_due(self) -> None:
+    def commit_due(self) -> None:
+        """Start the commits that are due; they run in the background (off the critical
+        path), one per job at a time."""
         for job in list(self.registry.jobs.values()):
-            if job.commit_due(self.config.commit_every_s):
-                await self.committer.commit(job)
+            if job.commit_due(self.config.commit_every_s) and not self.committer.busy(job):
+                self.committer.start(job)
 
     def gauges(self) -> dict[str, float]:
         return {
@@ -236,6 +269,7 @@ class Trainer:
             "jobs": float(len(self.registry.jobs)),
             "resident_slot_bytes": float(self.slots.resident_bytes),
             "commits": float(self.committer.commits),
+            "commit_blocking_s": self.committer.blocking_s,
             **self.stepper.gauges(),
         }
 

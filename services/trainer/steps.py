@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
@@ -44,8 +45,14 @@ class Stepper:
         self.samples = 0
 
     # -- SFT ---------------------------------------------------------------------------------
-    async def step(self, chosen: list[tuple[Msg, SFTBatch, JobSlot]]) -> None:
-        """One grouped step over ``chosen`` (their slots fit the budget together)."""
+    async def step(
+        self,
+        chosen: list[tuple[Msg, SFTBatch, JobSlot]],
+        during: Callable[[], Awaitable[object]] | None = None,
+    ) -> None:
+        """One grouped step over ``chosen`` (their slots fit the budget together).
+        ``during``: what the event loop does while the step computes in its thread (the
+        trainer fetches the next round's batches)."""
         consumer = self.trainer.consumer
         t0 = time.perf_counter()
         slots = self.trainer.slots.acquire([job.key for _, _, job in chosen])
@@ -70,7 +77,14 @@ class Stepper:
         if not requests:
             return
         compute_t0 = time.perf_counter()
-        results = await asyncio.to_thread(group_train_step, self.encoder, requests)
+        compute = asyncio.ensure_future(asyncio.to_thread(group_train_step, self.encoder, requests))
+        if during is not None:
+            # The compute's own outcome is awaited below; a failure of ``during`` (a fetch
+            # the broker refused) must not lose it.
+            _, fetched = await asyncio.gather(compute, during(), return_exceptions=True)
+            if isinstance(fetched, BaseException):
+                log.warning("fetch during the step failed: %s", fetched)
+        results = await compute
         self.compute_s += time.perf_counter() - compute_t0
         now = time.time()
         events: list[Progress] = []
