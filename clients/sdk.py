@@ -44,6 +44,7 @@ from bus.codec import DecodeError, decode, encode
 from bus.connect import connect
 from bus.datasets import DatasetStoreError, PushReport, download, push_dataset, sha256_file
 from bus.envinfo import request_description
+from bus.identity import is_joynexus_creds, load_creds
 from bus.local import read_stack_info
 from bus.publish import msg_id, publish
 from bus.records import list_jobs
@@ -287,6 +288,14 @@ class Job:
         await self.client.cancel(self.tenant, self.job_id, reason)
 
 
+def tenant_of_creds(creds: Path) -> str | None:
+    """The tenant a creds file of ours names (None for another role or a JWT ``.creds``)."""
+    if not is_joynexus_creds(creds):
+        return None
+    identity = load_creds(creds).identity
+    return identity.name if identity.role == "tenant" else None
+
+
 def local_creds(creds_dir: Path, tenant: str | None) -> Path:
     """The creds file a client of a local stack uses: the tenant's, else the operator's."""
     if tenant is not None:
@@ -302,9 +311,12 @@ def local_creds(creds_dir: Path, tenant: str | None) -> Path:
 class Client:
     """A tenant's connection to JoyNexus."""
 
-    def __init__(self, nc: NATS) -> None:
+    def __init__(self, nc: NATS, tenant: str | None = None) -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
+        #: The tenant this connection's identity is (None: a service, the operator, or an
+        #: open-mode connection); :meth:`jobs` lists its jobs when given no tenant.
+        self.tenant = tenant
 
     @classmethod
     async def connect(
@@ -336,11 +348,10 @@ class Client:
                 creds = local_creds(Path(creds_dir), tenant)
             elif not auth:
                 user, password = info.user or user, info.password or password
-        return cls(
-            await connect(
-                url, name="joynexus-client", creds=creds, user=user, password=password, tls=tls
-            )
+        nc = await connect(
+            url, name="joynexus-client", creds=creds, user=user, password=password, tls=tls
         )
+        return cls(nc, tenant_of_creds(Path(creds)) if creds is not None else None)
 
     async def close(self) -> None:
         await self.nc.drain()
@@ -486,8 +497,10 @@ class Client:
         return reply.placements
 
     async def jobs(self, tenant: str | None = None) -> list[JobRecord]:
-        """The tenant's job records, oldest first. Without ``tenant``, every tenant's, read
-        from the ``jobs`` KV: the operator's view (a tenant's identity may not read KV)."""
+        """The tenant's job records, oldest first. Without ``tenant``: this connection's
+        tenant's, or (a service or operator identity, or open mode) every tenant's, read from
+        the ``jobs`` KV (which a tenant's identity may not read)."""
+        tenant = tenant or self.tenant
         if tenant is None:
             return await list_jobs(self.js)
         reply = await self.request(tenant, ListJobs(tenant))

@@ -128,6 +128,7 @@ async def test_a_tenant_identity_does_its_work_through_the_sdk_and_nothing_else(
         assert again.report.uploaded == [], "resumed: every object is already there"
 
         assert [r.job_id for r in await alice.jobs("alice")] == ["j1"]
+        assert alice.tenant == "alice" and await alice.jobs() == await alice.jobs("alice")
         status = await alice.status("alice", "j1")
         assert status is not None and status.status == "succeeded"
         from clients.sdk import Job
