@@ -342,11 +342,9 @@ class Client:
                     "start one with `joynexus up` or pass --url"
                 )
             url = info.url
-            # Field names of bus.local.StackInfo (auth and creds_dir since issue 9).
-            auth, creds_dir = getattr(info, "auth", False), getattr(info, "creds_dir", "")
-            if auth and creds is None:
-                creds = local_creds(Path(creds_dir), tenant)
-            elif not auth:
+            if info.auth and creds is None:
+                creds = local_creds(Path(info.creds_dir), tenant)
+            elif not info.auth:
                 user, password = info.user or user, info.password or password
         nc = await connect(
             url, name="joynexus-client", creds=creds, user=user, password=password, tls=tls
