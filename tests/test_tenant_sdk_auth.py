@@ -25,11 +25,12 @@ from bus.declare import declare
 from bus.identity import creds_path
 from bus.records import put_job, put_policy
 from bus.server import EmbeddedServer
-from clients.sdk import Client, RequestError
+from clients.sdk import Client, Job, RequestError
 from schemas import subjects
 from schemas.events import Progress, StateChanged
 from schemas.jobs import JobRecord
 from schemas.model import HeadConfig, OptimizerConfig
+from schemas.tenantctl import ListJobs
 from schemas.train import OpenSlot, PolicyRecord
 from services.envs.datasets import record
 from services.envs.sims import REACH2D_ID
@@ -131,8 +132,6 @@ async def test_a_tenant_identity_does_its_work_through_the_sdk_and_nothing_else(
         assert alice.tenant == "alice" and await alice.jobs() == await alice.jobs("alice")
         status = await alice.status("alice", "j1")
         assert status is not None and status.status == "succeeded"
-        from clients.sdk import Job
-
         steps = [
             e.step
             async for e in Job(alice, "alice", "j1").events(idle_timeout=10)
@@ -147,16 +146,10 @@ async def test_a_tenant_identity_does_its_work_through_the_sdk_and_nothing_else(
         assert await bob.datasets("bob") == []
         assert await bob.status("bob", "j1") is None
         with pytest.raises(RequestError):  # a request on alice's subject reaches nobody
-            await bob.request("alice", _list_jobs("alice"), timeout=2.0)
+            await bob.request("alice", ListJobs("alice"), timeout=2.0)
         with pytest.raises(RequestError, match="no committed policy"):
             await bob.export_policy("bob", "j1", out_dir=tmp_path / "bob")
     assert 'Publish Violation - Subject "nexus.ctl.tenant.alice.jobs"' in _violations(log)
-
-
-def _list_jobs(tenant: str) -> object:
-    from schemas.tenantctl import ListJobs
-
-    return ListJobs(tenant)
 
 
 def _violations(log: Path) -> str:
