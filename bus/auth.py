@@ -225,3 +225,14 @@ def base_identities(registry: Registry, creds_dir: Path) -> list[Path]:
             registry.register(identity, rotated=entry is not None)
             made.append(write_creds(creds_dir, identity))
     return made
+
+
+def reply_allowed(reply: str, tenant: str | None = None) -> bool:
+    """Whether a service may answer a request at ``reply``. The broker checks what a client
+    publishes to, never the reply subject it names, so a tenant could name another tenant's
+    inbox or a stream's subject (``nexus.event.<other>...``) and have the service's answer
+    (which may publish anywhere) land there. Allowed: the default inbox prefix of the
+    services and the operator (``_INBOX.``), and ``tenant``'s own (``_INBOX_<tenant>.``)."""
+    if reply.startswith("_INBOX."):
+        return True
+    return tenant is not None and reply.startswith(f"{s.tenant_inbox_prefix(tenant)}.")

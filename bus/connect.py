@@ -46,17 +46,26 @@ async def connect(
         options["password"] = password or ""
     if tls is not None:
         options["tls"] = tls
-    if error_cb is not None:
-        options["error_cb"] = error_cb
-    else:
-        options["error_cb"] = _quiet_error
+    report = error_cb or _quiet_error
     nc = NATS()
+    connected = False
+
+    async def on_error(exc: Exception) -> None:
+        if not connected and "authorization violation" in str(exc).lower():
+            # A refused key (unknown, revoked, rotated away) is refused again on every retry:
+            # fail the first connect at once instead of retrying forever. nats.py reads this
+            # option after each failed attempt; later reconnects keep retrying.
+            nc.options["allow_reconnect"] = False
+        await report(exc)
+
+    options["error_cb"] = on_error
     try:
         await nc.connect(**options)
     except BaseException:
-        # a refused connect (e.g. a revoked key) leaves nats.py's socket open otherwise
+        # a refused connect leaves nats.py's socket open otherwise
         await nc.close()
         raise
+    connected = True
     return nc
 
 

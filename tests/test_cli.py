@@ -300,6 +300,9 @@ def test_scale_env_workers_up_and_down_mid_job(tmp_path: Path) -> None:
         while read_stack_info(home) is None:
             assert up.poll() is None and time.monotonic() < deadline, "stack did not start"
             time.sleep(0.1)
+        # the tenant gets its identity on the running stack (unregistered ones are refused)
+        added = run("--home", str(home), "tenant", "add", tenant)
+        assert added.returncode == 0, added.stdout + added.stderr
         steps = asyncio.run(scenario())
         assert steps == list(range(1, iterations + 1))
         logs = sorted(p.name for p in (home / "logs").glob("envs*.log"))

@@ -12,7 +12,14 @@ import nkeys
 import pytest
 
 from bus import tenantadmin
-from bus.auth import Registry, load_registry, registry_path, render, save_registry
+from bus.auth import (
+    Registry,
+    load_registry,
+    registry_path,
+    render,
+    reply_allowed,
+    save_registry,
+)
 from bus.identity import IdentityError, load_creds, new_identity, write_creds
 from schemas.ids import InvalidIdError
 from schemas.tenants import TenantLimits
@@ -118,3 +125,11 @@ def test_tenant_commands_on_a_stopped_home(tmp_path: Path) -> None:
     assert run("revoke", "acme").returncode == 0
     assert "revoked" in run("list").stdout
     assert "nexus.job.acme" not in (tmp_path / "nats" / "auth.conf").read_text()
+
+
+def test_services_answer_only_into_inboxes() -> None:
+    assert reply_allowed("_INBOX.abc.1") and reply_allowed("_INBOX_alice.abc", "alice")
+    assert not reply_allowed("_INBOX_alice.abc", "bob")
+    assert not reply_allowed("_INBOX_alicex.abc", "alice")
+    assert not reply_allowed("nexus.event.alice.j.state", "bob")
+    assert not reply_allowed("nexus.job.alice.cancel")
