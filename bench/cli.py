@@ -72,6 +72,15 @@ def _tenant(args: argparse.Namespace) -> int:
         elif op == "revoke":
             tenantadmin.revoke_tenant(home, args.name)
             print(f"tenant {args.name}: revoked (its data is kept)")
+        elif op == "server-limits":
+            server = tenantadmin.set_server_limits(
+                home,
+                max_payload=args.max_payload,
+                max_pending=args.max_pending,
+                max_subscriptions=args.max_subscriptions,
+                max_connections=args.max_connections,
+            )
+            print(f"per-connection limits: {server}")
         elif op == "set":
             limits = tenantadmin.set_limits(
                 home, args.name, max_jobs=args.max_jobs, max_storage=args.max_storage
@@ -241,12 +250,21 @@ def add_operator_commands(sub: Subcommands) -> None:
         ("rotate", "give a tenant a new key (the old one stops working at once)"),
         ("revoke", "revoke a tenant (its connections are closed; its data is kept)"),
         ("set", "change a tenant's limits"),
+        ("server-limits", "change the per-connection limits (the same for every identity)"),
     ):
         tp = add_command(tsub, name, _tenant, home=True, help=summary)
         tp.add_argument(
             "--url", help="also write tenant records and buckets to this bus (as the operator)"
         )
-        if name not in ("list", "init"):
+        if name == "server-limits":
+            for flag, what in (
+                ("--max-payload", "largest message in bytes"),
+                ("--max-pending", "bytes buffered for a slow client before it is cut off"),
+                ("--max-subscriptions", "subscriptions per connection (0 = unlimited)"),
+                ("--max-connections", "connections on the server (0 = unlimited)"),
+            ):
+                tp.add_argument(flag, type=int, help=what)
+        if name not in ("list", "init", "server-limits"):
             tp.add_argument("name", help="tenant id")
         if name in ("add", "set"):
             tp.add_argument("--max-jobs", type=int, help="jobs accepted and not yet finished")

@@ -25,6 +25,7 @@ from nats.js.errors import NotFoundError
 from bus.auth import (
     RegisteredIdentity,
     Registry,
+    ServerLimits,
     base_identities,
     load_registry,
     render,
@@ -152,6 +153,21 @@ def set_limits(
     registry.put(msgspec.structs.replace(entry, limits=limits))
     save_registry(home, registry)
     return limits
+
+
+def set_server_limits(home: Path, **values: int | None) -> ServerLimits:
+    """Change the server-wide per-connection limits (``max_payload``, ``max_pending``,
+    ``max_subscriptions``, ``max_connections``; None = unchanged); return the new ones."""
+    registry = init_home(home)
+    changes = {k: v for k, v in values.items() if v is not None}
+    for name, value in changes.items():
+        if name not in ServerLimits.__struct_fields__:
+            raise TenantAdminError(f"unknown server limit {name!r}")
+        if value < 0 or (value == 0 and name in ("max_payload", "max_pending")):
+            raise TenantAdminError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    registry.limits = msgspec.structs.replace(registry.limits, **changes)
+    save_registry(home, registry)
+    return registry.limits
 
 
 def check_limits(limits: TenantLimits) -> TenantLimits:

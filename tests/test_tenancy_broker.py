@@ -23,6 +23,7 @@ import pytest_asyncio
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
+from nats.errors import MaxPayloadError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus import tenantadmin
@@ -425,3 +426,17 @@ def test_a_tampered_creds_file_is_refused(home: Path) -> None:
     bad.write_text(text.replace(load_creds(path).public_key, other))
     with pytest.raises(IdentityError, match="is not the named"):
         load_creds(bad)
+
+
+async def test_per_connection_limits_apply_at_the_reload(secured: Secured) -> None:
+    sec = secured
+    tenantadmin.set_server_limits(sec.home, max_payload=4096)
+    await tenantadmin.apply(sec.home, sec.server.url)
+    bob = await connect(sec.server.url, creds=sec.creds("bob"))
+    try:
+        assert bob.max_payload == 4096
+        with pytest.raises(MaxPayloadError):
+            await bob.publish(s.job("bob", "submit"), b"x" * 5000)
+        assert (await bob.jetstream().publish(s.job("bob", "submit"), b"x" * 1000)).seq > 0
+    finally:
+        await bob.close()
