@@ -429,3 +429,19 @@ async def test_env_workers_refuse_a_dataset_over_the_frame_limit_and_stream_a_sm
 
     # (on a backbone no trainer serves, so they stay there to be counted)
     await eventually(streamed, timeout=60, what="the small dataset's 3 batches in TRAIN")
+
+
+@pytest.mark.timeout(120)
+async def test_a_publish_acknowledgement_aimed_at_another_tenants_env_subject_fails_nothing(
+    nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs, tmp_path: Path
+) -> None:
+    """The broker checks the subject a tenant publishes to, not the reply subject it names;
+    JetStream writes its publish acknowledgement there, here into ENV on the victim's job's
+    subject. The env worker dead-letters that JSON, and the victim's job hears nothing."""
+    procs.add(start_service("envs", nats_server.url, tmp_path / "envs.log"))
+    mallory, victim, job = uid("mallory"), uid("victim"), uid("j")
+    junk = encode(JobCancel(mallory, "nothing"))
+    await js._nc.publish(subjects.job(mallory, "cancel"), junk, reply=subjects.env(victim, job))
+    dead = await dead_with(js, "ENV", victim, "malformed env task")
+    assert dead.payload.startswith(b"{") and b'"seq"' in dead.payload  # the server's ack
+    assert not [e for e in await events_of(js, victim, job) if isinstance(e, ErrorEvent)]

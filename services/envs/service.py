@@ -328,10 +328,14 @@ class EnvWorker:
 
     async def on_dead(self, msg: Msg, reason: str, error: BaseException) -> None:
         """The job of the task's subject (never the one its payload claims) fails, with the
-        reason."""
+        reason. Only for a payload that is an env task at all: anything else on ENV is not
+        the subject's tenant's doing (tenants cannot publish there, but the server writes a
+        JetStream publish acknowledgement to whatever reply subject a publisher names, e.g.
+        ``nexus.env.<victim>.<job>``), so its dead letter is its only record."""
         try:
+            decode(ENV_DECODER, msg.data)
             tenant, job_id = subjects.parse_env(msg.subject)
-        except subjects.SubjectError:
+        except (DecodeError, subjects.SubjectError):
             return  # the dead letter is the record
         await publish(
             self.js,
