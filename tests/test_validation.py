@@ -287,9 +287,16 @@ async def test_a_spec_over_an_operator_bound_is_rejected_and_a_cancel_for_anothe
     await declare(js)
     from bus.datasets import register_path
     from services.envs.datasets import record as record_dataset
+    from vla.data import check_dataset
 
-    record_dataset(REACH2D_ID, 1, tmp_path / "demos", seed=0)
-    limits = {"JOYNEXUS_LIMIT_MAX_ITERATIONS": "50", "JOYNEXUS_LIMIT_MAX_DATASET_FRAMES": "5"}
+    record_dataset(REACH2D_ID, 4, tmp_path / "demos", seed=0)
+    record_dataset(REACH2D_ID, 2, tmp_path / "small", seed=1)
+    frames = check_dataset(tmp_path / "small").num_frames
+    limits = {
+        "JOYNEXUS_LIMIT_MAX_ITERATIONS": "50",
+        "JOYNEXUS_LIMIT_MAX_DATASET_FRAMES": str(frames),
+        "JOYNEXUS_LIMIT_MAX_STEPS": "3",
+    }
     start_master_and_envs(fresh_server.url, tmp_path, procs, **limits)
     bad, good = uid("over"), uid("good")
     await submit(js, rl_spec(bad, iterations=500), "too-long")
@@ -310,8 +317,18 @@ async def test_a_spec_over_an_operator_bound_is_rejected_and_a_cancel_for_anothe
     }
     await submit(js, sft, "big-data")
     refused = await outcome(js, bad, "big-data")
-    assert isinstance(refused, Rejected) and "exceeds max_dataset_frames 5" in refused.reason
+    assert isinstance(refused, Rejected)
+    assert f"exceeds max_dataset_frames {frames}" in refused.reason
     assert refused.reason.startswith("dataset 'demos': ")
+    # Steps past max_steps: given, or made by epochs.
+    await register_path(js, bad, "small", tmp_path / "small")
+    await submit(js, {**sft, "dataset": "small", "steps": 5}, "many-steps")
+    await submit(js, {**sft, "dataset": "small", "steps": None, "epochs": 100}, "many-epochs")
+    steps = await outcome(js, bad, "many-steps")
+    assert isinstance(steps, Rejected) and "steps: 5 exceeds max_steps 3" in steps.reason
+    epochs = await outcome(js, bad, "many-epochs")
+    assert isinstance(epochs, Rejected) and "epochs: 100 epochs of" in epochs.reason
+    assert "exceeds max_steps 3" in epochs.reason
 
     # The bad tenant cancels the good tenant's job by naming it in the body of a command on
     # its own subject: refused, and the good job goes on.

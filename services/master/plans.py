@@ -124,6 +124,12 @@ async def compile_sft(
             f"({len(train_episodes)} episodes)"
         )
     total_steps = spec.steps if spec.steps is not None else per_epoch * (spec.epochs or 1)
+    max_steps = (limits or InputLimits()).max_steps
+    if total_steps > max_steps:  # epochs are bounded only through the steps they make
+        raise PoisonError(
+            f"epochs: {spec.epochs} epochs of {per_epoch} batches = {total_steps} steps "
+            f"exceeds max_steps {max_steps}"
+        )
     open_slot = OpenSlot(
         tenant=spec.tenant,
         job_id=job_id,
