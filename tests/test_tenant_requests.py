@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from bus.codec import decode, encode
@@ -34,6 +35,7 @@ from schemas.tenantctl import (
     BackbonesQuery,
     CtlError,
     GetJob,
+    JobsReply,
     ListJobs,
 )
 from schemas.tenants import TenantRecord
@@ -133,6 +135,37 @@ async def test_a_request_claiming_another_tenant_or_malformed_gets_a_typed_error
     )
     bad = await nc.request(subjects.BACKBONES_QUERY, b"\x01\x02", timeout=5)
     assert b"malformed backbones request" in bad.data
+
+
+async def test_a_reply_aimed_at_another_tenants_subjects_is_not_sent(
+    stack: tuple[NATS, Client],
+) -> None:
+    """The broker checks what a client publishes to, never the reply subject it names: bob
+    may not make the master answer onto alice's events (a stream would store it) or inbox."""
+    nc, _ = stack
+    js = nc.jetstream()
+    alice, bob = uid("alice"), uid("bob")
+    await _job(js, bob, "j1", 1.0)
+    seen: list[bytes] = []
+
+    async def on_msg(msg: Msg) -> None:
+        seen.append(msg.data)
+
+    inbox = f"{subjects.tenant_inbox_prefix(alice)}.stolen"
+    await nc.subscribe(inbox, cb=on_msg)
+    events = subjects.event(alice, "j1", "state")
+    for reply in (events, inbox, subjects.job(alice, "cancel")):
+        await nc.publish(subjects.tenant_ctl(bob, "jobs"), encode(ListJobs(bob)), reply=reply)
+    await nc.publish(subjects.BACKBONES_QUERY, b"", reply=events)
+    # His own inbox is answered, after the others: once it is, they were dropped.
+    own = await nc.request(subjects.tenant_ctl(bob, "jobs"), encode(ListJobs(bob)), timeout=5)
+    assert isinstance(decode(TENANT_REPLY_DECODER, own.data), JobsReply)
+    await nc.flush()
+    assert seen == []
+    info = await js.stream_info(subjects.STREAM_EVENTS, subjects_filter=events)
+    assert not (info.state.subjects or {}).get(events), "nothing stored on alice's events"
+    jobs = await js.stream_info(subjects.STREAM_JOBS, subjects_filter=f"nexus.job.{alice}.>")
+    assert not jobs.state.subjects, "nothing stored on alice's job subjects"
 
 
 async def test_registered_tenants_exist_then_an_unregistered_one_is_refused(

@@ -35,6 +35,7 @@ from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
+from bus.auth import reply_allowed
 from bus.checkpoints import CheckpointError, digest, get_checkpoint
 from bus.codec import DecodeError, decode, encode
 from bus.datasets import (
@@ -269,10 +270,27 @@ class Queries:
                 reply = CtlError("unavailable", f"internal error: {exc}", True)
         if not msg.reply:
             return
+        if not self._reply_allowed(msg.subject, msg.reply):
+            # The broker never checks a request's reply subject: answering there would let
+            # a tenant publish, as the master, into another's inbox or onto a stream subject.
+            log.warning("dropped the reply to %s: reply subject %r refused", msg.subject, msg.reply)
+            return
         try:
             await msg.respond(encode(reply))
         except NatsError as exc:  # the connection closed meanwhile: the requester times out
             log.info("reply on %s not sent: %s", msg.subject, exc)
+
+    @staticmethod
+    def _reply_allowed(subject: str, reply: str) -> bool:
+        """A tenant's request is answered only on its own inbox (or a service's / the
+        operator's); the backbones query, which carries no tenant, only on an inbox."""
+        if subject == subjects.BACKBONES_QUERY:
+            return reply.startswith("_INBOX.") or reply.startswith("_INBOX_")
+        try:
+            tenant = subjects.parse_tenant_ctl(subject).tenant
+        except subjects.SubjectError:
+            tenant = None
+        return reply_allowed(reply, tenant)
 
     async def _on_request(self, msg: Msg) -> None:
         # One task per request: a dataset-add's download must not hold up a status query.
