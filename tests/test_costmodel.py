@@ -69,7 +69,8 @@ def allowed(table: CostTable, sizes: list[int], groups: list[list[int]]) -> bool
 
 
 def check_split(table: CostTable, sizes: list[int]) -> list[list[int]]:
-    groups = table.split(sizes)
+    """The exact optimum (no margin) against brute force."""
+    groups = table.split(sizes, margin=0.0)
     assert [i for g in groups for i in g] == list(range(len(sizes))), "each item once, in order"
     assert allowed(table, sizes, groups), "no group of several items past the measured sizes"
     total = cost(table, sizes, groups)
@@ -106,6 +107,40 @@ def test_split_is_the_least_time_consecutive_partition_and_never_slower_than_its
     check_split(table, sizes)
 
 
+@settings(max_examples=100, deadline=None)
+@given(table=tables(), sizes=st.lists(st.integers(1, 24), min_size=1, max_size=8))
+def test_with_the_margin_a_group_forms_only_where_it_beats_its_parts_by_the_margin(
+    table: CostTable, sizes: list[int]
+) -> None:
+    groups = table.split(sizes)
+    assert [i for g in groups for i in g] == list(range(len(sizes)))
+    assert allowed(table, sizes, groups)
+    factor = 1 + costmodel.GROUP_MARGIN
+    for g in (g for g in groups if len(g) > 1):
+        n = sum(sizes[i] for i in g)
+        assert table.forward_ms(n) * factor <= sum(table.forward_ms(sizes[i]) for i in g) * (
+            1 + 1e-9
+        )
+    serial = sum(table.forward_ms(s) for s in sizes)
+    assert cost(table, sizes, groups) <= serial * (1 + 1e-9)
+
+
+@settings(max_examples=100, deadline=None)
+@given(table=tables(), samples=st.integers(1, 80))
+def test_chunks_take_the_smallest_forwards_within_the_margin_of_the_least_time(
+    table: CostTable, samples: int
+) -> None:
+    least = table.chunks(samples, margin=0.0)
+    chosen = table.chunks(samples)
+    assert sum(least) == sum(chosen) == samples
+    assert max(chosen) <= max(max(least), table.max_samples)
+    assert max(chosen) <= max(least)
+    t_least = sum(table.forward_ms(c) for c in least)
+    t_chosen = sum(table.forward_ms(c) for c in chosen)
+    assert t_chosen <= t_least * (1 + costmodel.GROUP_MARGIN) + 1e-9
+    assert t_least <= table.forward_ms(samples) * (1 + 1e-9) or samples > table.max_samples
+
+
 def test_the_measured_tiny_224_table_keeps_groups_under_its_knee() -> None:
     # 8 tenants x 8 samples: one forward of 64 would cost ~15 ms/sample; two of 32 do not.
     groups = check_split(TINY_224, [8] * 8)
@@ -127,7 +162,7 @@ def test_sizes_of_another_shape_are_scaled_by_their_prefix_length() -> None:
 
 @pytest.mark.parametrize("samples", [1, 7, 32, 33, 64, 240])
 def test_chunks_cover_the_batch_within_the_measured_sizes_at_least_time(samples: int) -> None:
-    sizes = TINY_224.chunks(samples)
+    sizes = TINY_224.chunks(samples, margin=0.0)
     assert sum(sizes) == samples and max(sizes) <= TINY_224.max_samples
     total = sum(TINY_224.forward_ms(s) for s in sizes)
     assert total <= TINY_224.forward_ms(samples) * (1 + 1e-9)

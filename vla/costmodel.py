@@ -52,6 +52,10 @@ MEASURE, OFF = "measure", "off"
 DEFAULT_MAX_SAMPLES = 64
 DEFAULT_REPEATS = 3
 DEFAULT_BUDGET_S = 3.0
+#: A group (or a larger forward) must be modelled this much faster than the alternative to
+#: be chosen: on a shared machine the knee moves with load (``tiny-224``'s 32-sample forward
+#: measured 3.4x an 8-sample one at start-up and 4.2-4.7x minutes later).
+GROUP_MARGIN = 0.2
 #: Stop measuring larger sizes once one costs this many times the best per-sample time:
 #: past the knee, larger forwards only get worse (and each takes longer to time).
 KNEE_RATIO = 1.5
@@ -126,15 +130,23 @@ class CostTable:
             return float(samples)
         return samples * tokens_per_sample / self.tokens_per_sample
 
-    def split(self, sizes: Sequence[int], tokens_per_sample: int | None = None) -> list[list[int]]:
+    def split(
+        self,
+        sizes: Sequence[int],
+        tokens_per_sample: int | None = None,
+        margin: float | None = None,
+    ) -> list[list[int]]:
         """Partition items of ``sizes`` samples (one compatible group, in order) into
         consecutive sub-groups of least total modelled time; returns their indices.
 
-        Every sub-group of two or more items fits :attr:`max_samples`; a sub-group is never
-        slower by the table than any split of it into consecutive parts, so in particular
-        never slower per sample than its members alone, and the whole is never slower than
-        one forward per item. Ties keep the larger group (fewer forwards).
+        A sub-group of several items counts ``1 + margin`` times its modelled time
+        (:data:`GROUP_MARGIN` by default): it is formed only where the table says it beats
+        its parts by that much, the table's uncertainty. So every sub-group of two or more
+        items fits :attr:`max_samples` and is, by the table, faster than any split of it into
+        consecutive parts by the margin; the whole is never slower than one forward per item.
+        Ties keep the larger group (fewer forwards).
         """
+        factor = 1.0 + (GROUP_MARGIN if margin is None else margin)
         if any(s < 1 for s in sizes):
             raise ValueError(f"group sizes must be >= 1, got {list(sizes)}")
         k = len(sizes)
@@ -148,7 +160,7 @@ class CostTable:
                 total += units[i]
                 if i < j - 1 and total > limit:
                     break
-                cost = best[i] + self.forward_ms(total)
+                cost = best[i] + self.forward_ms(total) * (factor if i < j - 1 else 1.0)
                 # <= : at equal cost the group reaching further left (fewer forwards) wins.
                 if cost <= best[j] * (1 + 1e-12):
                     best[j], cut[j] = cost, i
@@ -159,13 +171,18 @@ class CostTable:
             j = cut[j]
         return groups[::-1]
 
-    def chunks(self, samples: int, tokens_per_sample: int | None = None) -> list[int]:
-        """Sizes of the forwards that ``samples`` samples of one batch are best run in
-        (each at most :attr:`max_samples` unless one sample alone is larger)."""
+    def chunks(
+        self, samples: int, tokens_per_sample: int | None = None, margin: float | None = None
+    ) -> list[int]:
+        """Sizes of the forwards that ``samples`` samples of one batch run in: the least-time
+        partition by the table, except that the smallest largest-forward whose partition
+        is within ``margin`` (:data:`GROUP_MARGIN`) of the least time wins (larger forwards
+        are where the table is least sure: the knee moves with the machine's load). Each is
+        at most :attr:`max_samples` unless one sample alone is larger."""
         if samples < 1:
             raise ValueError(f"samples must be >= 1, got {samples}")
         unit = self.units(1, tokens_per_sample)
-        return list(_chunks(self, samples, unit))
+        return list(_chunks(self, samples, unit, GROUP_MARGIN if margin is None else margin))
 
     # -- files ---------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -188,22 +205,35 @@ class CostTable:
 
 
 @lru_cache(maxsize=4096)
-def _chunks(table: CostTable, samples: int, unit: float) -> tuple[int, ...]:
-    """Least-time partition of ``samples`` equal samples (``unit`` table samples each)."""
+def _chunks(table: CostTable, samples: int, unit: float, margin: float) -> tuple[int, ...]:
+    """Partition of ``samples`` equal samples (``unit`` table samples each): see
+    :meth:`CostTable.chunks`."""
     most = max(1, int((table.max_samples + 1e-9) // unit))
-    best = [0.0] + [float("inf")] * samples
-    take = [0] * (samples + 1)
-    for m in range(1, samples + 1):
-        for c in range(min(m, most), 0, -1):  # larger chunks first: they win ties
-            cost = best[m - c] + table.forward_ms(c * unit)
-            if cost < best[m] * (1 - 1e-12):
-                best[m], take[m] = cost, c
-    sizes: list[int] = []
-    m = samples
-    while m > 0:
-        sizes.append(take[m])
-        m -= take[m]
-    return tuple(sorted(sizes, reverse=True))
+
+    def plan(cap: int) -> tuple[float, list[int]]:
+        best = [0.0] + [float("inf")] * samples
+        take = [0] * (samples + 1)
+        for m in range(1, samples + 1):
+            for c in range(min(m, cap), 0, -1):  # larger chunks first: they win ties
+                cost = best[m - c] + table.forward_ms(c * unit)
+                if cost < best[m] * (1 - 1e-12):
+                    best[m], take[m] = cost, c
+        sizes: list[int] = []
+        m = samples
+        while m > 0:
+            sizes.append(take[m])
+            m -= take[m]
+        return best[samples], sorted(sizes, reverse=True)
+
+    least, sizes = plan(most)
+    caps = sorted({max(1, min(most, int(n // unit))) for n, _ in table.points} | {most})
+    for cap in caps:
+        if cap >= max(sizes):
+            break
+        cost, smaller = plan(cap)
+        if cost <= least * (1 + margin):
+            return tuple(smaller)
+    return tuple(sizes)
 
 
 def from_json(doc: dict[str, Any], source: str = "") -> CostTable:
@@ -315,11 +345,12 @@ def measure(
     num_views: int = 1,
     token_budget: int = 16,
 ) -> CostTable:
-    """Time one forward at each size of :func:`ladder` (``max_samples``): one warm-up, then
-    the best of ``repeats`` (the least disturbed by other work on a shared machine). Stops
-    early past the knee (:data:`KNEE_RATIO`) or before a size whose timing would overrun
-    ``budget_s`` (sizes 1 and 2 are always timed); the table then ends at the last size
-    timed."""
+    """Time one forward at each size of :func:`ladder` (``max_samples``) and keep the best
+    of ``repeats`` per size (the least disturbed by other work on a shared machine). The first
+    pass warms each size up, times it once and grows the sizes; it stops past the knee
+    (:data:`KNEE_RATIO`) or before a size whose timing would overrun ``budget_s`` (sizes 1
+    and 2 are always timed), and the table ends at the last size timed. Further passes time
+    every size again in turn, so a burst of load hits all sizes alike, not one."""
     if max_samples < 1 or repeats < 1 or budget_s <= 0:
         raise ValueError(
             f"measure needs max_samples >= 1, repeats >= 1, budget_s > 0; got {max_samples}, "
@@ -327,31 +358,35 @@ def measure(
         )
     inputs = _sample_inputs(backbone, max_samples, num_views, token_budget)
     cuda = backbone.device.type == "cuda"
+
+    def time_ms(part: ModelInputs) -> float:
+        if cuda:
+            torch.cuda.synchronize(backbone.device)
+        t0 = time.perf_counter()
+        backbone.encode(part)
+        if cuda:
+            torch.cuda.synchronize(backbone.device)
+        return (time.perf_counter() - t0) * 1e3
+
     t_start = time.perf_counter()
-    points: list[tuple[int, float]] = []
+    best: dict[int, float] = {}
     best_per_sample = float("inf")
     for n in ladder(max_samples):
-        if len(points) >= 2:  # would timing this size overrun the budget? (time ~ size)
-            last_n, last_ms = points[-1]
-            projected_s = (repeats + 1) * last_ms / 1e3 * n / last_n
+        if len(best) >= 2:  # would this size's timings overrun the budget? (time ~ size)
+            last_n = max(best)
+            projected_s = (repeats + 1) * best[last_n] / 1e3 * n / last_n
             if time.perf_counter() - t_start + projected_s > budget_s:
                 break
         part = _head(inputs, n)
-        times = []
-        for i in range(repeats + 1):
-            if cuda:
-                torch.cuda.synchronize(backbone.device)
-            t0 = time.perf_counter()
-            backbone.encode(part)
-            if cuda:
-                torch.cuda.synchronize(backbone.device)
-            if i > 0:  # the first run of a size is its warm-up
-                times.append((time.perf_counter() - t0) * 1e3)
-        ms = min(times)
-        points.append((n, ms))
-        best_per_sample = min(best_per_sample, ms / n)
-        if ms / n > KNEE_RATIO * best_per_sample:
+        time_ms(part)  # warm-up
+        best[n] = time_ms(part)
+        best_per_sample = min(best_per_sample, best[n] / n)
+        if best[n] / n > KNEE_RATIO * best_per_sample:
             break
+    for _ in range(repeats - 1):
+        for n in best:
+            best[n] = min(best[n], time_ms(_head(inputs, n)))
+    points = sorted(best.items())
     table = CostTable(
         backbone.backbone_id,
         str(backbone.device),
