@@ -31,6 +31,7 @@ import msgspec
 
 from bus.identity import OPERATOR_NAME, SERVICE_NAME, Identity, check_name
 from schemas import subjects as s
+from schemas.ids import InvalidIdError, validate_id
 from schemas.tenants import IdentityRole, TenantLimits
 
 AUTH_DIR = "auth"
@@ -236,3 +237,19 @@ def reply_allowed(reply: str, tenant: str | None = None) -> bool:
     if reply.startswith("_INBOX."):
         return True
     return tenant is not None and reply.startswith(f"{s.tenant_inbox_prefix(tenant)}.")
+
+
+def any_inbox(reply: str) -> bool:
+    """Whether ``reply`` is some identity's inbox (``_INBOX.`` or ``_INBOX_<tenant>.``): the
+    test for answering requests open to every tenant (env describe, backbones, health), whose
+    answer must never be published onto a stream's or a service's subject."""
+    if reply.startswith("_INBOX."):
+        return True
+    prefix, dot, rest = reply.partition(".")
+    if not dot or not rest or not prefix.startswith("_INBOX_"):
+        return False
+    try:
+        validate_id(prefix.removeprefix("_INBOX_"), "tenant")
+    except InvalidIdError:
+        return False
+    return True

@@ -5,6 +5,7 @@ real sims)."""
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,10 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from bench.cli import main as joynexus
+from bus.auth import any_inbox
 from bus.codec import decode, encode
 from bus.connect import connect
 from bus.declare import declare
@@ -24,6 +27,7 @@ from bus.errors import PoisonError, RetryableError
 from bus.server import EmbeddedServer
 from clients.sdk import Client
 from schemas import subjects
+from schemas.envdesc import DescribeEnv
 from schemas.jobs import JobSubmit
 from schemas.train import TRAIN_DECODER, OpenSlot
 from services.envs.adapters import ProprioMismatchError, proprio_for_head
@@ -254,3 +258,24 @@ async def test_maniskill_head_mismatch_is_rejected_with_both_numbers(
     assert str(info.value) == (
         "head.action_dim: 3 does not match env PickCubeSO100-v1's action dimension 6"
     )
+
+
+async def test_bus_describe_answers_only_on_an_inbox(own_nc: NATS, describer: Describer) -> None:
+    """The broker never checks a request's reply subject: a describe whose reply names
+    another tenant's event subject must not have the worker publish there."""
+    victim = f"nexus.event.alice.job-{uuid.uuid4().hex[:8]}.state"
+    landed = await own_nc.subscribe(victim)
+    request = encode(DescribeEnv(REACH, {}))
+    await own_nc.publish(subjects.ENV_DESCRIBE, request, reply=victim)
+    # a proper request after it is answered, so the bad one was seen and dropped by then
+    assert await request_description(own_nc, REACH) == describe_env(REACH)
+    await own_nc.flush()
+    with pytest.raises(NatsTimeoutError):
+        await landed.next_msg(timeout=0.3)
+    assert describer.cache  # the worker is alive and answering
+
+
+def test_any_inbox_accepts_inboxes_only() -> None:
+    assert any_inbox("_INBOX.abc.1") and any_inbox("_INBOX_alice.x")
+    for reply in ("", "nexus.event.alice.j.state", "$KV.jobs.alice.j", "_INBOX_", "_INBOX_a*.x"):
+        assert not any_inbox(reply), reply

@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 
+from bus.auth import any_inbox
 from bus.codec import DecodeError, decode, encode
 from schemas import subjects
 from schemas.envdesc import (
@@ -201,9 +202,12 @@ class Describer:
         return ""
 
     async def _answer(self, msg: Msg) -> None:
-        reply = await self.reply(msg.data)
-        if not msg.reply:
+        if not any_inbox(msg.reply):
+            # No answer, and no build: a reply named outside every inbox would publish the
+            # description onto that subject (a stream's, another service's) for the sender.
+            log.info("describe request with reply %r (not an inbox) dropped", msg.reply[:80])
             return
+        reply = await self.reply(msg.data)
         try:
             await msg.respond(encode(reply))
         except NatsError as exc:  # the connection closed meanwhile: the requester times out

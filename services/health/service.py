@@ -18,6 +18,7 @@ from nats.errors import Error as NatsError
 from nats.js.kv import KeyValue
 from pydantic import Field
 
+from bus.auth import any_inbox
 from bus.codec import DecodeError, decode, encode
 from bus.config import BusConfig
 from bus.service import Runtime, serve
@@ -86,7 +87,8 @@ async def run(config: HealthConfig) -> None:
         kv = await rt.js.key_value(subjects.KV_HEARTBEATS)
 
         async def answer(msg: Msg) -> None:
-            await msg.respond(encode(table.report(time.time())))
+            if any_inbox(msg.reply):  # never onto a stream's or a service's subject
+                await msg.respond(encode(table.report(time.time())))
 
         def observe(entry: KeyValue.Entry) -> None:
             if entry.operation in ("DEL", "PURGE") or not entry.value:
