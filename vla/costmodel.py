@@ -346,11 +346,12 @@ def measure(
     token_budget: int = 16,
 ) -> CostTable:
     """Time one forward at each size of :func:`ladder` (``max_samples``) and keep the best
-    of ``repeats`` per size (the least disturbed by other work on a shared machine). The first
-    pass warms each size up, times it once and grows the sizes; it stops past the knee
-    (:data:`KNEE_RATIO`) or before a size whose timing would overrun ``budget_s`` (sizes 1
-    and 2 are always timed), and the table ends at the last size timed. Further passes time
-    every size again in turn, so a burst of load hits all sizes alike, not one."""
+    of ``repeats`` (at least 2) per size (the least disturbed by other work on a shared
+    machine). The first pass warms each size up, times it twice and grows the sizes; it stops
+    past the knee (:data:`KNEE_RATIO`, confirmed by two more timings) or before a size whose
+    timings would overrun ``budget_s`` (sizes 1 and 2 are always timed), and the table ends
+    at the last size timed. Further passes time every size again in turn, so a burst of load
+    hits all sizes alike, not one."""
     if max_samples < 1 or repeats < 1 or budget_s <= 0:
         raise ValueError(
             f"measure needs max_samples >= 1, repeats >= 1, budget_s > 0; got {max_samples}, "
@@ -374,16 +375,19 @@ def measure(
     for n in ladder(max_samples):
         if len(best) >= 2:  # would this size's timings overrun the budget? (time ~ size)
             last_n = max(best)
-            projected_s = (repeats + 1) * best[last_n] / 1e3 * n / last_n
+            projected_s = (max(repeats, 2) + 1) * best[last_n] / 1e3 * n / last_n
             if time.perf_counter() - t_start + projected_s > budget_s:
                 break
         part = _head(inputs, n)
         time_ms(part)  # warm-up
-        best[n] = time_ms(part)
-        best_per_sample = min(best_per_sample, best[n] / n)
+        best[n] = min(time_ms(part), time_ms(part))
         if best[n] / n > KNEE_RATIO * best_per_sample:
-            break
-    for _ in range(repeats - 1):
+            # Confirm before stopping: a burst of other work is not a knee.
+            best[n] = min(best[n], time_ms(part), time_ms(part))
+            if best[n] / n > KNEE_RATIO * best_per_sample:
+                break
+        best_per_sample = min(best_per_sample, best[n] / n)
+    for _ in range(repeats - 2):
         for n in best:
             best[n] = min(best[n], time_ms(_head(inputs, n)))
     points = sorted(best.items())
