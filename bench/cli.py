@@ -137,6 +137,12 @@ def _demo(args: argparse.Namespace) -> int:
     return int(demo.main(home_of(args)))
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from bench import simulate
+
+    return int(simulate.main(args.sim_args) or 0)
+
+
 def _bench_grouping(args: argparse.Namespace) -> int:
     from bench import grouping
 
@@ -281,6 +287,14 @@ def add_operator_commands(sub: Subcommands) -> None:
     sc.add_argument("count", type=int)
 
     add_command(sub, "demo", _demo, home=True, help="run the multi-tenant demo on a local stack")
+    sim = add_command(
+        sub,
+        "simulate",
+        _simulate,
+        help="discrete-event model of the services: isolated vs shared, projected to N tenants "
+        "(what follows goes to it: --help for its options)",
+    )
+    sim.add_argument("sim_args", nargs=argparse.REMAINDER, help="the simulator's own options")
 
     b = add_command(
         sub,
@@ -337,7 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``joynexus`` console script."""
-    return tenant_cli.main(argv, build_parser())
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["simulate"]:  # its options are its own (argparse's REMAINDER misses flags)
+        from bench import simulate
+
+        return int(simulate.main(args[1:]) or 0)
+    return tenant_cli.main(args, build_parser())
 
 
 if __name__ == "__main__":

@@ -90,3 +90,10 @@ def test_the_command_reads_a_costs_file_and_writes_projections(tmp_path: Path) -
     bad.write_text('{"costs": {"train_round": 1}}')
     with pytest.raises(SystemExit, match="train_round"):
         main(["--costs", str(bad)])
+
+
+def test_joynexus_simulate_passes_its_options_through(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.cli import main as joynexus
+
+    assert joynexus(["simulate", "--tenants", "4", "--train", "1", "--env", "2"]) == 0
+    assert "bottleneck" in capsys.readouterr().out
