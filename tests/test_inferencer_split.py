@@ -152,7 +152,7 @@ async def test_an_inferencer_with_a_cost_table_file_answers_each_request_once_in
             gauges = await gauges_of(js, replica)
             return gauges is not None and gauges["requests_served"] >= len(sent) + 2
 
-        await eventually(served_all, timeout=20, what="every request counted as served")
+        assert await eventually(served_all, timeout=20, what="every request counted as served")
         await nc.flush()  # replies published before the count are here by now
         await sub.unsubscribe()
         gauges = await gauges_of(js, replica)
