@@ -103,10 +103,11 @@ class InferencerConfig(BusConfig):
     )
     max_deliver: int = Field(3, ge=1, description="Deliveries before a request is dead.")
     cost_table: str = Field(
-        costmodel.MEASURE,
-        description="Group-size cost table: 'measure' (a few forwards at start-up), 'off' "
-        "(never split a group) or a JSON file (read; measured and written if missing; a "
-        "'bench grouping --json' result works too).",
+        costmodel.OFF,
+        description="Group-size cost table: 'off' (the default: never split a group; a table "
+        "measured at start-up on a loaded machine split groups into pieces slower than serial), "
+        "'measure' (a few forwards at start-up) or a JSON file (read; measured and written if "
+        "missing; a 'bench grouping --json' result works too).",
     )
     limit: InputLimits = Field(
         default_factory=InputLimits, description="Input bounds (--limit-*, JOYNEXUS_LIMIT_*)."

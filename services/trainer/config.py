@@ -27,9 +27,11 @@ class TrainerConfig(BusConfig):
     max_deliver: int = Field(10, ge=1, description="Deliveries before dead-lettering.")
     discover_every_s: float = Field(0.5, gt=0, description="New-tenant discovery period.")
     cost_table: str = Field(
-        "measure",
-        description="Group-size cost table: 'measure' (a few forwards at start-up), 'off' "
-        "(never split a grouped forward) or a JSON file (read; measured and written if missing; "
+        "off",
+        description="Group-size cost table: 'off' (the default: never split a grouped forward; "
+        "a table measured at start-up on a loaded machine split groups into pieces slower than "
+        "serial), 'measure' (a few forwards at start-up), "
+        "or a JSON file (read; measured and written if missing; "
         "a 'bench grouping --json' result works too).",
     )
     limit: InputLimits = Field(
