@@ -27,7 +27,7 @@ from bus.errors import PoisonError, RetryableError
 from bus.publish import msg_id, publish
 from bus.records import get_job, get_policy, put_job
 from bus.service import Runtime, serve
-from schemas import headers, subjects
+from schemas import subjects
 from schemas.events import (
     EVENT_DECODER,
     Accepted,
@@ -41,7 +41,6 @@ from schemas.events import (
 )
 from schemas.ids import InvalidIdError, validate_id
 from schemas.jobs import (
-    JOB_COMMAND_DECODER,
     TERMINAL_STATUSES,
     JobCancel,
     JobCommand,
@@ -61,6 +60,7 @@ from schemas.specs import (
 )
 from schemas.train import CloseSlot, PolicyRecord
 from services.master.backbones import BackboneWatch
+from services.master.commands import job_id_of, parse_command
 from services.master.envfit import EnvDescriptions, fit_env
 from services.master.limits import TenantGate, check_size, check_spec_bounds
 from services.master.plans import (
@@ -74,22 +74,6 @@ from services.master.plans import (
 from services.master.queries import Queries
 
 log = logging.getLogger(__name__)
-
-#: Header the SDK sets so that even a command whose payload does not decode at all can be
-#: answered on its job's events. Optional: a command whose envelope decodes is answered
-#: from the job id it names (:meth:`Master.on_dead`).
-JOB_ID_HEADER = headers.JOB_ID
-
-
-class _CommandEnvelope(msgspec.Struct):
-    """The identity fields every job command has, read without the rest of it (a submit
-    whose spec or other fields are bad still names its tenant and job)."""
-
-    tenant: str = ""
-    job_id: str = ""
-
-
-_ENVELOPE_DECODER = msgspec.msgpack.Decoder(_CommandEnvelope)
 
 
 class MasterConfig(BusConfig):
@@ -155,28 +139,7 @@ class Master:
         self.datasets = datasets if datasets is not None else Datasets(js)
 
     async def handle(self, msg: Msg) -> None:
-        try:
-            subject_tenant, verb = subjects.parse_job(msg.subject)
-        except subjects.SubjectError as exc:
-            raise PoisonError(str(exc)) from exc
-        check_size("job command", len(msg.data), "max_message_bytes", self.limits.max_message_bytes)
-        try:
-            command = decode(JOB_COMMAND_DECODER, msg.data)
-        except DecodeError as exc:
-            raise PoisonError(f"malformed job command on {msg.subject}: {exc}") from exc
-        tag = type(command).__struct_config__.tag
-        if tag != verb:
-            raise PoisonError(f"a {tag!r} command was sent on the {verb!r} subject")
-        if command.tenant != subject_tenant:
-            raise PoisonError(
-                f"tenant: command for tenant {command.tenant!r} sent on tenant "
-                f"{subject_tenant!r}'s subject"
-            )
-        try:
-            validate_id(command.job_id, "job id")
-        except InvalidIdError as exc:
-            raise PoisonError(str(exc)) from exc
-        await self.apply(command)
+        await self.apply(parse_command(msg, self.limits))
 
     async def apply(self, command: JobCommand) -> None:
         match command:
@@ -466,10 +429,11 @@ class Master:
         job subjects), never the tenant a message claims to be from. The job is the one the
         command names: every command whose envelope decodes is answered, whatever else is
         wrong with it and whatever headers it has. Only a payload that does not decode at
-        all, sent without :data:`JOB_ID_HEADER`, has its dead letter as its only record.
+        all, sent without :data:`services.master.commands.JOB_ID_HEADER`, has its dead
+        letter as its only record.
         """
         tenant = subjects.tenant_of(msg.subject) or ""
-        job_id = _job_id_of(msg)
+        job_id = job_id_of(msg)
         try:
             validate_id(tenant, "tenant")
             validate_id(job_id, "job id")
@@ -478,18 +442,6 @@ class Master:
             return
         rejected = Rejected(tenant, job_id, reason, time.time())
         await publish_event(self.js, rejected, msg.metadata.sequence.stream)
-
-
-def _job_id_of(msg: Msg) -> str:
-    """The job a dead command is about: the one its envelope names, else the header's."""
-    try:
-        named = _ENVELOPE_DECODER.decode(msg.data).job_id
-    except msgspec.DecodeError:
-        named = ""
-    try:
-        return validate_id(named, "job id")
-    except InvalidIdError:
-        return (msg.headers or {}).get(JOB_ID_HEADER, "")
 
 
 async def run(config: MasterConfig) -> None:
