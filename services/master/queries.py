@@ -35,7 +35,7 @@ from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from bus.auth import reply_allowed
+from bus.auth import any_inbox, reply_allowed
 from bus.checkpoints import CheckpointError, digest, get_checkpoint
 from bus.codec import DecodeError, decode, encode
 from bus.datasets import (
@@ -285,7 +285,7 @@ class Queries:
         """A tenant's request is answered only on its own inbox (or a service's / the
         operator's); the backbones query, which carries no tenant, only on an inbox."""
         if subject == subjects.BACKBONES_QUERY:
-            return reply.startswith("_INBOX.") or reply.startswith("_INBOX_")
+            return any_inbox(reply)
         try:
             tenant = subjects.parse_tenant_ctl(subject).tenant
         except subjects.SubjectError:
