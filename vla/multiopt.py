@@ -66,8 +66,9 @@ def clip_grad_norms(
         torch.clamp((t + 1e-6).reciprocal() * float(m), max=1.0)
         for t, m in zip(totals, max_norms, strict=True)
     ]
-    values = torch.stack([t.to(totals[0].device) for t in totals]).tolist()
-    coef_values = torch.stack([c.to(coefs[0].device) for c in coefs]).tolist()
+    # One host read for both (a coefficient lives where its total does).
+    both = torch.stack([t.to(totals[0].device) for t in (*totals, *coefs)]).tolist()
+    values, coef_values = both[: len(totals)], both[len(totals) :]
     by_device: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[float]]] = (
         defaultdict(lambda: ([], []))
     )
