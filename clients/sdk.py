@@ -26,8 +26,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -83,6 +84,8 @@ from schemas.tenants import DatasetRecord
 REQUEST_TIMEOUT_S = 10.0
 DATASET_ADD_TIMEOUT_S = 300.0
 
+T = TypeVar("T")
+
 
 class RequestError(RuntimeError):
     """The master refused or could not answer a request: ``code`` as in
@@ -113,6 +116,20 @@ class JobResult:
     reason: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
     policy_version: int = 0
+
+
+def _answer(decoder: msgspec.msgpack.Decoder[T], data: bytes, op: str) -> T:
+    """The master's reply to ``op``; :class:`RequestError` for one that does not decode or
+    is a :class:`~schemas.tenantctl.CtlError`."""
+    try:
+        answer = decode(decoder, data)
+    except DecodeError as exc:
+        raise RequestError(
+            f"malformed {op} reply: {exc}", code="malformed", retryable=False
+        ) from exc
+    if isinstance(answer, CtlError):
+        raise RequestError(answer.message, code=answer.code, retryable=answer.retryable)
+    return answer
 
 
 def new_job_id(kind: str) -> str:
@@ -324,15 +341,7 @@ class Client:
         op = type(request).__struct_config__.tag
         assert isinstance(op, str)
         reply = await self._ask(subjects.tenant_ctl(tenant, op), encode(request), timeout)
-        try:
-            answer = decode(TENANT_REPLY_DECODER, reply)
-        except DecodeError as exc:
-            raise RequestError(
-                f"malformed {op} reply: {exc}", code="malformed", retryable=False
-            ) from exc
-        if isinstance(answer, CtlError):
-            raise RequestError(answer.message, code=answer.code, retryable=answer.retryable)
-        return answer
+        return _answer(TENANT_REPLY_DECODER, reply, op)
 
     async def _ask(self, subject: str, data: bytes, timeout: float) -> bytes:
         """One request, asked again while no master is subscribed (one may be starting or
@@ -374,14 +383,7 @@ class Client:
         """What is served now: one record per live trainer or inferencer instance, with
         the backbone's id, architecture, parameter count, image size and token budget."""
         data = await self._ask(subjects.BACKBONES_QUERY, b"", REQUEST_TIMEOUT_S)
-        try:
-            reply = decode(BACKBONES_REPLY_DECODER, data)
-        except DecodeError as exc:
-            raise RequestError(
-                f"malformed backbones reply: {exc}", code="malformed", retryable=False
-            ) from exc
-        if isinstance(reply, CtlError):
-            raise RequestError(reply.message, code=reply.code, retryable=reply.retryable)
+        reply = _answer(BACKBONES_REPLY_DECODER, data, "backbones")
         assert isinstance(reply, Backbones)
         return reply.placements
 
