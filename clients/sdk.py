@@ -132,6 +132,11 @@ def _answer(decoder: msgspec.msgpack.Decoder[T], data: bytes, op: str) -> T:
     return answer
 
 
+def _document(spec: JobSpec | Mapping[str, Any]) -> dict[str, Any]:
+    """A spec as the JSON document it is submitted as (a copy: the caller's is not changed)."""
+    return spec.model_dump(mode="json") if isinstance(spec, BaseModel) else dict(spec)
+
+
 def new_job_id(kind: str) -> str:
     return f"{kind}-{uuid.uuid4().hex[:12]}"
 
@@ -271,7 +276,7 @@ class Client:
     async def submit(self, spec: JobSpec | Mapping[str, Any], *, job_id: str | None = None) -> Job:
         """Validate ``spec`` locally (raising :class:`schemas.specs.JobSpecError` naming the
         bad field) and submit it. Idempotent for the same ``job_id``."""
-        document = spec.model_dump(mode="json") if isinstance(spec, BaseModel) else dict(spec)
+        document = _document(spec)
         parsed = parse_job_spec(document)
         job_id = validate_id(job_id or new_job_id(parsed.kind), "job id")
         command = JobSubmit(parsed.tenant, job_id, json.dumps(document).encode(), time.time())
@@ -303,7 +308,7 @@ class Client:
         return await self._submit_kind("pipeline", spec, **kw)
 
     async def _submit_kind(self, kind: str, spec: JobSpec | Mapping[str, Any], **kw: Any) -> Job:
-        document = spec.model_dump(mode="json") if isinstance(spec, BaseModel) else dict(spec)
+        document = _document(spec)
         if document.setdefault("kind", kind) != kind:
             raise ValueError(f"expected a spec of kind {kind!r}, got {document['kind']!r}")
         return await self.submit(document, **kw)
