@@ -462,3 +462,28 @@ async def test_a_publish_acknowledgement_aimed_at_another_tenants_env_subject_fa
     dead = await dead_with(js, "ENV", victim, "malformed env task")
     assert dead.payload.startswith(b"{") and b'"seq"' in dead.payload  # the server's ack
     assert not [e for e in await events_of(js, victim, job) if isinstance(e, ErrorEvent)]
+
+
+async def test_dataset_limits_are_checked_before_any_frame_is_read(
+    js: JetStreamContext, tmp_path: Path
+) -> None:
+    """A dataset past the operator's limits is refused from its metadata alone: its frames
+    (here unreadable) are never opened."""
+    from bus.datasets import register_path
+    from bus.errors import PoisonError
+    from services.envs.datasets import record as record_dataset
+    from services.master.plans import Datasets
+    from vla.data import read_meta
+
+    tenant = uid("limits-first")
+    record_dataset(REACH2D_ID, 3, tmp_path / "demos", seed=0)
+    frames = read_meta(tmp_path / "demos").num_frames
+    for frame_file in (tmp_path / "demos" / "data").rglob("*.parquet"):
+        frame_file.write_bytes(b"not parquet")
+    await register_path(js, tenant, "demos", tmp_path / "demos")
+    datasets = Datasets(js, tmp_path / "cache")
+    with pytest.raises(PoisonError, match=f"exceeds max_dataset_frames {frames - 1}"):
+        await datasets.open(tenant, "demos", InputLimits(max_dataset_frames=frames - 1))
+    with pytest.raises(PoisonError, match="dataset 'demos'") as within:
+        await datasets.open(tenant, "demos", InputLimits())
+    assert "max_dataset_frames" not in str(within.value)  # within limits: the frames fail

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from schemas.limits import InputLimits
 from schemas.model import HeadConfig
 from schemas.specs import EvalJobSpec, RLJobSpec, SFTJobSpec
 from schemas.train import OpenSlot, PolicyRecord
-from vla.data import DatasetError, DatasetMeta, check_dataset
+from vla.data import DatasetError, DatasetMeta, check_dataset, read_meta
 from vla.data.limits import dataset_violation
 
 #: Batches beyond one commit interval a stream may have waiting in TRAIN.
@@ -60,10 +61,13 @@ def check_dataset_fits(ds: DatasetMeta, spec: SFTJobSpec) -> None:
         raise PoisonError(f"dataset {spec.dataset} has no camera images")
 
 
-async def check_dataset_dir(path: Path, dataset_id: str) -> DatasetMeta:
-    """The dataset at ``path`` checked from its metadata and a sample (not every frame)."""
+async def check_dataset_dir(
+    path: Path, dataset_id: str, check: Callable[[Path], DatasetMeta] = check_dataset
+) -> DatasetMeta:
+    """The dataset at ``path`` checked from its metadata and a sample (not every frame), or
+    by ``check`` (``read_meta``: its metadata alone)."""
     try:
-        return await asyncio.to_thread(check_dataset, path)
+        return await asyncio.to_thread(check, path)
     except DatasetError as exc:
         raise PoisonError(f"dataset {dataset_id!r}: {exc}") from exc
     except OSError as exc:
@@ -87,9 +91,15 @@ class Datasets:
             raise error(f"dataset: {exc}") from exc
         return directory
 
-    async def open(self, tenant: str, dataset_id: str) -> DatasetMeta:
-        """The tenant's dataset ``dataset_id``, checked from its metadata and a sample."""
-        return await check_dataset_dir(await self.path(tenant, dataset_id), dataset_id)
+    async def open(
+        self, tenant: str, dataset_id: str, limits: InputLimits | None = None
+    ) -> DatasetMeta:
+        """The tenant's dataset ``dataset_id``: within ``limits`` by its metadata, before any
+        frame is read, then checked from its metadata and a sample."""
+        path = await self.path(tenant, dataset_id)
+        meta = await check_dataset_dir(path, dataset_id, read_meta)
+        await check_dataset_limits(dataset_id, meta, limits)
+        return await check_dataset_dir(path, dataset_id)
 
 
 async def check_dataset_limits(name: str, meta: DatasetMeta, limits: InputLimits | None) -> None:
@@ -109,8 +119,7 @@ async def compile_sft(
 ) -> Plan:
     """Validate ``spec`` against its dataset (an id in its tenant's namespace, within the
     operator's ``limits``) and build the job's start messages."""
-    ds = await datasets.open(spec.tenant, spec.dataset)
-    await check_dataset_limits(spec.dataset, ds, limits)
+    ds = await datasets.open(spec.tenant, spec.dataset, limits)
     # Omitted head dims are the dataset's.
     spec = spec.model_copy(update={"head": spec.head.filled(ds.action_dim, ds.state_dim)})
     check_dataset_fits(ds, spec)
@@ -247,8 +256,7 @@ async def compile_eval(
             f"committed version {policy.version}"
         )
     if spec.dataset is not None:
-        meta = await datasets.open(spec.tenant, spec.dataset)
-        await check_dataset_limits(spec.dataset, meta, limits)
+        await datasets.open(spec.tenant, spec.dataset, limits)
     task = EvalTask(
         tenant=spec.tenant,
         job_id=job_id,
