@@ -32,7 +32,7 @@ from transformers import (
     Idefics3Processor,
 )
 
-from bench.grouping import DEFAULT_REPEATS, STAGES, format_table, sweep
+from bench.grouping import DEFAULT_REPEATS, STAGES, format_table, int_list, sweep
 from vla import tiny
 from vla.backbone import Backbone
 
@@ -62,18 +62,6 @@ PRESETS: dict[str, Preset] = {
     "0.6b": Preset(256, 16, 768, 12, 12, 3072, 1536, 20, 12, 4, 4096),
     "tiny": Preset(64, 8, 64, 2, 4, 256, 128, 2, 4, 4, 256),
 }
-
-
-def _sizes(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def build_model(
@@ -172,8 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--preset", choices=sorted(PRESETS), help="default 0.6b (tiny with --tiny)")
     p.add_argument("--device", help="default cuda (cpu with --tiny)")
     p.add_argument("--dtype", help="default bfloat16 on CUDA, float32 on the CPU")
-    p.add_argument("--tenants", type=_sizes, default=[1, 2, 4, 8], help="e.g. 1,2,4,8")
-    p.add_argument("--local-batch", type=_sizes, default=[1, 2, 4, 8], help="e.g. 1,2,4,8")
+    p.add_argument("--tenants", type=int_list, default=[1, 2, 4, 8], help="e.g. 1,2,4,8")
+    p.add_argument("--local-batch", type=int_list, default=[1, 2, 4, 8], help="e.g. 1,2,4,8")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {STAGES}")
     p.add_argument("--repeats", type=int, default=None, help="timed pairs per cell (default 9)")
     p.add_argument("--warmup", type=int, default=1, help="untimed pairs per cell")

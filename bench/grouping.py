@@ -362,7 +362,8 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """argparse type: comma-separated positive integers (``1,2,4,8``)."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -381,8 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Grouped vs per-tenant backbone forwards (and train steps).",
     )
     p.add_argument("--backbone", default="tiny", help="checkpoint DIR, tiny or tiny-224")
-    p.add_argument("--tenants", type=_int_list, default=[1, 2, 4, 8], help="e.g. 1,2,4,8")
-    p.add_argument("--local-batch", type=_int_list, default=[1, 2, 4, 8], help="e.g. 1,2,4,8")
+    p.add_argument("--tenants", type=int_list, default=[1, 2, 4, 8], help="e.g. 1,2,4,8")
+    p.add_argument("--local-batch", type=int_list, default=[1, 2, 4, 8], help="e.g. 1,2,4,8")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {STAGES}")
     p.add_argument(
         "--repeats",
