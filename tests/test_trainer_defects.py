@@ -23,6 +23,7 @@ from schemas.model import HeadConfig, OptimizerConfig
 from schemas.tensor import Tensor
 from schemas.train import (
     POLICY_RECORD_DECODER,
+    CloseSlot,
     OpenSlot,
     PolicyRecord,
     PPOConfig,
@@ -234,6 +235,22 @@ async def test_E_a_slot_larger_than_the_budget_fails_its_job_only(
 
     errors = await eventually(fatal, timeout=60, what="a fatal error event")
     assert "budget" in errors[0].message and proc.poll() is None
+
+
+@pytest.mark.timeout(150)
+async def test_a_close_triaged_after_its_jobs_batch_was_picked_does_not_crash_the_trainer(
+    nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs, tmp_path: Path
+) -> None:
+    """OpenSlot, a batch and CloseSlot already queued when the trainer starts reach one
+    round's triage together: the batch is picked, then the close removes its slot. The round
+    must leave that batch out (it used to look up the removed slot's size and crash)."""
+    closed, other = (uid("closed"), uid("j")), (uid("other"), uid("j"))
+    await send(js, closed[0], sft_open(*closed, 4), sft_batch(*closed, 0), CloseSlot(*closed))
+    await send(js, other[0], sft_open(*other, 2), sft_batch(*other, 0), sft_batch(*other, 1))
+    log = tmp_path / "t.log"
+    proc = trainer(nats_server.url, log, procs)
+    await eventually(partial(done, js, *other, 2), timeout=60, what="the other job's 2 steps")
+    assert proc.poll() is None and "closed slot" in log.read_text(errors="replace")
 
 
 def server_without_jetstream(port: int) -> subprocess.Popen[bytes]:

@@ -159,6 +159,9 @@ class Trainer:
             picked = await self.triage(tenant)
             if picked is not None:
                 ready[tenant] = picked
+        # A CloseSlot triaged after its job's batch was picked removed the slot: that batch
+        # stays buffered and is consumed unapplied next round.
+        ready = {t: p for t, p in ready.items() if self.registry.jobs.get(p[2].key) is p[2]}
         candidates = [
             Candidate(t, b.actions.shape[0], job.spec.priority, self.slots.footprint(job.key))
             for t, (_, b, job) in ready.items()
