@@ -263,6 +263,8 @@ def parse_job_spec(document: Any) -> JobSpec:
             document = json.loads(document)
         except json.JSONDecodeError as exc:
             raise JobSpecError(f"spec is not valid JSON: {exc}") from exc
+        except UnicodeDecodeError as exc:  # bytes that are no text at all
+            raise JobSpecError(f"spec is not UTF-8 JSON text: {exc}") from exc
     if not isinstance(document, dict):
         raise JobSpecError(f"spec must be a mapping, got {type(document).__name__}")
     kind = document.get("kind")

@@ -195,6 +195,8 @@ def test_spec_errors_name_the_field() -> None:
         parse_job_spec(_spec(kind="dance"))
     with pytest.raises(JobSpecError, match="not valid JSON"):
         parse_job_spec(b"{nope")
+    with pytest.raises(JobSpecError, match="not UTF-8 JSON text"):
+        parse_job_spec(b"{\xff}")
 
 
 def test_head_config_validates() -> None:
