@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from nats.aio.client import Client as NATS
 
-from bus.envinfo import DEFAULT_TIMEOUT_S, EnvDescribeError, request_description
+from bus.envinfo import EnvDescribeError, request_description
 from bus.errors import PoisonError, RetryableError
 from schemas.envdesc import EnvDescription
 from schemas.model import HeadConfig
@@ -24,13 +24,16 @@ from schemas.train import PolicyRecord
 
 #: Nak delay of a submit that found no env worker to describe its env.
 RETRY_DELAY_S = 2.0
+#: How long the master waits for a description: an env worker builds the env the first time
+#: (a ManiSkill scene takes ~20 s on a loaded 2-core machine); later answers are cached.
+DESCRIBE_TIMEOUT_S = 20.0
 
 
 class EnvDescriptions:
     """Env descriptions asked over the bus, cached for the master's lifetime (an env's
     layout is fixed by its id and constructor arguments)."""
 
-    def __init__(self, nc: NATS, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, nc: NATS, timeout_s: float = DESCRIBE_TIMEOUT_S) -> None:
         self.nc = nc
         self.timeout_s = timeout_s
         self.cache: dict[str, EnvDescription] = {}

@@ -61,7 +61,7 @@ from schemas.specs import (
 from schemas.train import CloseSlot, PolicyRecord
 from services.master.backbones import BackboneWatch
 from services.master.commands import job_id_of, parse_command
-from services.master.envfit import EnvDescriptions, fit_env
+from services.master.envfit import DESCRIBE_TIMEOUT_S, EnvDescriptions, fit_env
 from services.master.limits import TenantGate, check_size, check_spec_bounds
 from services.master.plans import (
     Datasets,
@@ -85,7 +85,9 @@ class MasterConfig(BusConfig):
         60.0, gt=0, description="Fail a job whose backbone's trainer is down this long."
     )
     env_describe_timeout_s: float = Field(
-        5.0, gt=0, description="Wait for an env worker's description of a job's env."
+        DESCRIBE_TIMEOUT_S,
+        gt=0,
+        description="Wait for an env worker's description of a job's env (its first build).",
     )
     dataset_cache: str = Field(
         "", description="Where pushed datasets are materialised (default: a temp dir)."
