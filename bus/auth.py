@@ -9,16 +9,19 @@ connections: a revoked key is disconnected, a rotated one replaced.
 One account, per-user permissions (README "Tenants and security" says why). A tenant's
 identity is allowed exactly this and denied everything else:
 
-* publish its own job commands (``nexus.job.<t>.>``) and requests (``nexus.ctl.tenant.<t>.>``),
-  the shared read-only queries (env describe, served backbones);
-* create consumers on ``EVENTS`` only in the filtered form
-  ``$JS.API.CONSUMER.CREATE.EVENTS.<name>.nexus.event.<t>.>`` (the server checks that the
-  request's filter equals the subject's), never a pull (``MSG.NEXT``) from any consumer, and
-  never under the name of a service's durable (which would update it);
-* use its own object store bucket ``data-<t>`` (stream ``OBJ_data-<t>``): write, read, list,
-  delete objects; the bucket's ``max_bytes`` is the tenant's storage quota, and it may not
-  update or delete the stream;
-* subscribe only under its own inbox prefix ``_INBOX_<t>`` (replies and push deliveries).
+* publish its own requests to the master (``nexus.ctl.tenant.<t>.>``: submit, cancel, read
+  its events, push datasets, export policies, read its records) and the shared read-only
+  queries (env describe, served backbones);
+* subscribe to its own inbox prefix ``_INBOX_<t>`` (the replies) and, core NATS only, to its
+  own live events ``nexus.event.<t>.>`` (a wake-up; the events themselves are read from the
+  master, :mod:`clients.follow`).
+
+No JetStream at all, not even on its own data: JetStream answers a publish (its ack), an API
+call (its response) and a pull (the messages) at whatever reply subject the request names,
+and the server does not check that subject against the requester's permissions. A tenant
+allowed to publish into a stream could name ``$KV.jobs.<other>.<job>`` as the reply and have
+the server write the ack into another tenant's job record. The services answer a tenant
+only on its own inbox (:func:`reply_allowed`).
 """
 
 from __future__ import annotations
@@ -36,9 +39,6 @@ from schemas.tenants import IdentityRole, TenantLimits
 
 AUTH_DIR = "auth"
 REGISTRY_FILE = "identities.json"
-#: Durable consumers the services keep on EVENTS: a tenant's filtered create under one of
-#: these names would be an update of the service's consumer, so it is denied by name.
-SERVICE_EVENT_DURABLES = ("master-events",)
 
 
 class ServerLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -132,43 +132,18 @@ def save_registry(home: Path, registry: Registry) -> Path:
 
 
 def tenant_publish(tenant: str) -> list[str]:
-    """Subjects a tenant may publish to (everything else is denied)."""
-    bucket_stream = f"OBJ_{s.tenant_bucket(tenant)}"
-    bucket = s.tenant_bucket(tenant)
-    api = "$JS.API"
+    """Subjects a tenant may publish to (everything else is denied): core NATS requests the
+    services answer, none of them captured by a stream."""
     return [
-        f"{s.PREFIX}.job.{tenant}.>",
         f"{s.PREFIX}.ctl.tenant.{tenant}.>",
-        s.ENV_DESCRIBE,
-        s.BACKBONES_QUERY,
-        f"{api}.CONSUMER.CREATE.{s.STREAM_EVENTS}.*.{s.PREFIX}.event.{tenant}.>",
-        # Flow-control replies of its push (ordered) consumers: the server sends them to the
-        # consumer's deliver subject (the tenant's inbox) with this reply subject.
-        f"$JS.FC.{s.STREAM_EVENTS}.>",
-        f"$JS.FC.{bucket_stream}.>",
-        # Its own object store bucket.
-        f"$O.{bucket}.>",
-        f"{api}.STREAM.INFO.{bucket_stream}",
-        f"{api}.CONSUMER.CREATE.{bucket_stream}",
-        f"{api}.CONSUMER.CREATE.{bucket_stream}.>",
-        f"{api}.CONSUMER.DELETE.{bucket_stream}.>",
-        f"{api}.STREAM.MSG.GET.{bucket_stream}",
-        f"{api}.DIRECT.GET.{bucket_stream}",
-        f"{api}.DIRECT.GET.{bucket_stream}.>",
-        f"{api}.STREAM.PURGE.{bucket_stream}",
-    ]
-
-
-def tenant_publish_deny(tenant: str) -> list[str]:
-    """Exceptions inside :func:`tenant_publish`'s allow list."""
-    return [
-        f"$JS.API.CONSUMER.CREATE.{s.STREAM_EVENTS}.{name}.>" for name in SERVICE_EVENT_DURABLES
+        s.env_describe(tenant),
+        s.backbones_query(tenant),
     ]
 
 
 def tenant_subscribe(tenant: str) -> list[str]:
-    """Subjects a tenant may subscribe to: its own inbox prefix only."""
-    return [f"{s.tenant_inbox_prefix(tenant)}.>"]
+    """Subjects a tenant may subscribe to: its own inbox prefix and its own live events."""
+    return [f"{s.tenant_inbox_prefix(tenant)}.>", f"{s.PREFIX}.event.{tenant}.>"]
 
 
 def _quote(values: list[str]) -> str:
@@ -182,8 +157,7 @@ def _user(entry: RegisteredIdentity) -> str:
     else:
         t = entry.name
         perms = (
-            f"publish: {{ allow: {_quote(tenant_publish(t))}, "
-            f"deny: {_quote(tenant_publish_deny(t))} }}, "
+            f"publish: {{ allow: {_quote(tenant_publish(t))} }}, "
             f"subscribe: {{ allow: {_quote(tenant_subscribe(t))} }}"
         )
     user = f"{{ nkey: {entry.public_key}, permissions: {{ {perms} }} }}"
@@ -237,6 +211,20 @@ def reply_allowed(reply: str, tenant: str | None = None) -> bool:
     if reply.startswith("_INBOX."):
         return True
     return tenant is not None and reply.startswith(f"{s.tenant_inbox_prefix(tenant)}.")
+
+
+def query_reply_allowed(subject: str, base: str, reply: str) -> bool:
+    """Whether a shared query (env describe, backbones) on ``subject`` may be answered at
+    ``reply``: one under a tenant's token (:func:`schemas.subjects.env_describe`) only on
+    that tenant's inbox; the bare subject, which only services and the operator may publish
+    to, only on theirs (``_INBOX.``)."""
+    try:
+        tenant = s.shared_query_tenant(subject, base)
+    except s.SubjectError:
+        return False
+    if tenant is None:
+        return reply.startswith("_INBOX.")
+    return reply.startswith(f"{s.tenant_inbox_prefix(tenant)}.")
 
 
 def any_inbox(reply: str) -> bool:

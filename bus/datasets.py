@@ -1,13 +1,15 @@
-"""Datasets in tenants' namespaces: pushed through the tenant's bucket, or registered by the
-operator; resolved by (tenant, dataset id), never by a path a spec names.
+"""Datasets in tenants' namespaces: pushed through the master into the tenant's bucket, or
+registered by the operator; resolved by (tenant, dataset id), never by a path a spec names.
 
 A **pushed** dataset is one object per file under ``datasets/<id>/`` in the tenant's object
 store bucket ``data-<tenant>`` (:func:`schemas.subjects.tenant_bucket`), and a manifest of
 every file's size and SHA-256 written last (``datasets/<id>/MANIFEST``): a push that stops
 half-way leaves no manifest, and pushing again uploads only the files whose object is missing
-or differs (:func:`push_dataset`). The master verifies every object against the manifest
-before it writes the dataset's :class:`~schemas.tenants.DatasetRecord` (``dataset-add``), and
-whoever reads the dataset materialises it into a local cache, verifying each digest again
+or differs. A tenant's identity has no JetStream (see :mod:`schemas.tenantctl`), so the
+tenant side of a push (:func:`push_dataset`) only sends requests: the master plans the push,
+stores each file from its parts, checks every object and writes the manifest and the
+dataset's :class:`~schemas.tenants.DatasetRecord` (``dataset-add``). Whoever reads the
+dataset (a service) materialises it into a local cache, verifying each digest again
 (:func:`materialise`). A **registered** dataset is a directory on the services' disks that an
 operator put into a tenant's namespace (:func:`register_path`: it writes the ``datasets`` KV,
 which only service and operator identities may).
@@ -26,17 +28,16 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import msgspec
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import StorageType
 from nats.js.errors import (
-    APIError,
     BucketNotFoundError,
     KeyNotFoundError,
     NotFoundError,
@@ -49,7 +50,23 @@ from bus.codec import DecodeError, decode, encode
 from bus.kv import kv_values
 from schemas import subjects
 from schemas.ids import InvalidIdError, validate_id
-from schemas.tenants import DATASET_RECORD_DECODER, DatasetRecord, dataset_key
+from schemas.tenantctl import (
+    PART_BYTES,
+    CtlError,
+    DatasetPlan,
+    PartStored,
+    PlanDataset,
+    PutDatasetPart,
+    TenantReply,
+    TenantRequest,
+)
+from schemas.tenants import (
+    DATASET_RECORD_DECODER,
+    DatasetManifest,
+    DatasetRecord,
+    ManifestFile,
+    dataset_key,
+)
 
 MANIFEST = "MANIFEST"
 #: Files larger than this are refused by :func:`scan` (the tenant's bucket has its own cap).
@@ -66,27 +83,8 @@ class DatasetStoreError(RuntimeError):
         self.retryable = retryable
 
 
-class ManifestFile(msgspec.Struct, frozen=True):
-    """One file of a pushed dataset: its path relative to the dataset's root (POSIX)."""
-
-    path: str
-    size: int
-    sha256: str
-
-
-class DatasetManifest(msgspec.Struct, frozen=True):
-    """What a complete push contains; written after every file."""
-
-    dataset: str
-    files: list[ManifestFile]
-    created_at: float = 0.0
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(f.size for f in self.files)
-
-
 MANIFEST_DECODER = msgspec.json.Decoder(DatasetManifest)
+T = TypeVar("T")
 
 
 def prefix_of(dataset_id: str) -> str:
@@ -115,7 +113,7 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _object_sha256(digest: str | None) -> str:
+def object_sha256(digest: str | None) -> str:
     """The hex SHA-256 of an object store entry (nats writes ``SHA-256=<base64url>``)."""
     if not digest or "=" not in digest:
         return ""
@@ -138,6 +136,9 @@ def scan(directory: Path) -> list[ManifestFile]:
             raise DatasetStoreError(f"{rel}: symbolic links are not pushed")
         if not path.is_file():
             continue
+        problem = path_problem(rel)
+        if problem is not None:
+            raise DatasetStoreError(f"{rel}: {problem}")
         size = path.stat().st_size
         if size > MAX_FILE_BYTES:
             raise DatasetStoreError(f"{rel}: {size} bytes exceeds {MAX_FILE_BYTES}")
@@ -172,65 +173,161 @@ async def tenant_store(js: JetStreamContext, tenant: str, *, create: bool) -> Ob
 
 @dataclass
 class PushReport:
-    """What a push did: files uploaded, files already there (same digest), the manifest."""
+    """What a push did: files uploaded, files already there (same digest), and every file
+    with its digest (``files``: what :class:`~schemas.tenantctl.AddDataset` then names).
+    ``manifest_sha256`` is the digest of the manifest the master wrote (the added dataset's
+    record's ``digest``), set by whoever sends the ``dataset-add``."""
 
     dataset: str
     uploaded: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     manifest_sha256: str = ""
     bytes_uploaded: int = 0
+    files: list[ManifestFile] = field(default_factory=list)
+
+
+#: Sends one tenant request to the master with a timeout (seconds) and returns its reply;
+#: the SDK's is :meth:`clients.sdk.Client.request` for one tenant.
+Ask = Callable[[TenantRequest, float], Awaitable[TenantReply]]
+
+#: How long a request of a push waits for its answer; the last part of a file waits longer
+#: (the master then joins, checks and stores the whole file: :func:`join_timeout`).
+PART_TIMEOUT_S = 30.0
+#: Parts of one file in flight at once: a round trip per part would otherwise bound the rate.
+PARTS_IN_FLIGHT = 4
+#: A plan request must stay under the broker's payload limit (1 MiB) with room to spare.
+MAX_PLAN_BYTES = 768 * 1024
+
+
+def join_timeout(size: int) -> float:
+    """How long the last part of a ``size``-byte file may take: the master reads every part
+    back, hashes the file and stores it again (allow 10 MB/s, and never under a minute)."""
+    return max(60.0, size / 10e6)
+
+
+def part_count(size: int) -> int:
+    """How many parts of at most :data:`~schemas.tenantctl.PART_BYTES` a file of ``size``
+    bytes travels in (an empty file is one empty part)."""
+    return max(1, -(-size // PART_BYTES))
+
+
+def path_problem(path: str) -> str | None:
+    """Why ``path`` cannot be a file of a pushed dataset (None when it can): it must be a
+    relative, normalised POSIX path inside the dataset, and not its manifest's name."""
+    rel = PurePosixPath(path)
+    if not path or rel.is_absolute() or ".." in rel.parts:
+        return "leaves the dataset (absolute, empty or with '..')"
+    if rel.as_posix() != path or "." in path.split("/"):
+        return "is not a normalised relative path"
+    if path == MANIFEST:
+        return f"is the dataset's manifest name ({MANIFEST}), which a file may not have"
+    return None
+
+
+def _expect(reply: TenantReply, kind: type[T], op: str) -> T:
+    """The reply as ``kind``; a :class:`~schemas.tenantctl.CtlError` (from an ``ask`` that
+    returns errors rather than raising them) or another reply becomes DatasetStoreError."""
+    if isinstance(reply, CtlError):
+        raise DatasetStoreError(reply.message, code=reply.code, retryable=reply.retryable)
+    if not isinstance(reply, kind):
+        raise DatasetStoreError(
+            f"{op}: the master answered {type(reply).__name__}", code="unavailable"
+        )
+    return reply
 
 
 async def push_dataset(
-    js: JetStreamContext,
+    ask: Ask,
     tenant: str,
     directory: str | Path,
     dataset_id: str,
     *,
     on_file: Callable[[str], None] | None = None,
 ) -> PushReport:
-    """Upload ``directory`` into the tenant's bucket as dataset ``dataset_id``: one object per
-    file, skipping files whose object already has the same SHA-256 (a resumed push), then the
-    manifest. ``on_file(path)`` is called after each upload (progress; an exception it raises
-    stops the push, leaving what was uploaded for the next push to skip)."""
+    """Upload ``directory`` as dataset ``dataset_id`` of ``tenant`` through the master:
+    a :class:`~schemas.tenantctl.PlanDataset` names every file with its digest and the
+    master answers which it still needs (a resumed push skips the rest), then each needed
+    file goes in :class:`~schemas.tenantctl.PutDatasetPart` pieces. The dataset is complete
+    (has a manifest) only once the caller sends ``AddDataset(files=report.files)``.
+    ``on_file(path)`` is called after each file is stored (progress; an exception it raises
+    stops the push, leaving what was stored for the next push to skip). A tenant's identity
+    has no JetStream, so nothing here touches the object store itself."""
     validate_id(tenant, "tenant")
-    prefix = prefix_of(dataset_id)
-    files = await asyncio.to_thread(scan, Path(directory))  # hashing every file
-    store = await tenant_store(js, tenant, create=True)
-    report = PushReport(dataset_id)
-    # An old manifest must not describe a half-replaced dataset: it goes first.
-    manifest_name = prefix + MANIFEST
-    try:
-        await store.get_info(manifest_name)
-        await store.delete(manifest_name)
-    except (ObjectNotFoundError, NotFoundError):
-        pass
+    validate_id(dataset_id, "dataset id")
     root = Path(directory)
+    files = await asyncio.to_thread(scan, root)  # hashing every file
+    plan_request = PlanDataset(tenant, dataset_id, files)
+    if len(encode(plan_request)) > MAX_PLAN_BYTES:
+        raise DatasetStoreError(
+            f"{root}: {len(files)} files are too many for one push (the file list must stay "
+            f"under {MAX_PLAN_BYTES} bytes): pack them into fewer, larger files"
+        )
+    plan = _expect(await ask(plan_request, PART_TIMEOUT_S), DatasetPlan, "dataset-plan")
+    needed = set(plan.needed)
+    report = PushReport(dataset_id, files=files)
     for entry in files:
-        name = prefix + entry.path
-        try:
-            info = await store.get_info(name)
-            if _object_sha256(info.digest) == entry.sha256 and info.size == entry.size:
-                report.skipped.append(entry.path)
-                continue
-        except (ObjectNotFoundError, NotFoundError):
-            pass
-        try:
-            with (root / entry.path).open("rb") as f:
-                await store.put(name, f)
-        except APIError as exc:  # e.g. the bucket's max_bytes (the tenant's storage limit)
-            raise DatasetStoreError(
-                f"{entry.path}: the bucket {subjects.tenant_bucket(tenant)} refused it: "
-                f"{exc.description or exc} (the tenant's storage limit is its bucket's max_bytes)"
-            ) from exc
+        if entry.path not in needed:
+            report.skipped.append(entry.path)
+            continue
+        await _push_file(ask, tenant, dataset_id, root, entry)
         report.uploaded.append(entry.path)
         report.bytes_uploaded += entry.size
         if on_file is not None:
             on_file(entry.path)
-    manifest = encode_manifest(DatasetManifest(dataset_id, files, time.time()))
-    await store.put(manifest_name, manifest)
-    report.manifest_sha256 = hashlib.sha256(manifest).hexdigest()
     return report
+
+
+async def _push_file(
+    ask: Ask, tenant: str, dataset_id: str, root: Path, entry: ManifestFile
+) -> None:
+    """Every part of one file; the last only after the others are stored (it makes the
+    master join them)."""
+    parts = part_count(entry.size)
+
+    def part(index: int, data: bytes) -> PutDatasetPart:
+        return PutDatasetPart(
+            tenant, dataset_id, entry.path, index, parts, entry.size, entry.sha256, data
+        )
+
+    async def put(index: int, data: bytes, timeout: float) -> PartStored:
+        reply = await ask(part(index, data), timeout)
+        return _expect(reply, PartStored, "dataset-part")
+
+    def expected(index: int) -> int:
+        return entry.size - index * PART_BYTES if index == parts - 1 else PART_BYTES
+
+    async def read(f: BinaryIO, index: int) -> bytes:
+        data = await asyncio.to_thread(f.read, PART_BYTES)
+        if len(data) != expected(index):
+            raise DatasetStoreError(f"{entry.path}: changed while it was pushed; push again")
+        return data
+
+    in_flight: set[asyncio.Task[PartStored]] = set()
+    with (root / entry.path).open("rb") as f:
+        try:
+            for index in range(parts - 1):
+                if len(in_flight) >= PARTS_IN_FLIGHT:
+                    done, in_flight = await asyncio.wait(
+                        in_flight, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    for task in done:
+                        task.result()  # the first refusal stops the file
+                data = await read(f, index)
+                in_flight.add(asyncio.create_task(put(index, data, PART_TIMEOUT_S)))
+            await asyncio.gather(*in_flight)
+        finally:
+            for task in in_flight:
+                task.cancel()
+        last = await read(f, parts - 1)
+        if await asyncio.to_thread(f.read, 1):
+            raise DatasetStoreError(f"{entry.path}: changed while it was pushed; push again")
+    stored = await put(parts - 1, last, join_timeout(entry.size))
+    if not stored.complete:
+        raise DatasetStoreError(
+            f"{entry.path}: the master did not complete the file after its last part",
+            code="unavailable",
+            retryable=True,
+        )
 
 
 def encode_manifest(manifest: DatasetManifest) -> bytes:
@@ -260,9 +357,9 @@ async def read_manifest(
     if manifest.dataset != dataset_id:
         raise DatasetStoreError(f"{name}: manifest names dataset {manifest.dataset!r}")
     for entry in manifest.files:
-        rel = PurePosixPath(entry.path)
-        if rel.is_absolute() or ".." in rel.parts or not entry.path:
-            raise DatasetStoreError(f"{name}: file path {entry.path!r} leaves the dataset")
+        problem = path_problem(entry.path)
+        if problem is not None:
+            raise DatasetStoreError(f"{name}: file path {entry.path!r} {problem}")
     return manifest, hashlib.sha256(data).hexdigest()
 
 
@@ -280,9 +377,10 @@ async def download(
     js: JetStreamContext, bucket: str, name: str, out: BinaryIO, *, timeout: float = 30.0
 ) -> int:
     """Write object ``name`` of ``bucket`` into ``out``, checked against the object's own
-    digest; return its size. Unlike nats.py's ``ObjectStore.get`` it names the bucket's
-    stream when it subscribes to the chunks, so it needs no ``$JS.API.STREAM.NAMES`` lookup
-    (which a tenant may not make: it would list every stream). Raises ObjectNotFoundError
+    digest; return its size (services: a tenant has no JetStream). Unlike nats.py's
+    ``ObjectStore.get`` it names the bucket's stream when it subscribes to the chunks, so it
+    needs no ``$JS.API.STREAM.NAMES`` lookup and streams the object instead of holding it
+    in memory. Raises ObjectNotFoundError
     for a missing object and :class:`DatasetStoreError` for a torn one."""
     store = await js.object_store(bucket)
     info = await store.get_info(name)
@@ -307,7 +405,7 @@ async def download(
             received += len(msg.data)
     finally:
         await sub.unsubscribe()
-    if received != info.size or h.hexdigest() != _object_sha256(info.digest):
+    if received != info.size or h.hexdigest() != object_sha256(info.digest):
         raise DatasetStoreError(f"{name}: object does not match its own digest")
     return received
 

@@ -35,8 +35,10 @@ async def request_description(
     *,
     image_size: int = 64,
     timeout: float = DEFAULT_TIMEOUT_S,
+    tenant: str | None = None,
 ) -> EnvDescription:
-    """Ask the env workers to describe ``env_id`` built with ``env_kwargs``.
+    """Ask the env workers to describe ``env_id`` built with ``env_kwargs``; a tenant's
+    connection asks under its ``tenant`` token (its answer may go only to its own inbox).
 
     Raises:
         EnvDescribeError: no worker answered within ``timeout`` (retryable), or the worker
@@ -44,7 +46,8 @@ async def request_description(
     """
     request = DescribeEnv(env_id, dict(env_kwargs or {}), image_size)
     try:
-        msg = await nc.request(subjects.ENV_DESCRIBE, encode(request), timeout=timeout)
+        subject = subjects.env_describe(tenant)
+        msg = await nc.request(subject, encode(request), timeout=timeout)
     except NoRespondersError as exc:
         raise EnvDescribeError(
             f"no env worker is running to describe env {env_id} (start the envs role)",

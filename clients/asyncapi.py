@@ -21,15 +21,13 @@ import msgspec
 import yaml
 from pydantic import TypeAdapter
 
-from bus.datasets import DatasetManifest
 from bus.declare import BusLayout
-from schemas import headers, subjects
-from schemas.dead import DeadLetter
+from schemas import subjects
 from schemas.envdesc import DescribeEnv, DescribeReply
 from schemas.events import Event
 from schemas.health import HEALTH_SUBJECT, HealthReport
-from schemas.jobs import JobCommand
 from schemas.specs import JobSpec
+from schemas.tenants import DatasetManifest
 
 VERSION = "0.1.0"
 REF = "#/components/schemas/{name}"
@@ -69,134 +67,73 @@ def _tagged(union: Any) -> dict[str, Any]:
 
 
 def channels() -> list[Channel]:
-    """Every subject a tenant publishes to or receives from."""
+    """Every subject a tenant publishes to or receives from. A tenant has no JetStream
+    (:mod:`schemas.tenantctl` says why): everything it does is a core NATS request answered
+    on its own inbox prefix ``_INBOX_{tenant}``."""
+    from schemas import tenantctl
+
     event_kinds = sorted(m.__struct_config__.tag for m in Event.__args__)
-    found = [
-        Channel(
-            "jobCommands",
-            "nexus.job.{tenant}.{verb}",
-            "Job lifecycle commands. Published with JetStream (the stream acknowledges); the "
-            "message's tag equals {verb} and its `tenant` equals {tenant}, else the master "
-            "rejects it. `JobSubmit.spec_json` is a JSON job spec document "
-            "(components.schemas.JobSpecDocument).",
-            _tagged(JobCommand),
-            "send",
-            {"tenant": TENANT, "verb": {"enum": list(subjects.JOB_VERBS)}},
-            stream=subjects.STREAM_JOBS,
-            headers=(headers.MSG_ID, headers.JOB_ID, "traceparent"),
-        ),
-        Channel(
-            "jobEvents",
-            "nexus.event.{tenant}.{job}.{kind}",
-            "What happens to a job, in order. Read them with a JetStream ordered push consumer "
-            "on stream EVENTS filtered to `nexus.event.{tenant}.{job}.>`, created under a name "
-            "with the filtered create subject (`$JS.API.CONSUMER.CREATE.EVENTS.<name>."
-            "nexus.event.{tenant}.>` is all a tenant may call). The message's tag equals {kind}.",
-            _tagged(Event),
-            "receive",
-            {"tenant": TENANT, "job": JOB, "kind": {"enum": event_kinds}},
-            stream=subjects.STREAM_EVENTS,
-            headers=("traceparent",),
-        ),
-        Channel(
-            "deadLetters",
-            "nexus.dead.{stream}.{tenant}",
-            "Messages that will never be processed, with why (operators read these; a tenant "
-            "gets the same reason as a `rejected` or `error` event). {stream} is the source "
-            "stream's name in lower case; {tenant} is `unknown` when the subject had none.",
-            {"DeadLetter": DeadLetter},
-            "receive",
-            {
-                "stream": {"enum": sorted(n.lower() for n in subjects.STREAM_SUBJECTS)},
-                "tenant": TENANT,
-            },
-            stream=subjects.STREAM_DEAD,
-        ),
-        Channel(
-            "envDescribe",
-            subjects.ENV_DESCRIBE,
-            "Core NATS request-reply: what an env looks like to a head (action space, proprio "
-            "layout, cameras, episode limit). One env worker answers.",
-            {"DescribeEnv": DescribeEnv},
-            "send",
-            replies={"DescribeReply": DescribeReply},
-        ),
-        Channel(
-            "health",
-            HEALTH_SUBJECT,
-            "Core NATS request-reply with an empty payload: the health manager's view of every "
-            "role instance (operators).",
-            {},
-            "send",
-            replies={"HealthReport": HealthReport},
-        ),
-    ]
-    return found + _tenant_requests() + [_tenant_bucket()]
-
-
-def _tenant_bucket() -> Channel:
-    """The tenant's own object store bucket (NATS object store, ADR-20)."""
-    return Channel(
-        "tenantBucket",
-        "$O.data-{tenant}.{part}.{token}",
-        "The tenant's object store bucket `data-{tenant}` (stream `OBJ_data-{tenant}`), used "
-        "with any NATS object store client: {part} `C` carries an object's chunks under a "
-        "random {token}, `M` its metadata under the base64url of its name. Datasets are pushed "
-        "as `datasets/<id>/<relative path>` with `datasets/<id>/MANIFEST` (a "
-        "`DatasetManifest`, JSON) written last, then added with the `dataset-add` request; "
-        "exported policies appear as `policies/<job>/v<version>`. The bucket's size is capped "
-        "by the operator (the tenant's storage limit).",
-        {},
-        "send",
-        {
-            "tenant": TENANT,
-            "part": {"enum": ["C", "M"]},
-            "token": {"description": "chunk id (C) or base64url object name (M)"},
-        },
-        raw={
-            "ObjectChunk": (
-                "application/octet-stream",
-                {"type": "string", "format": "binary", "description": "raw object bytes"},
-            ),
-            "ObjectMeta": (
-                "application/json",
-                {"type": "object", "description": "NATS object store ObjectInfo (ADR-20)"},
-            ),
-        },
-    )
-
-
-def _tenant_requests() -> list[Channel]:
-    """The master's tenant requests, where their schema module exists."""
-    try:
-        from schemas import tenantctl
-    except ImportError:
-        return []
-    found = [
+    return [
         Channel(
             "tenantRequests",
             "nexus.ctl.tenant.{tenant}.{op}",
-            "Core NATS request-reply about the tenant's own jobs, datasets and policies, "
-            "answered by the master. The request's `tenant` must equal {tenant}.",
+            "Core NATS request-reply, answered by the master on the requester's own inbox "
+            "(`_INBOX_{tenant}.>`; a reply subject anywhere else gets no answer). The request's "
+            "tag equals {op} and its `tenant` equals {tenant}. `submit` / `cancel` queue a job "
+            "command (`SubmitJob.spec_json` is a JSON job spec document, "
+            "components.schemas.JobSpecDocument; a bad spec is answered by a `rejected` event); "
+            "`events` pages through a job's events by stream sequence; `dataset-plan`, "
+            "`dataset-part` and `dataset-add` push a dataset in parts of at most "
+            f"{tenantctl.PART_BYTES} bytes; `export` then `export-read` download a policy.",
             _tagged(tenantctl.TenantRequest),
             "send",
             {"tenant": TENANT, "op": {"enum": list(subjects.TENANT_CTL_OPS)}},
             replies=_tagged(tenantctl.TenantReply),
         ),
+        Channel(
+            "jobEvents",
+            "nexus.event.{tenant}.{job}.{kind}",
+            "What happens to a job, live (core NATS subscribe; the tenant may subscribe to "
+            "`nexus.event.{tenant}.>`). Events published while a subscriber was away are "
+            "not resent: read the job's history, in order and each once, with the `events` "
+            "request, and use the live subject only to learn when to ask. The message's tag "
+            "equals {kind}.",
+            _tagged(Event),
+            "receive",
+            {"tenant": TENANT, "job": JOB, "kind": {"enum": event_kinds}},
+            headers=("traceparent",),
+        ),
+        Channel(
+            "envDescribe",
+            "nexus.envinfo.describe.{tenant}",
+            "Core NATS request-reply: what an env looks like to a head (action space, proprio "
+            "layout, cameras, episode limit). One env worker answers, on the requester's own "
+            "inbox only.",
+            {"DescribeEnv": DescribeEnv},
+            "send",
+            {"tenant": TENANT},
+            replies={"DescribeReply": DescribeReply},
+        ),
+        Channel(
+            "backbones",
+            "nexus.ctl.backbones.{tenant}",
+            "Core NATS request-reply: the backbones served now (answered on the requester's own "
+            "inbox only).",
+            {"BackbonesQuery": tenantctl.BackbonesQuery},
+            "send",
+            {"tenant": TENANT},
+            replies=_tagged(tenantctl.BackbonesReply),
+        ),
+        Channel(
+            "health",
+            HEALTH_SUBJECT,
+            "Core NATS request-reply with an empty payload: the health manager's view of every "
+            "role instance (operators only).",
+            {},
+            "send",
+            replies={"HealthReport": HealthReport},
+        ),
     ]
-    backbones = getattr(tenantctl, "BackbonesQuery", None)
-    if backbones is not None:
-        found.append(
-            Channel(
-                "backbones",
-                subjects.BACKBONES_QUERY,
-                "Core NATS request-reply: the backbones served now.",
-                {"BackbonesQuery": backbones},
-                "send",
-                replies=_tagged(tenantctl.BackbonesReply),
-            )
-        )
-    return found
 
 
 def _fix_schema(node: Any) -> Any:
@@ -246,11 +183,6 @@ def document() -> dict[str, Any]:
     schemas["JobSpecDocument"] = spec_schema
 
     header_schemas = {
-        headers.MSG_ID: "JetStream de-duplication id. Set it on every publish you may retry; "
-        "the SDK uses `<verb>:<tenant>:<job>` for job commands. A retry within the stream's "
-        "duplicate window is stored once.",
-        headers.JOB_ID: "The job id, readable without decoding the payload (set it on job "
-        "commands, so even an undecodable command is tied to its job in the error).",
         "traceparent": "W3C trace context; each service continues the trace.",
     }
     messages: dict[str, Any] = {}

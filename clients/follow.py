@@ -1,122 +1,93 @@
-"""Following one job's events over ``EVENTS``: a push consumer the tenant may create on its
-own events only, recreated after a stall or a gap without skipping or repeating an event."""
+"""Following one job's events: pages read from the master, woken by the live events.
+
+A tenant's identity has no JetStream (:mod:`schemas.tenantctl` says why), so it cannot make a
+consumer on ``EVENTS``. It asks the master for the job's events after the last stream
+sequence it has (:class:`~schemas.tenantctl.ReadEvents`), which gives every event once, in
+stream order, across reconnects and master restarts. To learn when to ask again without
+polling hard, it also subscribes to the job's event subject (core NATS, which its identity
+may): a live event only wakes the follower; what it returns always comes from a page.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
-from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from clients.errors import RequestError
 from schemas import subjects
+from schemas.tenantctl import EventsPage, ReadEvents, StoredEvent
+
+#: Asks the master one :class:`ReadEvents`; raises an error with ``retryable`` on failure.
+AskEvents = Callable[[ReadEvents], Awaitable[EventsPage]]
 
 
 class EventFollower:
-    """One job's events from the first, in order, through a push consumer on ``EVENTS``.
+    """One job's events from the first, in order, each once.
 
-    The consumer is created with a fresh name and a single filter subject, so nats.py asks
-    ``$JS.API.CONSUMER.CREATE.EVENTS.<name>.nexus.event.<tenant>.<job>.>`` — the one form a
-    tenant's permissions allow, on its own events only — and it delivers to the connection's
-    own inbox. It needs no acks and no pull (tenants get no ``MSG.NEXT``). The server sends
-    an idle heartbeat every ``heartbeat_s``; when nothing at all arrives for three of them
-    (the consumer was lost: a broker restart, a deletion) or a delivery skips a sequence,
-    the follower makes a new consumer, under a new name (nats.py's ordered consumer reuses
-    its name, which the server refuses while the old consumer lives), starting after the
-    last stream sequence it returned, so nothing is skipped or repeated.
+    ``ask`` sends one :class:`ReadEvents` to the master (:meth:`clients.sdk.Client.request`).
+    Without a live event it asks again every ``poll_s`` (events published while its
+    subscription was away, e.g. across a reconnect, are found then). A
+    :class:`~clients.errors.RequestError` that is ``retryable`` (no master for a moment) is
+    asked again after ``poll_s``; any other is raised.
     """
 
-    def __init__(self, nc: NATS, tenant: str, job_id: str, heartbeat_s: float = 2.0) -> None:
+    def __init__(
+        self, nc: NATS, ask: AskEvents, tenant: str, job_id: str, poll_s: float = 2.0
+    ) -> None:
         self.nc = nc
-        self.js = nc.jetstream()
-        self.filter = subjects.events_of_job(tenant, job_id)
+        self.ask = ask
+        self.tenant = tenant
         self.job_id = job_id
-        self.heartbeat_s = heartbeat_s
+        self.subject = subjects.events_of_job(tenant, job_id)
+        self.poll_s = poll_s
+        #: Stream sequence of the last event fetched (the next page starts after it).
+        self.last_seq = 0
+        #: Pages asked for (for tests and diagnostics).
+        self.pages = 0
+        self.pending: deque[StoredEvent] = deque()
+        self.woken = asyncio.Event()
         self.sub: Subscription | None = None
-        self.consumer = ""
-        #: Stream sequence of the last event returned; consumer sequence of the last seen.
-        self.last_stream_seq = 0
-        self.last_consumer_seq = 0
-        #: Consumers created after the first (each a recovery from a stall or a gap).
-        self.resets = -1
 
-    async def _create(self) -> None:
-        await self._drop()
-        inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox)
-        start = self.last_stream_seq + 1
-        config = ConsumerConfig(
-            name=uuid.uuid4().hex,
-            deliver_subject=inbox,
-            filter_subject=self.filter,
-            ack_policy=AckPolicy.NONE,
-            deliver_policy=DeliverPolicy.ALL if start == 1 else DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=None if start == 1 else start,
-            idle_heartbeat=self.heartbeat_s,
-            # Left behind by a reset or a closed client, it goes by itself (tenants may not
-            # delete consumers).
-            inactive_threshold=max(10.0, 5 * self.heartbeat_s),
-            mem_storage=True,
-            num_replicas=1,
-        )
-        try:
-            info = await self.js.add_consumer(subjects.STREAM_EVENTS, config=config)
-        except BaseException:
-            await sub.unsubscribe()
-            raise
-        self.sub, self.consumer = sub, info.name or ""
-        self.last_consumer_seq = 0
-        self.resets += 1
+    async def _wake(self, _msg: Msg) -> None:
+        self.woken.set()
 
-    async def _drop(self) -> None:
+    async def next(self, timeout: float) -> StoredEvent:
+        """The next event; TimeoutError if none comes within ``timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self.pending:
+            if self.sub is None:
+                with contextlib.suppress(NatsError):
+                    self.sub = await self.nc.subscribe(self.subject, cb=self._wake)
+            # Cleared before asking: an event stored while the page is read wakes the wait.
+            self.woken.clear()
+            try:
+                page = await self.ask(ReadEvents(self.tenant, self.job_id, self.last_seq))
+            except RequestError as exc:
+                if not exc.retryable:
+                    raise
+                page = EventsPage([], self.last_seq)
+            self.pages += 1
+            if page.events:
+                self.pending.extend(e for e in page.events if e.seq > self.last_seq)
+                self.last_seq = max(self.last_seq, page.last_seq)
+                continue
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError(f"no event from job {self.job_id} in {timeout:g}s")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.woken.wait(), min(remaining, self.poll_s))
+        return self.pending.popleft()
+
+    async def close(self) -> None:
         if self.sub is not None:
             sub, self.sub = self.sub, None
             with contextlib.suppress(NatsError):
                 await sub.unsubscribe()
-
-    async def next(self, timeout: float) -> Msg:
-        """The next event message; TimeoutError if none comes within ``timeout``."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise TimeoutError(f"no event from job {self.job_id} in {timeout:g}s")
-            if self.sub is None:
-                try:
-                    await self._create()
-                except (NatsError, TimeoutError):  # the broker is away: try again shortly
-                    await asyncio.sleep(min(remaining, self.heartbeat_s))
-                    continue
-            assert self.sub is not None
-            try:
-                msg = await self.sub.next_msg(timeout=min(remaining, 3 * self.heartbeat_s))
-            except NatsTimeoutError:
-                if loop.time() < deadline:
-                    await self._drop()  # not even a heartbeat: the consumer is gone
-                continue
-            if msg.headers and msg.headers.get("Status") == "100":  # heartbeat / flow control
-                last = msg.headers.get("Nats-Last-Consumer")
-                if last is not None and int(last) > self.last_consumer_seq:
-                    await self._drop()  # a delivery was missed
-                elif msg.reply:
-                    await self.nc.publish(msg.reply)
-                continue
-            try:
-                sequence = msg.metadata.sequence
-            except (ValueError, IndexError, NatsError):
-                continue  # not a JetStream delivery
-            if sequence.consumer != self.last_consumer_seq + 1:
-                await self._drop()
-                continue
-            self.last_consumer_seq = sequence.consumer
-            self.last_stream_seq = sequence.stream
-            return msg
-
-    async def close(self) -> None:
-        await self._drop()

@@ -10,10 +10,9 @@ result = await job.wait()                   # final status, metrics, policy vers
 await client.export_policy("alice", job.job_id, out_dir="out")
 ```
 
-A tenant reads no KV bucket and no object store but its own bucket (the broker denies the
-rest): job records, datasets and served backbones come from the master's answers to
-``nexus.ctl.tenant.<tenant>.<op>`` / ``nexus.ctl.backbones`` (:mod:`schemas.tenantctl`), and
-a job's events come through a push consumer the tenant creates on its own events only.
+A tenant's identity has no JetStream at all (:mod:`schemas.tenantctl` says why): submits and
+cancels, job records, events, dataset uploads, policy downloads and served backbones are all
+requests the master answers on ``nexus.ctl.tenant.<tenant>.<op>`` / ``nexus.ctl.backbones``.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -33,19 +31,18 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError, ObjectNotFoundError
 from pydantic import BaseModel
 
 from bus.codec import DecodeError, decode, encode
 from bus.connect import connect
-from bus.datasets import DatasetStoreError, PushReport, download, push_dataset, sha256_file
+from bus.datasets import PushReport, push_dataset, sha256_file
 from bus.envinfo import request_description
 from bus.identity import is_joynexus_creds, load_creds
 from bus.local import read_stack_info
-from bus.publish import msg_id, publish
 from bus.records import list_jobs
+from clients.errors import RequestError
 from clients.follow import EventFollower
-from schemas import headers, subjects
+from schemas import subjects
 from schemas.envdesc import EnvDescription
 from schemas.events import (
     EVENT_DECODER,
@@ -57,17 +54,21 @@ from schemas.events import (
     StateChanged,
 )
 from schemas.ids import validate_id
-from schemas.jobs import TERMINAL_STATUSES, JobCancel, JobRecord, JobSubmit
+from schemas.jobs import TERMINAL_STATUSES, JobRecord
 from schemas.placement import PlacementRecord
 from schemas.specs import JobSpec, parse_job_spec
 from schemas.tenantctl import (
     BACKBONES_REPLY_DECODER,
+    PART_BYTES,
     TENANT_REPLY_DECODER,
     AddDataset,
     Backbones,
+    CancelJob,
     CtlError,
     DatasetAdded,
     DatasetsReply,
+    EventsPage,
+    ExportBytes,
     ExportPolicy,
     GetJob,
     JobReply,
@@ -75,6 +76,9 @@ from schemas.tenantctl import (
     ListDatasets,
     ListJobs,
     PolicyExported,
+    ReadEvents,
+    ReadExport,
+    SubmitJob,
     TenantReply,
     TenantRequest,
 )
@@ -85,17 +89,6 @@ REQUEST_TIMEOUT_S = 10.0
 DATASET_ADD_TIMEOUT_S = 300.0
 
 T = TypeVar("T")
-
-
-class RequestError(RuntimeError):
-    """The master refused or could not answer a request: ``code`` as in
-    :class:`schemas.tenantctl.CtlError` (``no_master`` when nobody answered), ``retryable``
-    whether asking again may help."""
-
-    def __init__(self, message: str, *, code: str, retryable: bool) -> None:
-        super().__init__(message)
-        self.code = code
-        self.retryable = retryable
 
 
 class JobFailed(RuntimeError):
@@ -150,17 +143,20 @@ class Job:
         self.job_id = job_id
 
     async def events(
-        self, idle_timeout: float | None = None, *, heartbeat_s: float = 2.0
+        self, idle_timeout: float | None = None, *, poll_s: float = 2.0
     ) -> AsyncIterator[Event]:
         """All of the job's events from the first, in order, until it ends (terminal state
-        or rejection). ``idle_timeout`` bounds the wait for each next event; a delivery that
-        stalls for ``3 * heartbeat_s`` or skips one resumes after the last event seen
-        (:class:`EventFollower`)."""
-        follower = EventFollower(self.client.nc, self.tenant, self.job_id, heartbeat_s)
+        or rejection). ``idle_timeout`` bounds the wait for each next event. They are read
+        from the master a page at a time, woken by the live events and otherwise every
+        ``poll_s`` (:class:`EventFollower`), so a reconnect or a master restart neither
+        skips nor repeats one."""
+        follower = EventFollower(
+            self.client.nc, self.client.read_events, self.tenant, self.job_id, poll_s
+        )
         try:
             while True:
-                msg = await follower.next(idle_timeout or 3600.0)
-                event = decode(EVENT_DECODER, msg.data)
+                stored = await follower.next(idle_timeout or 3600.0)
+                event = decode(EVENT_DECODER, stored.data)
                 yield event
                 if isinstance(event, Rejected) or (
                     isinstance(event, StateChanged) and event.status in TERMINAL_STATUSES
@@ -279,13 +275,8 @@ class Client:
         document = _document(spec)
         parsed = parse_job_spec(document)
         job_id = validate_id(job_id or new_job_id(parsed.kind), "job id")
-        command = JobSubmit(parsed.tenant, job_id, json.dumps(document).encode(), time.time())
-        await publish(
-            self.js,
-            subjects.job(parsed.tenant, "submit"),
-            command,
-            message_id=msg_id("submit", parsed.tenant, job_id),
-            headers={headers.JOB_ID: job_id},
+        await self.request(
+            parsed.tenant, SubmitJob(parsed.tenant, job_id, json.dumps(document).encode())
         )
         return Job(self, parsed.tenant, job_id)
 
@@ -314,13 +305,14 @@ class Client:
         return await self.submit(document, **kw)
 
     async def cancel(self, tenant: str, job_id: str, reason: str = "") -> None:
-        await publish(
-            self.js,
-            subjects.job(tenant, "cancel"),
-            JobCancel(tenant, job_id, reason),
-            message_id=msg_id("cancel", tenant, job_id),
-            headers={headers.JOB_ID: job_id},
-        )
+        """Cancel one of the tenant's jobs (queued by the master; idempotent)."""
+        await self.request(tenant, CancelJob(tenant, job_id, reason))
+
+    async def read_events(self, request: ReadEvents) -> EventsPage:
+        """One page of a job's events (what :class:`EventFollower` asks for)."""
+        reply = await self.request(request.tenant, request)
+        assert isinstance(reply, EventsPage)
+        return reply
 
     async def describe_env(
         self,
@@ -335,7 +327,12 @@ class Client:
         raises :class:`bus.envinfo.EnvDescribeError` (an unknown id names the supported ones;
         ``retryable`` when no worker answered within ``timeout``)."""
         return await request_description(
-            self.nc, env_id, dict(env_kwargs or {}), image_size=image_size, timeout=timeout
+            self.nc,
+            env_id,
+            dict(env_kwargs or {}),
+            image_size=image_size,
+            timeout=timeout,
+            tenant=self.tenant,
         )
 
     async def request(
@@ -387,7 +384,7 @@ class Client:
     async def backbones(self) -> list[PlacementRecord]:
         """What is served now: one record per live trainer or inferencer instance, with
         the backbone's id, architecture, parameter count, image size and token budget."""
-        data = await self._ask(subjects.BACKBONES_QUERY, b"", REQUEST_TIMEOUT_S)
+        data = await self._ask(subjects.backbones_query(self.tenant), b"", REQUEST_TIMEOUT_S)
         reply = _answer(BACKBONES_REPLY_DECODER, data, "backbones")
         assert isinstance(reply, Backbones)
         return reply.placements
@@ -417,16 +414,22 @@ class Client:
         *,
         on_file: Callable[[str], None] | None = None,
     ) -> PushedDataset:
-        """Upload a dataset directory into the tenant's bucket (files already there with the
-        same SHA-256 are skipped: an interrupted push resumes) and add it to the tenant's
-        namespace: the master verifies every file and checks the dataset, and a spec can
-        then name it as ``dataset: <dataset_id>``. Raises :class:`RequestError` naming the
-        bad file, or :class:`bus.datasets.DatasetStoreError` for a directory it cannot push."""
-        report = await push_dataset(self.js, tenant, directory, dataset_id, on_file=on_file)
+        """Upload a dataset directory into the tenant's namespace through the master (which
+        stores it in the tenant's bucket; files already there with the same SHA-256 are
+        skipped, so an interrupted push resumes) and add it: the master verifies every file
+        and checks the dataset, and a spec can then name it as ``dataset: <dataset_id>``.
+        Raises :class:`RequestError` naming the bad file (or the tenant's storage limit), or
+        :class:`bus.datasets.DatasetStoreError` for a directory it cannot push."""
+
+        async def ask(request: TenantRequest, timeout: float) -> TenantReply:
+            return await self.request(tenant, request, timeout=timeout)
+
+        report = await push_dataset(ask, tenant, directory, dataset_id, on_file=on_file)
         reply = await self.request(
-            tenant, AddDataset(tenant, dataset_id), timeout=DATASET_ADD_TIMEOUT_S
+            tenant, AddDataset(tenant, dataset_id, report.files), timeout=DATASET_ADD_TIMEOUT_S
         )
         assert isinstance(reply, DatasetAdded)
+        report.manifest_sha256 = reply.record.digest  # the manifest the master wrote
         return PushedDataset(report, reply.record)
 
     async def export_policy(
@@ -434,7 +437,9 @@ class Client:
     ) -> Path:
         """Download a committed policy version (0 = the latest) of one of the tenant's jobs
         into ``out_dir`` as ``<job>-v<version>.ckpt`` (a :class:`vla.slot.TenantSlot`
-        checkpoint), verified against the checkpoint's SHA-256; returns the file."""
+        checkpoint), verified against the checkpoint's SHA-256; returns the file. The master
+        copies it into the tenant's bucket and serves it in parts (a tenant's identity has no
+        JetStream to read the bucket itself)."""
         reply = await self.request(tenant, ExportPolicy(tenant, job_id, version), timeout=60.0)
         assert isinstance(reply, PolicyExported)
         out = Path(out_dir)
@@ -443,21 +448,33 @@ class Client:
         partial = target.with_suffix(".partial")
         try:
             with partial.open("wb") as f:
-                await download(self.js, reply.bucket, reply.object_name, f)
-        except (ObjectNotFoundError, NotFoundError, DatasetStoreError) as exc:
-            raise RequestError(
-                f"exported policy {reply.object_name} could not be read: {exc!r}",
-                code="unavailable",
-                retryable=True,
-            ) from exc
-        got = await asyncio.to_thread(sha256_file, partial)
-        if got != reply.sha256:
-            raise RequestError(
-                f"exported policy {reply.object_name}: sha256 {got} is not {reply.sha256}",
-                code="invalid",
-                retryable=True,
-            )
-        await asyncio.to_thread(partial.replace, target)
+                offset = 0
+                while offset < reply.size:
+                    # The first read makes the master fetch the whole checkpoint: 60 s.
+                    read = ReadExport(tenant, reply.object_name, offset, PART_BYTES)
+                    piece = await self.request(tenant, read, timeout=60.0)
+                    assert isinstance(piece, ExportBytes)
+                    if piece.size != reply.size or piece.offset != offset or not piece.data:
+                        raise RequestError(
+                            f"exported policy {reply.object_name} changed while it was read "
+                            f"({piece.size} bytes at offset {piece.offset}, expected "
+                            f"{reply.size} bytes); export it again",
+                            code="unavailable",
+                            retryable=True,
+                        )
+                    await asyncio.to_thread(f.write, piece.data)
+                    offset += len(piece.data)
+            got = await asyncio.to_thread(sha256_file, partial)
+            if got != reply.sha256:
+                raise RequestError(
+                    f"exported policy {reply.object_name}: sha256 {got} is not {reply.sha256}",
+                    code="invalid",
+                    retryable=True,
+                )
+            await asyncio.to_thread(partial.replace, target)
+        except BaseException:
+            partial.unlink(missing_ok=True)  # no half-written policy next to the real ones
+            raise
         return target
 
 

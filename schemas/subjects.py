@@ -42,7 +42,19 @@ ENV_DESCRIBE_QUEUE = "envs"
 #: Core NATS request-reply a tenant sends about its own things: ``nexus.ctl.tenant.<tenant>.<op>``,
 #: answered by the master (queue group :data:`TENANT_CTL_QUEUE`). A tenant may publish only
 #: under its own tenant token (the broker enforces it; the master checks again).
-TENANT_CTL_OPS: tuple[str, ...] = ("job", "jobs", "datasets", "dataset-add", "export")
+TENANT_CTL_OPS: tuple[str, ...] = (
+    "job",
+    "jobs",
+    "datasets",
+    "dataset-add",
+    "export",
+    "submit",
+    "cancel",
+    "events",
+    "dataset-plan",
+    "dataset-part",
+    "export-read",
+)
 TENANT_CTL_QUEUE = "master"
 #: Core NATS request-reply: what backbones are served now (no tenant data; any identity).
 BACKBONES_QUERY = f"{PREFIX}.ctl.backbones"
@@ -88,6 +100,35 @@ def events_of_job(tenant: str, job_id: str) -> str:
 def dead(stream: str, tenant: str) -> str:
     """``nexus.dead.<stream>.<tenant>`` — a dead-letter record. ``tenant`` may be ``unknown``."""
     return f"{PREFIX}.dead.{stream.lower()}.{validate_id(tenant, 'tenant')}"
+
+
+def env_describe(tenant: str | None = None) -> str:
+    """Where to ask the env workers to describe an env: a tenant asks under its own token
+    (``nexus.envinfo.describe.<tenant>``) so the answer can go only to its own inbox; a
+    service or the operator on the bare subject."""
+    return ENV_DESCRIBE if tenant is None else f"{ENV_DESCRIBE}.{validate_id(tenant, 'tenant')}"
+
+
+def backbones_query(tenant: str | None = None) -> str:
+    """Where to ask what backbones are served (a tenant under its own token, as
+    :func:`env_describe`)."""
+    if tenant is None:
+        return BACKBONES_QUERY
+    return f"{BACKBONES_QUERY}.{validate_id(tenant, 'tenant')}"
+
+
+def shared_query_tenant(subject: str, base: str) -> str | None:
+    """The tenant token of a shared query (``<base>.<tenant>``); None for the bare ``base``.
+    Raises :class:`SubjectError` for anything else."""
+    if subject == base:
+        return None
+    tenant = subject.removeprefix(f"{base}.")
+    if tenant == subject:
+        raise SubjectError(f"{subject!r} is not {base!r} or {base!r}.<tenant>")
+    try:
+        return validate_id(tenant, "tenant")
+    except InvalidIdError as exc:
+        raise SubjectError(f"{subject!r}: {exc}") from exc
 
 
 def tenant_ctl(tenant: str, op: str) -> str:

@@ -1,4 +1,11 @@
-"""Requests a tenant makes about its own things, and their replies (core NATS request-reply).
+"""Everything a tenant does on the bus, and the replies (core NATS request-reply).
+
+A tenant's identity has no JetStream at all: the server sends JetStream's own answers (publish
+acks, API responses, pull deliveries) to whatever reply subject a request names, without
+checking it against the requester's permissions, so any JetStream access would let a tenant
+write into another's KV entries or streams. Instead it submits and cancels jobs, reads its
+events, uploads datasets and downloads policies through these requests, which the master
+answers only on the tenant's own inbox (:func:`bus.auth.reply_allowed`).
 
 A tenant sends a :data:`TenantRequest` on ``nexus.ctl.tenant.<tenant>.<op>``
 (:func:`schemas.subjects.tenant_ctl`); the request's tag is the op and its ``tenant`` must be
@@ -17,7 +24,7 @@ import msgspec
 
 from schemas.jobs import JobRecord
 from schemas.placement import PlacementRecord
-from schemas.tenants import DatasetRecord
+from schemas.tenants import DatasetRecord, ManifestFile
 
 #: Why a request got no answer; ``retryable`` tells whether asking again can help.
 CtlErrorCode = Literal[
@@ -49,13 +56,72 @@ class ListDatasets(msgspec.Struct, frozen=True, tag="datasets"):
     tenant: str
 
 
-class AddDataset(msgspec.Struct, frozen=True, tag="dataset-add"):
-    """Put a pushed dataset (``datasets/<dataset>/`` in the tenant's bucket, manifest written
-    last) into the tenant's namespace: the master verifies every file against the manifest's
-    digests and checks the dataset before it writes the record."""
+class SubmitJob(msgspec.Struct, frozen=True, tag="submit"):
+    """Submit a job: the master queues it on ``JOBS`` (idempotent per ``job_id``) and answers
+    :class:`Queued`; the spec is validated when the master takes it from the queue, and a bad
+    one is answered by a ``rejected`` event naming the field (read with :class:`ReadEvents`).
+    ``spec_json`` is the job spec document (JSON)."""
+
+    tenant: str
+    job_id: str
+    spec_json: bytes
+
+
+class CancelJob(msgspec.Struct, frozen=True, tag="cancel"):
+    """Cancel one of the tenant's jobs (queued on ``JOBS`` like a submit)."""
+
+    tenant: str
+    job_id: str
+    reason: str = ""
+
+
+class ReadEvents(msgspec.Struct, frozen=True, tag="events"):
+    """The job's events after stream sequence ``after_seq`` (0: from the first), oldest
+    first, at most ``limit`` of them (the reply also stays under the broker's payload limit).
+    An empty page means nothing newer yet: the tenant may subscribe to
+    ``nexus.event.<tenant>.<job>.>`` to learn when to ask again."""
+
+    tenant: str
+    job_id: str
+    after_seq: int = 0
+    limit: int = 256
+
+
+class PlanDataset(msgspec.Struct, frozen=True, tag="dataset-plan"):
+    """Start (or resume) a push of dataset ``dataset`` with these ``files``: the master drops
+    the dataset's old manifest (a half-replaced dataset is never complete) and answers
+    :class:`DatasetPlan` with the files it still needs (missing, or another digest)."""
 
     tenant: str
     dataset: str
+    files: list[ManifestFile]
+
+
+class PutDatasetPart(msgspec.Struct, frozen=True, tag="dataset-part"):
+    """Part ``index`` (0-based) of ``parts`` of one file of a push; parts are at most
+    :data:`PART_BYTES`. When the last part arrives the master joins the parts, checks the
+    file's ``size`` and ``sha256`` and stores it (answering :class:`PartStored` with
+    ``complete``); a file that does not match is refused naming it."""
+
+    tenant: str
+    dataset: str
+    path: str
+    index: int
+    parts: int
+    size: int
+    sha256: str
+    data: bytes
+
+
+class AddDataset(msgspec.Struct, frozen=True, tag="dataset-add"):
+    """Finish a push: the master checks that every file of ``files`` is stored with its
+    digest, writes the manifest, checks the files as a dataset and records it in the
+    tenant's namespace. Without ``files``, the manifest already in the tenant's bucket (an
+    operator's upload) is used."""
+
+    tenant: str
+    dataset: str
+    files: list[ManifestFile] | None = None
 
 
 class ExportPolicy(msgspec.Struct, frozen=True, tag="export"):
@@ -67,7 +133,32 @@ class ExportPolicy(msgspec.Struct, frozen=True, tag="export"):
     version: int = 0
 
 
-TenantRequest = GetJob | ListJobs | ListDatasets | AddDataset | ExportPolicy
+class ReadExport(msgspec.Struct, frozen=True, tag="export-read"):
+    """``length`` bytes (at most :data:`PART_BYTES`) from ``offset`` of a policy exported
+    with :class:`ExportPolicy` (its ``object_name``)."""
+
+    tenant: str
+    object_name: str
+    offset: int
+    length: int = 0
+
+
+#: The largest piece of a file in one request or reply (the broker's payload limit is 1 MiB).
+PART_BYTES = 256 * 1024
+
+TenantRequest = (
+    GetJob
+    | ListJobs
+    | ListDatasets
+    | AddDataset
+    | ExportPolicy
+    | SubmitJob
+    | CancelJob
+    | ReadEvents
+    | PlanDataset
+    | PutDatasetPart
+    | ReadExport
+)
 TENANT_REQUEST_DECODER = msgspec.msgpack.Decoder(TenantRequest)
 
 
@@ -108,7 +199,67 @@ class PolicyExported(msgspec.Struct, frozen=True, tag="export"):
     size: int
 
 
-TenantReply = JobReply | JobsReply | DatasetsReply | DatasetAdded | PolicyExported | CtlError
+class Queued(msgspec.Struct, frozen=True, tag="queued"):
+    """A submit or cancel is on ``JOBS`` at ``stream_seq`` (a repeat of the same command is
+    the same message: ``duplicate``)."""
+
+    job_id: str
+    stream_seq: int
+    duplicate: bool = False
+
+
+class StoredEvent(msgspec.Struct, frozen=True):
+    """One event as stored: its ``EVENTS`` stream sequence, subject and msgpack body (decode
+    with :data:`schemas.events.EVENT_DECODER`)."""
+
+    seq: int
+    subject: str
+    data: bytes
+
+
+class EventsPage(msgspec.Struct, frozen=True, tag="events"):
+    """Events after the request's ``after_seq``, oldest first; ``last_seq`` is the sequence to
+    ask after next (the request's ``after_seq`` when the page is empty)."""
+
+    events: list[StoredEvent]
+    last_seq: int
+
+
+class DatasetPlan(msgspec.Struct, frozen=True, tag="dataset-plan"):
+    """The files of a push the master still needs, by path."""
+
+    needed: list[str]
+
+
+class PartStored(msgspec.Struct, frozen=True, tag="dataset-part"):
+    """A part was stored; ``complete`` when it was the file's last and the file is stored."""
+
+    path: str
+    index: int
+    complete: bool
+
+
+class ExportBytes(msgspec.Struct, frozen=True, tag="export-read"):
+    """A piece of an exported policy; ``size`` is the whole object's."""
+
+    offset: int
+    data: bytes
+    size: int
+
+
+TenantReply = (
+    JobReply
+    | JobsReply
+    | DatasetsReply
+    | DatasetAdded
+    | PolicyExported
+    | Queued
+    | EventsPage
+    | DatasetPlan
+    | PartStored
+    | ExportBytes
+    | CtlError
+)
 TENANT_REPLY_DECODER = msgspec.msgpack.Decoder(TenantReply)
 
 

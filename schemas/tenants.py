@@ -68,5 +68,25 @@ def dataset_key(tenant: str, dataset: str) -> str:
     return f"{tenant}.{dataset}"
 
 
+class ManifestFile(msgspec.Struct, frozen=True):
+    """One file of a pushed dataset: its path relative to the dataset's root (POSIX)."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+class DatasetManifest(msgspec.Struct, frozen=True):
+    """What a complete push contains; written after every file."""
+
+    dataset: str
+    files: list[ManifestFile]
+    created_at: float = 0.0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
 TENANT_RECORD_DECODER = msgspec.msgpack.Decoder(TenantRecord)
 DATASET_RECORD_DECODER = msgspec.msgpack.Decoder(DatasetRecord)

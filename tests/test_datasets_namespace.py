@@ -1,36 +1,59 @@
-"""Datasets live in tenants' namespaces: pushed through the tenant's bucket (resumable,
-verified by digest) or registered by the operator, and named by id in specs. A path, an
-unknown id or another tenant's id is refused; a job starts only from its own tenant's
-policies; an exported policy is the checkpoint's bytes."""
+"""Datasets live in tenants' namespaces: pushed through the master into the tenant's bucket
+(in parts, resumable, verified by digest) or registered by the operator, and named by id in
+specs. A path, an unknown id or another tenant's id is refused; a job starts only from its
+own tenant's policies; an exported policy is the checkpoint's bytes, read back in parts."""
 
 from __future__ import annotations
 
 import hashlib
 import io
 import json
+import os
+import shutil
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 
+from bus.checkpoints import digest
 from bus.codec import encode
 from bus.connect import connect
 from bus.datasets import (
-    DatasetStoreError,
+    MANIFEST,
+    Ask,
+    download,
+    encode_manifest,
     prefix_of,
     push_dataset,
     register_path,
     scan,
+    sha256_file,
     tenant_store,
 )
 from bus.declare import declare
+from bus.records import put_policy
 from bus.server import EmbeddedServer
 from clients.sdk import Client, Job, JobFailed, RequestError
 from schemas import headers, subjects
 from schemas.jobs import JobSubmit
-from schemas.tenantctl import AddDataset
+from schemas.model import HeadConfig, OptimizerConfig
+from schemas.tenantctl import (
+    PART_BYTES,
+    AddDataset,
+    ExportBytes,
+    PartStored,
+    PlanDataset,
+    PutDatasetPart,
+    ReadExport,
+    TenantReply,
+    TenantRequest,
+)
+from schemas.tenants import DatasetManifest, ManifestFile
+from schemas.train import OpenSlot, PolicyRecord
 from services.envs.datasets import record
 from services.envs.sims import REACH2D_ID
 from services.master.queries import Queries
@@ -48,6 +71,41 @@ def reach(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("datasets") / "reach"
     record(REACH2D_ID, 12, path, seed=0)
     return path
+
+
+@pytest.fixture(scope="module")
+def reach_big(tmp_path_factory: pytest.TempPathFactory, reach: Path) -> Path:
+    """The reach dataset and one file of several parts (a push can stop inside it)."""
+    path = tmp_path_factory.mktemp("datasets") / "reach-big"
+    shutil.copytree(reach, path)
+    (path / "extra").mkdir()
+    (path / "extra" / "blob.bin").write_bytes(os.urandom(3 * PART_BYTES + 17))
+    return path
+
+
+def asker(client: Client, tenant: str, *, stop_after: int | None = None) -> Ask:
+    """What the SDK's push asks through; with ``stop_after``, the push is interrupted (as a
+    dropped connection would) when that many part requests have been answered."""
+    answered: list[TenantRequest] = []
+
+    async def ask(request: TenantRequest, timeout: float) -> TenantReply:
+        if stop_after is not None and isinstance(request, PutDatasetPart):
+            if len(answered) == stop_after:
+                raise Interrupt
+            answered.append(request)
+        return await client.request(tenant, request, timeout=timeout)
+
+    return ask
+
+
+async def objects(client: Client, tenant: str, prefix: str) -> list[str]:
+    """Names of the live objects under ``prefix`` in the tenant's bucket."""
+    store = await tenant_store(client.js, tenant, create=False)
+    try:
+        infos = await store.list(ignore_deletes=True)
+    except NotFoundError:
+        return []
+    return sorted(i.name for i in infos if i.name and i.name.startswith(prefix))
 
 
 @pytest_asyncio.fixture
@@ -106,10 +164,17 @@ async def test_a_corrupted_object_is_caught_by_its_digest_naming_the_file(
 ) -> None:
     tenant = uid("acme")
     victim = next(f.path for f in scan(reach) if f.path.endswith(".parquet"))
-    await push_dataset(client.js, tenant, reach, "reach")  # files and manifest, not added
+    report = await push_dataset(asker(client, tenant), tenant, reach, "reach")  # not added
     store = await tenant_store(client.js, tenant, create=False)
     data = (reach / victim).read_bytes()
     await store.put(prefix_of("reach") + victim, data[: len(data) // 2])  # torn in the bucket
+    # The end of a push: the master checks every stored object before it writes a manifest.
+    with pytest.raises(RequestError, match=rf"{victim}: the stored object .* is not the pushed"):
+        await client.request(tenant, AddDataset(tenant, "reach", report.files))
+    assert await objects(client, tenant, prefix_of("reach") + MANIFEST) == []
+    # A manifest already in the bucket (an operator's upload): materialising catches it.
+    manifest = DatasetManifest("reach", report.files)
+    await store.put(prefix_of("reach") + MANIFEST, encode_manifest(manifest))
     with pytest.raises(RequestError, match=rf"{victim}: sha256 .* does not match the manifest"):
         await client.request(tenant, AddDataset(tenant, "reach"))
     assert await client.datasets(tenant) == [], "nothing recorded for a bad dataset"
@@ -178,7 +243,132 @@ async def test_a_push_past_the_tenants_storage_limit_is_refused_naming_the_file(
     tenant = uid("small")
     # What `joynexus tenant add --max-storage` creates: the bucket's max_bytes is the limit.
     await client.js.create_object_store(bucket=subjects.tenant_bucket(tenant), max_bytes=4096)
-    with pytest.raises(DatasetStoreError, match=r"refused it: .*storage limit") as full:
+    with pytest.raises(RequestError, match=r"refused it: .*storage limit .*max_bytes") as full:
         await client.push_dataset(tenant, reach, "reach")
-    assert any(f.path in str(full.value) for f in scan(reach))
+    assert full.value.code == "invalid" and not full.value.retryable
+    assert any(str(full.value).startswith(f"{f.path}: ") for f in scan(reach)), full.value
     assert await client.datasets(tenant) == [], "nothing recorded"
+
+
+async def test_a_push_stopped_inside_a_file_resumes_with_only_the_files_not_stored(
+    client: Client, reach_big: Path
+) -> None:
+    tenant = uid("acme")
+    files = scan(reach_big)
+    first, blob = files[0].path, "extra/blob.bin"
+    assert [f.path for f in files[:2]] == [first, blob], "the big file is pushed second"
+    # Stopped at the big file's third part: its first parts may be stored, the file is not.
+    with pytest.raises(Interrupt):
+        await push_dataset(asker(client, tenant, stop_after=3), tenant, reach_big, "reach")
+    assert await objects(client, tenant, prefix_of("reach")) == [prefix_of("reach") + first]
+
+    pushed = await client.push_dataset(tenant, reach_big, "reach")
+    assert pushed.report.skipped == [first]
+    assert pushed.report.uploaded == [f.path for f in files[1:]]
+    assert pushed.report.bytes_uploaded == sum(f.size for f in files[1:])
+    assert pushed.record.files == len(files)
+    assert pushed.report.manifest_sha256 == pushed.record.digest
+    assert await objects(client, tenant, "uploads/") == [], "no part outlives its push"
+    # The joined file is the pushed file, byte for byte.
+    buf = io.BytesIO()
+    await download(client.js, subjects.tenant_bucket(tenant), prefix_of("reach") + blob, buf)
+    assert buf.getvalue() == (reach_big / blob).read_bytes()
+
+
+async def test_a_bad_part_or_path_gets_its_own_error_naming_the_file(client: Client) -> None:
+    tenant = uid("acme")
+
+    async def refusal(request: TenantRequest) -> str:
+        with pytest.raises(RequestError) as refused:
+            await client.request(tenant, request)
+        assert refused.value.code == "invalid" and not refused.value.retryable
+        return str(refused.value)
+
+    sha = "0" * 64
+    for bad in ("../escape.bin", "/etc/passwd", "", "a/../../b"):
+        message = await refusal(PlanDataset(tenant, "d", [ManifestFile(bad, 1, sha)]))
+        assert f"file path {bad!r} leaves the dataset" in message
+        one = PutDatasetPart(tenant, "d", bad, 0, 1, 1, sha, b"x")
+        assert f"file path {bad!r} leaves the dataset" in await refusal(one)
+    assert "manifest name" in await refusal(
+        PutDatasetPart(tenant, "d", MANIFEST, 0, 1, 1, sha, b"x")
+    )
+
+    oversize = PutDatasetPart(
+        tenant, "d", "big.bin", 0, 2, PART_BYTES + 1, sha, b"x" * (PART_BYTES + 1)
+    )
+    assert f"big.bin: part 0 has {PART_BYTES + 1} bytes, more than" in await refusal(oversize)
+    data = os.urandom(PART_BYTES + 10)
+    wrong = hashlib.sha256(b"something else").hexdigest()
+
+    def part(index: int, *, parts: int = 2, sha256: str = wrong) -> PutDatasetPart:
+        piece = data[index * PART_BYTES : (index + 1) * PART_BYTES]
+        return PutDatasetPart(tenant, "d", "f.bin", index, parts, len(data), sha256, piece)
+
+    assert "f.bin: part index 2 is not in 0..1" in await refusal(part(2))
+    assert "f.bin: 3 parts for" in await refusal(part(0, parts=3))
+    # The last part before the others: nothing to join.
+    assert "f.bin: part 0 of 2 is not stored" in await refusal(part(1))
+    assert await client.request(tenant, part(0)) == PartStored("f.bin", 0, complete=False)
+    message = await refusal(part(1))
+    assert message.startswith("f.bin: sha256 ") and "does not match the pushed file's" in message
+    assert await objects(client, tenant, "") == [], "neither the parts nor the file are kept"
+
+    right = hashlib.sha256(data).hexdigest()
+    for index in (0, 1):
+        stored = await client.request(tenant, part(index, sha256=right))
+        assert stored == PartStored("f.bin", index, complete=index == 1)
+    assert await objects(client, tenant, "") == [prefix_of("d") + "f.bin"]
+
+
+async def _committed_policy(client: Client, tenant: str, job: str, weights: bytes) -> None:
+    """A committed policy version 1 of ``job``, as the trainer writes one."""
+    name = f"{tenant}/{job}/v000001-{digest(weights)[:16]}"
+    await (await client.js.object_store(subjects.OBJ_CHECKPOINTS)).put(name, weights)
+    head = HeadConfig("oft", action_dim=2, chunk_len=1, proprio_dim=4)
+    slot = OpenSlot(tenant, job, head, OptimizerConfig(), seed=0, total_steps=1)
+    policy = PolicyRecord(tenant, job, 1, 1, name, digest(weights), 1, slot, time.time())
+    await put_policy(await client.js.key_value(subjects.KV_POLICIES), policy, last=0)
+
+
+async def test_an_export_is_read_back_in_parts_and_matches_the_checkpoint(
+    client: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tenant, job = uid("acme"), "j1"
+    weights = os.urandom(2 * PART_BYTES + 100)
+    await _committed_policy(client, tenant, job, weights)
+    reads: list[ReadExport] = []
+    request = client.request
+
+    async def counting(tenant_: str, req: TenantRequest, *, timeout: float = 10.0) -> TenantReply:
+        if isinstance(req, ReadExport):
+            reads.append(req)
+        return await request(tenant_, req, timeout=timeout)
+
+    monkeypatch.setattr(client, "request", counting)
+    exported = await client.export_policy(tenant, job, out_dir=tmp_path / "out")
+    assert exported == tmp_path / "out" / f"{job}-v1.ckpt"
+    assert exported.read_bytes() == weights and sha256_file(exported) == digest(weights)
+    assert [r.offset for r in reads] == [0, PART_BYTES, 2 * PART_BYTES]
+    assert list((tmp_path / "out").iterdir()) == [exported], "no .partial left"
+    monkeypatch.undo()
+
+    name = f"policies/{job}/v1"
+    whole = await client.request(tenant, ReadExport(tenant, name, 0))  # length 0: a part
+    assert isinstance(whole, ExportBytes) and whole.data == weights[:PART_BYTES]
+    tail = await client.request(tenant, ReadExport(tenant, name, len(weights) - 5, 1 << 30))
+    assert isinstance(tail, ExportBytes) and tail.data == weights[-5:]
+    assert tail.size == len(weights)
+    for bad, says in [
+        (ReadExport(tenant, name, len(weights) + 1), "is past the end"),
+        (ReadExport(tenant, name, -1), "is negative"),
+        (ReadExport(tenant, prefix_of("d") + MANIFEST, 0), "is not an exported policy"),
+        (ReadExport(tenant, "policies/../x/v1", 0), "is not an exported policy"),
+        (ReadExport(tenant, "policies/a..b/v1", 0), "job id"),
+    ]:
+        with pytest.raises(RequestError, match=says) as refused:
+            await client.request(tenant, bad)
+        assert refused.value.code == "invalid", bad
+    with pytest.raises(RequestError, match="no exported policy policies/j2/v1") as missing:
+        await client.request(tenant, ReadExport(tenant, "policies/j2/v1", 0))
+    assert missing.value.code == "not_found"

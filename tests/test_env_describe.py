@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from bench.cli import main as joynexus
-from bus.auth import any_inbox
+from bus.auth import any_inbox, query_reply_allowed
 from bus.codec import decode, encode
 from bus.connect import connect
 from bus.declare import declare
@@ -273,6 +273,35 @@ async def test_bus_describe_answers_only_on_an_inbox(own_nc: NATS, describer: De
     with pytest.raises(NatsTimeoutError):
         await landed.next_msg(timeout=0.3)
     assert describer.cache  # the worker is alive and answering
+
+
+async def test_a_tenants_describe_is_answered_only_on_its_own_inbox(
+    own_nc: NATS, describer: Describer
+) -> None:
+    """Bob's describe naming alice's inbox as its reply reaches nothing of alice's."""
+    victim = await own_nc.subscribe(f"{subjects.tenant_inbox_prefix('alice')}.>")
+    request = encode(DescribeEnv(REACH, {}))
+    await own_nc.publish(subjects.env_describe("bob"), request, reply="_INBOX_alice.r")
+    await own_nc.publish(subjects.ENV_DESCRIBE, request, reply="_INBOX_alice.r")
+    assert await request_description(own_nc, REACH) == describe_env(REACH)
+    await own_nc.flush()
+    with pytest.raises(NatsTimeoutError):
+        await victim.next_msg(timeout=0.3)
+
+
+def test_shared_queries_answer_the_subjects_own_inbox_only() -> None:
+    base = subjects.ENV_DESCRIBE
+    assert query_reply_allowed(subjects.env_describe("bob"), base, "_INBOX_bob.x.1")
+    assert query_reply_allowed(base, base, "_INBOX.x.1")
+    for subject, reply in (
+        (subjects.env_describe("bob"), "_INBOX_alice.x"),
+        (subjects.env_describe("bob"), "_INBOX.x"),
+        (base, "_INBOX_alice.x"),
+        (base, "$KV.jobs.alice.j"),
+        (f"{base}.bad*token", "_INBOX.x"),
+        ("nexus.other", "_INBOX.x"),
+    ):
+        assert not query_reply_allowed(subject, base, reply), (subject, reply)
 
 
 def test_any_inbox_accepts_inboxes_only() -> None:

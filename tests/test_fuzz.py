@@ -2,13 +2,16 @@
 
 Hypothesis draws over a thousand malformed payloads (random bytes, truncated and garbled
 msgpack of the real Structs, other Structs' tags, wrong types, huge and negative numbers,
-another tenant named in the body, absurd specs built from the real spec models) for
-``nexus.job.<t>.{submit,cancel,pause,resume}``, ``nexus.ctl.tenant.<t>.<op>`` for every op,
-``nexus.envinfo.describe`` and ``nexus.ctl.backbones``. Meanwhile a well-formed SFT job of
-another tenant runs. Shown: no service crashes or restarts (same pids, heartbeats without a
-gap), every JetStream message is dead-lettered (counted), every request gets an error reply
-(and never another tenant's data), and the other tenant's job ends with exactly the
-parameters and losses it has when it runs alone.
+another tenant named in the body, absurd specs built from the real spec models) for every
+subject a tenant may publish to: ``nexus.ctl.tenant.<t>.<op>`` for every op (submit and
+cancel among them: absurd specs travel inside well-formed submits, so the master queues them
+and its ``JOBS`` consumer must refuse them), ``nexus.envinfo.describe.<t>`` and
+``nexus.ctl.backbones.<t>``, asked from the tenant's own inbox prefix. The services' own
+``JOBS`` subjects get garbled commands too. Meanwhile a well-formed SFT job of another tenant
+runs. Shown: no service crashes or restarts (same pids, heartbeats without a gap), every
+request gets an error reply (never another tenant's data) or, for a queued command, a
+dead letter (counted), and the other tenant's job ends with exactly the parameters and losses
+it has when it runs alone.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ from schemas.tenantctl import (
     GetJob,
     ListDatasets,
     ListJobs,
+    Queued,
+    SubmitJob,
 )
 from schemas.train import CloseSlot
 from services.envs.datasets import record as record_dataset
@@ -66,8 +71,8 @@ from tests.test_trainer_defects import events_of
 
 T = TypeVar("T")
 
-#: Payloads per family; 1020 in all.
-N_JOBS, N_CTL, N_DESCRIBE, N_BACKBONES = 600, 300, 80, 40
+#: Payloads per family; 1120 in all.
+N_JOBS, N_SUBMITS, N_CTL, N_DESCRIBE, N_BACKBONES = 300, 400, 300, 80, 40
 ROLES = ("master", "envs", "trainer")
 
 
@@ -258,6 +263,13 @@ def ctl_payloads(tenant: str, other: str, other_job: str) -> st.SearchStrategy[t
     return st.tuples(st.sampled_from(subjects.TENANT_CTL_OPS), payloads)
 
 
+def submit_requests(tenant: str, other: str, n: int) -> list[bytes]:
+    """``n`` well-formed submits of the fuzz tenant, each with a spec that must be refused,
+    each under a job id of its own (a repeated id would be the same command to ``JOBS``)."""
+    specs = draw(spec_documents(tenant, other), n)
+    return [encode(SubmitJob(tenant, f"fz-{i}", spec)) for i, spec in enumerate(specs)]
+
+
 def describe_payloads() -> st.SearchStrategy[bytes]:
     """Describe requests no env can answer: unknown ids, unknown kwargs, images out of range."""
     kwargs = st.dictionaries(
@@ -444,11 +456,12 @@ async def test_a_thousand_malformed_payloads_leave_every_service_and_another_ten
 
     t0 = time.monotonic()
     jobs = draw(job_payloads(fuzz, during, "sft"), N_JOBS)
+    submits = submit_requests(fuzz, during, N_SUBMITS)
     ctl = draw(ctl_payloads(fuzz, during, "sft"), N_CTL)
     describes = draw(describe_payloads(), N_DESCRIBE)
     backbones = draw(backbones_payloads(), N_BACKBONES)
     drawn_s = time.monotonic() - t0
-    total = len(jobs) + len(ctl) + len(describes) + len(backbones)
+    total = len(jobs) + len(submits) + len(ctl) + len(describes) + len(backbones)
     assert total >= 1000, total
 
     beats = Beats(pids)
@@ -469,26 +482,42 @@ async def test_a_thousand_malformed_payloads_leave_every_service_and_another_ten
         ],
         50,
     )
+    # The tenant's requests come from its own inbox prefix, as its identity's would: the
+    # services answer a tenant's subject on nothing else.
+    tenant_nc = NATS()
+    await tenant_nc.connect(fresh_server.url, inbox_prefix=subjects.tenant_inbox_prefix(fuzz))
+    submit_replies = await in_chunks(
+        [partial(ask, tenant_nc, subjects.tenant_ctl(fuzz, "submit"), d) for d in submits], 25
+    )
     ctl_replies = await in_chunks(
-        [partial(ask, nc, subjects.tenant_ctl(fuzz, op), data) for op, data in ctl],
+        [partial(ask, tenant_nc, subjects.tenant_ctl(fuzz, op), data) for op, data in ctl],
         25,
     )
     describe_replies = await in_chunks(
-        [partial(ask, nc, subjects.ENV_DESCRIBE, data) for data in describes], 10
+        [partial(ask, tenant_nc, subjects.env_describe(fuzz), data) for data in describes], 10
     )
     backbone_replies = await in_chunks(
-        [partial(ask, nc, subjects.BACKBONES_QUERY, data) for data in backbones], 25
+        [partial(ask, tenant_nc, subjects.backbones_query(fuzz), d) for d in backbones], 25
     )
     sent_s = time.monotonic() - t1
 
-    # Every job command is dead-lettered, none accepted.
+    # Every job command is dead-lettered (the garbled ones on JOBS, and every submit the
+    # master queued), none accepted; a submit not queued got an error reply.
+    queued = 0
+    for reply in submit_replies:
+        assert reply is not None, "the master answers every submit"
+        submitted = decode(TENANT_REPLY_DECODER, reply)
+        assert isinstance(submitted, Queued | CtlError), submitted
+        queued += isinstance(submitted, Queued)
+        assert isinstance(submitted, CtlError) or not submitted.duplicate, submitted
     dead_subject = subjects.dead("JOBS", fuzz)
+    dead_wanted = len(jobs) + queued
     await eventually(
-        lambda: _at_least(count(js, subjects.STREAM_DEAD, dead_subject), len(jobs)),
+        lambda: _at_least(count(js, subjects.STREAM_DEAD, dead_subject), dead_wanted),
         timeout=120,
-        what=f"{len(jobs)} dead letters",
+        what=f"{dead_wanted} dead letters",
     )
-    assert await count(js, subjects.STREAM_DEAD, dead_subject) == len(jobs)
+    assert await count(js, subjects.STREAM_DEAD, dead_subject) == dead_wanted
     accepted = [
         e
         for e in await _events(js, f"{subjects.PREFIX}.event.{fuzz}.*.accepted")
@@ -531,10 +560,12 @@ async def test_a_thousand_malformed_payloads_leave_every_service_and_another_ten
         assert "unexpected error" not in log, f"{role}: {log[-3000:]}"
     print(
         f"fuzz: {total} payloads drawn in {drawn_s:.1f}s, sent in {sent_s:.1f}s; "
-        f"{len(jobs)} job commands dead-lettered; ctl answered {len(answered_ctl)}/{len(ctl)}, "
+        f"{dead_wanted} job commands dead-lettered ({queued} queued by the master); "
+        f"ctl answered {len(answered_ctl)}/{len(ctl)}, "
         f"backbones answered {len(answered_backbones)}/{len(backbones)}; "
         f"max heartbeat gap {beats.max_gap_s:.2f}s"
     )
+    await tenant_nc.close()
     await nc.close()
 
 

@@ -68,14 +68,17 @@ def test_render_grants_a_tenant_only_its_own_subjects(tmp_path: Path) -> None:
     tenantadmin.init_home(tmp_path)
     tenantadmin.add_tenant(tmp_path, "alice", TenantLimits(2, 1 << 20))
     text = render(load_registry(tmp_path))
-    alice = next(line for line in text.splitlines() if "nexus.job.alice.>" in line)
-    assert '"$JS.API.CONSUMER.CREATE.EVENTS.*.nexus.event.alice.>"' in alice
-    assert 'subscribe: { allow: ["_INBOX_alice.>"] }' in alice
-    assert '"$JS.API.CONSUMER.CREATE.EVENTS.master-events.>"' in alice  # in its deny list
-    assert "MSG.NEXT" not in alice and "$KV" not in alice and "STREAM.NAMES" not in alice
+    alice = next(line for line in text.splitlines() if "nexus.ctl.tenant.alice.>" in line)
+    publish = (
+        'publish: { allow: ["nexus.ctl.tenant.alice.>", "nexus.envinfo.describe.alice", '
+        '"nexus.ctl.backbones.alice"] }'
+    )
+    assert publish in alice
+    assert 'subscribe: { allow: ["_INBOX_alice.>", "nexus.event.alice.>"] }' in alice
+    assert "$JS" not in alice and "$KV" not in alice and "$O." not in alice  # no JetStream
     assert text.count("nkey: U") == 3  # service, operator, alice
     tenantadmin.revoke_tenant(tmp_path, "alice")
-    assert "nexus.job.alice" not in render(load_registry(tmp_path))
+    assert "nexus.ctl.tenant.alice" not in render(load_registry(tmp_path))
 
 
 def test_tenant_admin_refuses_what_it_cannot_do(tmp_path: Path) -> None:

@@ -213,16 +213,19 @@ def test_joynexus_up_check_reports_five_healthy_roles(tmp_path: Path) -> None:
 
 
 async def test_broker_sigkill_loses_no_accepted_job(tmp_path: Path, procs: Procs) -> None:
-    """Jobs whose submit the stream acknowledged survive a SIGKILL of the server and are
-    accepted by the master after the restart."""
+    """Jobs whose submit the master queued (the stream acknowledged it) survive a SIGKILL of
+    the server and of the master, and are accepted by the master after the restart."""
     server = EmbeddedServer(tmp_path / "nats").start()
     try:
         tenant = uid("crash")
+        master = procs.add(start_service("master", server.url, tmp_path / "master-1.log"))
         async with await Client.connect(server.url) as client:
             await declare(client.js)  # as any service does at start-up
             await _register(client, tenant)
             jobs = [await client.submit(_sft_spec(tenant)) for _ in range(5)]
+        master.kill()
         server.kill()
+        master.wait(10)
         server.restart()
         procs.add(start_service("master", server.url, tmp_path / "master.log"))
         async with await Client.connect(server.url) as client:

@@ -2,6 +2,9 @@
 alice's things fails with the server's permission error, and nothing of alice's is reached
 or changed. Positive controls in the same test show alice (and bob, on his own things) can
 do what they are allowed, so the denials are not an artefact of a broken connection.
+Tenants get no JetStream at all, not even on their own things, and requests whose reply
+subject names another's KV entry, stream subject or inbox are answered nowhere: the server
+would otherwise write its (or a service's) answer there.
 
 A real ``nats-server`` runs with the authorization config rendered from the identities
 registry (:mod:`bus.auth`); the service identity declares the real layout and writes alice's
@@ -17,25 +20,35 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgspec
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig
 
 from bus import tenantadmin
 from bus.auth import load_registry, render
-from bus.codec import encode
+from bus.codec import decode, encode
 from bus.connect import connect
 from bus.declare import declare
 from bus.identity import IdentityError, creds_path, load_creds
 from bus.server import EmbeddedServer
 from schemas import subjects as s
 from schemas.jobs import JobRecord, job_key
+from schemas.tenantctl import (
+    TENANT_REPLY_DECODER,
+    CancelJob,
+    CtlError,
+    EventsPage,
+    JobsReply,
+    ListJobs,
+    ReadEvents,
+    SubmitJob,
+)
 from schemas.tenants import TENANT_RECORD_DECODER
+from services.master.queries import Queries
 from tests.helpers import eventually, uid
 
 pytestmark = pytest.mark.timeout(120)
@@ -175,44 +188,86 @@ async def snapshot(sec: Secured, job: str) -> dict[str, object]:
     return {"streams": streams, "consumers": consumers, "record": entry.value, "names": names}
 
 
-async def test_bob_reaches_nothing_of_alice(secured: Secured) -> None:
+@pytest_asyncio.fixture
+async def master(secured: Secured, tmp_path: Path) -> AsyncIterator[Queries]:
+    """The master's responders to tenants' requests, running as the service identity."""
+    js = secured.service.jetstream()
+    queries = Queries(
+        js, await js.key_value(s.KV_JOBS), await js.key_value(s.KV_POLICIES), tmp_path / "cache"
+    )
+    await queries.subscribe(secured.service)
+    yield queries
+    await queries.close()
+
+
+async def test_bob_reaches_nothing_of_alice(secured: Secured, master: Queries) -> None:
     sec = secured
     job = str((await alice_things(sec))["job"])
     alice = await sec.tenant("alice")
     bob = await sec.tenant("bob")
     try:
-        # -- positive controls: alice's own things work --------------------------------------
-        ack = await alice.nc.jetstream().publish(s.job("alice", "submit"), b"{}")
-        assert ack.stream == s.STREAM_JOBS
-        seen: asyncio.Queue[Msg] = asyncio.Queue()
+        # -- positive controls: alice's own things work, through the master ---------------
+        live: asyncio.Queue[Msg] = asyncio.Queue()
 
-        async def on_event(msg: Msg) -> None:
-            await seen.put(msg)
+        async def on_live(msg: Msg) -> None:
+            await live.put(msg)
 
-        sub = await alice.nc.jetstream().subscribe(
-            "nexus.event.alice.>",
-            stream=s.STREAM_EVENTS,
-            cb=on_event,
-            ordered_consumer=True,
-            config=ConsumerConfig(name=uid("alice-follow"), deliver_policy=DeliverPolicy.ALL),
-        )
-        first = await asyncio.wait_for(seen.get(), 10)
-        assert first.subject == s.event("alice", job, "accepted")
-        await sub.unsubscribe()
-        mine = await alice.nc.jetstream().object_store(s.tenant_bucket("alice"))
-        await mine.put("exports/p1", b"alice's export")
-        assert (await mine.get_info("exports/p1")).size == len(b"alice's export")
-        await mine.delete("exports/p1")
-        # bob's own subjects work too (his connection is not simply broken)
-        assert (await bob.nc.jetstream().publish(s.job("bob", "submit"), b"{}")).seq > 0
+        await alice.nc.subscribe("nexus.event.alice.>", cb=on_live)
+        await alice.nc.flush()
+        jobs = await _ask(alice, s.tenant_ctl("alice", "jobs"), encode(ListJobs("alice")))
+        assert isinstance(jobs, JobsReply) and [r.job_id for r in jobs.records] == [job]
+        page = await _ask(alice, s.tenant_ctl("alice", "events"), encode(ReadEvents("alice", job)))
+        assert isinstance(page, EventsPage)
+        assert [e.subject for e in page.events] == [
+            s.event("alice", job, "accepted"),
+            s.event("alice", job, "progress"),
+        ]
+        # bob's own requests work too (his connection is not simply broken)
+        mine = await _ask(bob, s.tenant_ctl("bob", "jobs"), encode(ListJobs("bob")))
+        assert isinstance(mine, JobsReply) and mine.records == []
         assert alice.errors == [] and bob.errors == []
         before = await snapshot(sec, job)
 
-        # -- bob on alice's job subjects: cancel, submit, requests -------------------------
+        # -- no JetStream at all, not even on a tenant's own things (it would let the
+        #    server answer onto a reply subject the tenant names) -------------------------
+        api = "$JS.API"
+        for subject in (
+            s.job("alice", "submit"),
+            f"{api}.INFO",
+            f"{api}.CONSUMER.CREATE.EVENTS.own.nexus.event.alice.>",
+            f"$O.{s.tenant_bucket('alice')}.M.planted",
+            f"{api}.STREAM.INFO.OBJ_{s.tenant_bucket('alice')}",
+        ):
+            await alice.attempt(subject, b"{}")
+        alice.errors.clear()
+
+        # -- bob on alice's job subjects and requests ---------------------------------------
         for verb in ("cancel", "submit", "pause"):
             await bob.attempt(s.job("alice", verb), b"{}")
         await bob.attempt(s.tenant_ctl("alice", "jobs"))
-        await bob.attempt(s.tenant_ctl("alice", "job"), json.dumps({"job_id": job}).encode())
+        await bob.attempt(s.tenant_ctl("alice", "cancel"), encode(CancelJob("alice", job)))
+        await bob.attempt(s.tenant_ctl("alice", "events"), encode(ReadEvents("alice", job)))
+        # on his own subject, claiming alice: the master refuses it by name
+        claim = await _ask(bob, s.tenant_ctl("bob", "cancel"), encode(CancelJob("alice", job)))
+        assert isinstance(claim, CtlError) and claim.code == "tenant_mismatch"
+
+        # -- replies aimed at alice's things: the services answer only on bob's inbox ------
+        targets = (
+            f"$KV.{s.KV_JOBS}.{job_key('alice', job)}",
+            s.event("alice", job, "state"),
+            s.job("alice", "submit"),
+            f"{s.tenant_inbox_prefix('alice')}.r",
+            f"$O.{s.tenant_bucket('alice')}.M.planted",
+        )
+        for target in targets:
+            for subject, body in (
+                (s.tenant_ctl("bob", "jobs"), encode(ListJobs("bob"))),
+                (s.tenant_ctl("bob", "events"), encode(ReadEvents("bob", "x"))),
+                (s.tenant_ctl("bob", "submit"), encode(SubmitJob("bob", uid("j"), b"{}"))),
+                (s.BACKBONES_QUERY, b""),
+            ):
+                await bob.nc.publish(subject, body, reply=target)
+        await bob.nc.flush()
 
         # -- subscribe to alice's events, her inbox, anyone's inbox, the backbone ---------
         got: list[Msg] = []
@@ -222,6 +277,7 @@ async def test_bob_reaches_nothing_of_alice(secured: Secured) -> None:
 
         for subject in (
             "nexus.event.alice.>",
+            "nexus.event.>",
             f"{s.tenant_inbox_prefix('alice')}.>",
             "_INBOX.>",
             ">",
@@ -231,27 +287,20 @@ async def test_bob_reaches_nothing_of_alice(secured: Secured) -> None:
             await bob.nc.subscribe(subject, cb=collect)
             await bob.denied(subject, "subscription")
 
-        # -- consumers on alice's events: filtered, unfiltered, legacy durable, update of
-        #    the master's durable under bob's own filter ----------------------------------
-        api = "$JS.API"
+        # -- consumers on alice's events, pulls from existing consumers -------------------
         alice_filter = ConsumerConfig(
             name="bob-spy", filter_subject="nexus.event.alice.>", deliver_subject="_INBOX_bob.x"
         )
         body = json.dumps({"stream_name": "EVENTS", "config": alice_filter.as_dict()}).encode()
         for subject in (
             f"{api}.CONSUMER.CREATE.EVENTS.bob-spy.nexus.event.alice.>",
+            f"{api}.CONSUMER.CREATE.EVENTS.bob-spy.nexus.event.bob.>",
             f"{api}.CONSUMER.CREATE.EVENTS",
             f"{api}.CONSUMER.CREATE.EVENTS.bob-spy",
             f"{api}.CONSUMER.DURABLE.CREATE.EVENTS.bob-spy",
             f"{api}.CONSUMER.CREATE.EVENTS.master-events.nexus.event.bob.>",
         ):
             await bob.attempt(subject, body)
-        # bob's own filtered subject with alice's filter inside: the server checks the two
-        # agree and refuses with its own error
-        with pytest.raises(NatsError, match="filter"):
-            await _create_mismatched(bob)
-
-        # -- pull from existing consumers: the master's durables and alice's ---------------
         for stream, consumer in (
             (s.STREAM_JOBS, "master"),
             (s.STREAM_EVENTS, "master-events"),
@@ -271,8 +320,8 @@ async def test_bob_reaches_nothing_of_alice(secured: Secured) -> None:
         )
         await bob.attempt(f"{api}.DIRECT.GET.KV_{s.KV_JOBS}.$KV.{s.KV_JOBS}.{key}")
         await bob.attempt(f"{api}.DIRECT.GET.KV_{s.KV_TENANTS}")
-        # -- checkpoints and alice's bucket --------------------------------------------------
-        for bucket in (s.OBJ_CHECKPOINTS, s.tenant_bucket("alice")):
+        # -- checkpoints and the tenants' buckets (his own included) --------------------------
+        for bucket in (s.OBJ_CHECKPOINTS, s.tenant_bucket("alice"), s.tenant_bucket("bob")):
             stream = f"OBJ_{bucket}"
             await bob.attempt(f"{api}.STREAM.INFO.{stream}")
             await bob.attempt(f"{api}.CONSUMER.CREATE.{stream}", b"{}")
@@ -280,8 +329,6 @@ async def test_bob_reaches_nothing_of_alice(secured: Secured) -> None:
             await bob.attempt(f"{api}.STREAM.MSG.GET.{stream}", b'{"seq": 1}')
             await bob.attempt(f"{api}.STREAM.PURGE.{stream}", b"{}")
             await bob.attempt(f"$O.{bucket}.M.planted", b"{}")
-        with pytest.raises(NatsError):
-            await bob.nc.jetstream().object_store(s.tenant_bucket("alice"))
 
         # -- stream admin and the account's JetStream API ------------------------------------
         for subject in (
@@ -307,25 +354,30 @@ async def test_bob_reaches_nothing_of_alice(secured: Secured) -> None:
         await bob.nc.flush()
         await alice.nc.flush()
         await sec.service.jetstream().publish(s.event("alice", job, "state"), b"after")
+        after_live = await asyncio.wait_for(live.get(), 10)
+        assert after_live.data == b"after"  # the only event alice saw: nothing planted
+        assert live.empty()
         after = await snapshot(sec, job)
         before_events = before["streams"][s.STREAM_EVENTS]  # type: ignore[index]
         after_events = after["streams"][s.STREAM_EVENTS]  # type: ignore[index]
         assert after_events[0] == before_events[0] + 1  # only the service's own publish
-        assert after["streams"][s.STREAM_JOBS] == before["streams"][s.STREAM_JOBS]  # type: ignore[index]
-        bucket_stream = f"OBJ_{s.tenant_bucket('alice')}"
-        assert after["streams"][bucket_stream] == before["streams"][bucket_stream]  # type: ignore[index]
+        # bob's own submits (queued by the master) are the only new JOBS messages
+        before_jobs = before["streams"][s.STREAM_JOBS]  # type: ignore[index]
+        after_jobs = after["streams"][s.STREAM_JOBS]  # type: ignore[index]
+        assert after_jobs[0] == before_jobs[0] + len(targets)
+        for bucket_stream in (f"OBJ_{s.tenant_bucket('alice')}",):
+            assert after["streams"][bucket_stream] == before["streams"][bucket_stream]  # type: ignore[index]
         assert after["record"] == before["record"]
         assert after["names"] == before["names"]
         b_consumers = before["consumers"]
         a_consumers = after["consumers"]
         assert isinstance(a_consumers, dict) and isinstance(b_consumers, dict)
-        assert a_consumers["master"] == b_consumers["master"]
         for name in ("alice-view", "master-events"):
             # same filter, nothing delivered (to bob or anyone), one more pending: the
             # service's own event above
             filter_, delivered, pending, acks = b_consumers[name]
             assert a_consumers[name] == (filter_, delivered, pending + 1, acks)
-        assert got == [] and bob.replies == []
+        assert got == [] and bob.replies == [] and alice.replies == []
         with pytest.raises(NatsError):
             await sec.service.jetstream().consumer_info(s.STREAM_EVENTS, "bob-spy")
         assert alice.errors == []  # alice was never affected
@@ -334,18 +386,10 @@ async def test_bob_reaches_nothing_of_alice(secured: Secured) -> None:
         await bob.nc.close()
 
 
-async def _create_mismatched(bob: Tenant) -> None:
-    """A consumer create on bob's own filtered subject whose body asks for alice's events."""
-    config = ConsumerConfig(
-        name="bob-trick", filter_subject="nexus.event.alice.>", deliver_subject="_INBOX_bob.t"
-    )
-    body = json.dumps({"stream_name": "EVENTS", "config": config.as_dict()}).encode()
-    reply = await bob.nc.request(
-        "$JS.API.CONSUMER.CREATE.EVENTS.bob-trick.nexus.event.bob.>", body, timeout=5
-    )
-    error = msgspec.json.decode(reply.data).get("error")
-    if error:
-        raise NatsError(str(error.get("description")))
+async def _ask(tenant: Tenant, subject: str, body: bytes) -> object:
+    """One request on ``subject``, answered on the tenant's own inbox."""
+    reply = await tenant.nc.request(subject, body, timeout=5)
+    return decode(TENANT_REPLY_DECODER, reply.data)
 
 
 async def test_revoked_tenant_is_disconnected_and_cannot_return(secured: Secured) -> None:
@@ -360,7 +404,9 @@ async def test_revoked_tenant_is_disconnected_and_cannot_return(secured: Secured
         errors.append(str(exc).lower())
 
     carol = await connect(sec.server.url, creds=carol_creds, error_cb=on_error)
-    assert (await carol.jetstream().publish(s.job("carol", "submit"), b"{}")).seq > 0
+    await carol.publish(s.tenant_ctl("carol", "jobs"), encode(ListJobs("carol")))
+    await carol.flush()
+    assert errors == []
 
     tenantadmin.revoke_tenant(sec.home, "carol")
     applied = await tenantadmin.apply(sec.home, sec.server.url)
@@ -392,9 +438,18 @@ async def test_rotated_key_works_and_the_old_one_does_not(secured: Secured) -> N
     old_path.write_text(old_text)
     with pytest.raises(NatsError, match="Authorization Violation"):
         await connect(sec.server.url, creds=old_path, max_reconnect_attempts=0)
-    alice = await connect(sec.server.url, creds=new_path, max_reconnect_attempts=0)
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc).lower())
+
+    alice = await connect(
+        sec.server.url, creds=new_path, max_reconnect_attempts=0, error_cb=on_error
+    )
     try:
-        assert (await alice.jetstream().publish(s.job("alice", "submit"), b"{}")).seq > 0
+        await alice.publish(s.tenant_ctl("alice", "jobs"), encode(ListJobs("alice")))
+        await alice.flush()
+        assert errors == [] and alice.is_connected
     finally:
         await alice.close()
     kv = await sec.service.jetstream().key_value(s.KV_TENANTS)
@@ -403,17 +458,15 @@ async def test_rotated_key_works_and_the_old_one_does_not(secured: Secured) -> N
 
 
 async def test_storage_limit_is_the_buckets_max_bytes(secured: Secured) -> None:
+    """The tenant's bucket (written only by the master, for the tenant) holds at most the
+    tenant's storage limit."""
     sec = secured
     tenantadmin.set_limits(sec.home, "bob", max_storage=4096)
     await tenantadmin.apply(sec.home, sec.server.url)
-    bob = await connect(sec.server.url, creds=sec.creds("bob"))
-    try:
-        bucket = await bob.jetstream().object_store(s.tenant_bucket("bob"))
-        await bucket.put("small", b"x" * 1000)
-        with pytest.raises(NatsError):
-            await bucket.put("large", b"x" * 10_000)
-    finally:
-        await bob.close()
+    bucket = await sec.service.jetstream().object_store(s.tenant_bucket("bob"))
+    await bucket.put("small", b"x" * 1000)
+    with pytest.raises(NatsError):
+        await bucket.put("large", b"x" * 10_000)
     info = await sec.service.jetstream().stream_info(f"OBJ_{s.tenant_bucket('bob')}")
     assert info.config.max_bytes == 4096
 
@@ -436,7 +489,9 @@ async def test_per_connection_limits_apply_at_the_reload(secured: Secured) -> No
     try:
         assert bob.max_payload == 4096
         with pytest.raises(MaxPayloadError):
-            await bob.publish(s.job("bob", "submit"), b"x" * 5000)
-        assert (await bob.jetstream().publish(s.job("bob", "submit"), b"x" * 1000)).seq > 0
+            await bob.publish(s.tenant_ctl("bob", "jobs"), b"x" * 5000)
+        await bob.publish(s.tenant_ctl("bob", "jobs"), b"x" * 1000)
+        await bob.flush()
+        assert bob.is_connected
     finally:
         await bob.close()

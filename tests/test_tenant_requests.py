@@ -7,6 +7,7 @@ Each test has a server of its own: the responders under test must be the only on
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,9 +24,8 @@ from bus.datasets import register_path, tenant_store
 from bus.declare import declare
 from bus.records import put_job
 from bus.server import EmbeddedServer
-from clients.sdk import Client, EventFollower, RequestError
+from clients.sdk import Client, RequestError
 from schemas import subjects
-from schemas.events import EVENT_DECODER, Progress
 from schemas.health import Heartbeat
 from schemas.jobs import JobRecord
 from schemas.placement import PlacementRecord, placement_key
@@ -38,7 +38,7 @@ from schemas.tenantctl import (
     JobsReply,
     ListJobs,
 )
-from schemas.tenants import TenantRecord
+from schemas.tenants import ManifestFile, TenantRecord
 from services.master.queries import Queries
 from tests.helpers import uid
 
@@ -106,6 +106,11 @@ async def test_each_request_answers_with_the_tenants_own_records_only(
     with pytest.raises(RequestError, match="'never-pushed' has no manifest") as add:
         await client.request(alice, AddDataset(alice, "never-pushed"))
     assert add.value.code == "not_found"
+    # The end of a push names its files: one that was never stored is named.
+    files = [ManifestFile("data.bin", 3, hashlib.sha256(b"abc").hexdigest())]
+    with pytest.raises(RequestError, match=r"data\.bin: not stored: push the dataset") as add:
+        await client.request(alice, AddDataset(alice, "never-pushed", files))
+    assert add.value.code == "invalid"
 
 
 async def test_a_request_claiming_another_tenant_or_malformed_gets_a_typed_error(
@@ -209,40 +214,3 @@ async def test_no_master_is_a_retryable_error_not_a_hang(fresh_server: EmbeddedS
         with pytest.raises(RequestError, match="no master answered") as none:
             await client.request("acme", ListJobs("acme"), timeout=1.0)
         assert none.value.retryable and time.monotonic() - started < 5
-
-
-async def test_event_follower_resumes_after_its_consumer_is_lost(
-    fresh_server: EmbeddedServer,
-) -> None:
-    """A follower whose consumer disappears (deleted here; a broker restart or an
-    inactivity cleanup in life) makes a new one, under a new name, after the last event it
-    returned: nothing is skipped or repeated, and a reset cannot stall it."""
-    nc = await connect(fresh_server.url)
-    js = nc.jetstream()
-    await declare(js)
-    tenant, job = uid("acme"), "j1"
-
-    async def progress(step: int) -> None:
-        event = Progress(tenant, job, step, 10, {"loss": float(step)}, time.time())
-        await js.publish(subjects.event(tenant, job, "progress"), encode(event))
-
-    for step in range(1, 4):
-        await progress(step)
-    follower = EventFollower(nc, tenant, job, heartbeat_s=0.5)
-    try:
-        seen = []
-        for _ in range(2):
-            seen.append(decode(EVENT_DECODER, (await follower.next(10)).data))
-        first = follower.consumer
-        await js.delete_consumer(subjects.STREAM_EVENTS, first)
-        for step in range(4, 7):
-            await progress(step)
-        for _ in range(4):
-            seen.append(decode(EVENT_DECODER, (await follower.next(10)).data))
-        assert [e.step for e in seen if isinstance(e, Progress)] == [1, 2, 3, 4, 5, 6]
-        assert follower.resets == 1 and follower.consumer != first
-        with pytest.raises(TimeoutError):
-            await follower.next(1.0)
-    finally:
-        await follower.close()
-        await nc.close()

@@ -30,7 +30,7 @@ from schemas import subjects
 from schemas.events import Progress, StateChanged
 from schemas.jobs import JobRecord
 from schemas.model import HeadConfig, OptimizerConfig
-from schemas.tenantctl import ListJobs
+from schemas.tenantctl import PART_BYTES, ListJobs
 from schemas.train import OpenSlot, PolicyRecord
 from services.envs.datasets import record
 from services.envs.sims import REACH2D_ID
@@ -90,7 +90,7 @@ async def _alice_job(service: NATS, job: str) -> bytes:
         JobRecord("alice", job, "sft", "succeeded", b"{}", now, now, policy_version=2),
         last=0,
     )
-    weights = b"alice's policy weights " * 1000
+    weights = b"alice's policy weights " * 20000  # more than a part: read back in two
     name = f"alice/{job}/v000002-{digest(weights)[:16]}"
     await (await js.object_store(subjects.OBJ_CHECKPOINTS)).put(name, weights)
     slot = OpenSlot(
@@ -138,6 +138,7 @@ async def test_a_tenant_identity_does_its_work_through_the_sdk_and_nothing_else(
             if isinstance(e, Progress)
         ]
         assert steps == [1, 2]
+        assert len(weights) > PART_BYTES
         exported = await alice.export_policy("alice", "j1", out_dir=tmp_path / "out")
         assert exported.read_bytes() == weights
     assert _violations(log) == "", "alice did nothing her permissions do not allow"

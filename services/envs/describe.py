@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 
-from bus.auth import any_inbox
+from bus.auth import query_reply_allowed
 from bus.codec import DecodeError, decode, encode
 from schemas import subjects
 from schemas.envdesc import (
@@ -146,7 +146,7 @@ class Describer:
         self.cache: dict[str, EnvDescription] = {}
         self._building: dict[str, asyncio.Future[EnvDescription]] = {}
         self._replies: set[asyncio.Task[None]] = set()
-        self._sub: Subscription | None = None
+        self._subs: list[Subscription] = []
 
     async def describe(self, request: DescribeEnv) -> EnvDescription:
         key = cache_key(request.env_id, request.env_kwargs, request.image_size)
@@ -202,10 +202,10 @@ class Describer:
         return ""
 
     async def _answer(self, msg: Msg) -> None:
-        if not any_inbox(msg.reply):
-            # No answer, and no build: a reply named outside every inbox would publish the
-            # description onto that subject (a stream's, another service's) for the sender.
-            log.info("describe request with reply %r (not an inbox) dropped", msg.reply[:80])
+        if not query_reply_allowed(msg.subject, subjects.ENV_DESCRIBE, msg.reply):
+            # No answer, and no build: a reply named outside the sender's own inbox would
+            # publish the description there (a stream's subject, another tenant's inbox).
+            log.info("describe request with reply %r (not its inbox) dropped", msg.reply[:80])
             return
         reply = await self.reply(msg.data)
         try:
@@ -220,18 +220,19 @@ class Describer:
         task.add_done_callback(self._replies.discard)
 
     async def subscribe(self, nc: NATS) -> None:
-        """Start answering :data:`schemas.subjects.ENV_DESCRIBE` in the env workers' queue
-        group (one worker answers each request)."""
-        self._sub = await nc.subscribe(
-            subjects.ENV_DESCRIBE, queue=subjects.ENV_DESCRIBE_QUEUE, cb=self._on_request
-        )
+        """Start answering :data:`schemas.subjects.ENV_DESCRIBE` and its per-tenant form in
+        the env workers' queue group (one worker answers each request)."""
+        self._subs = [
+            await nc.subscribe(subject, queue=subjects.ENV_DESCRIBE_QUEUE, cb=self._on_request)
+            for subject in (subjects.ENV_DESCRIBE, f"{subjects.ENV_DESCRIBE}.*")
+        ]
 
     async def close(self) -> None:
         """Stop answering. A build in progress is left to finish in its thread; its reply
         is dropped with the connection (the requester times out and asks again)."""
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-            self._sub = None
+        subs, self._subs = self._subs, []
+        for sub in subs:
+            await sub.unsubscribe()
 
 
 __all__ = [

@@ -1,22 +1,26 @@
 """The master's answers to tenants' requests: ``nexus.ctl.tenant.<tenant>.<op>`` and
-``nexus.ctl.backbones`` (core NATS request-reply, queue group ``master``).
+``nexus.ctl.backbones[.<tenant>]`` (core NATS request-reply, queue group ``master``).
 
-A tenant may read no KV bucket and no object store but its own bucket (the broker denies
-it), so everything it needs to know about its jobs, datasets and policies comes from here.
-Every request is answered, whatever is wrong with it: a payload that does not decode, a tag
-that is not the subject's op or a tenant that is not the subject's gets a
-:class:`~schemas.tenantctl.CtlError` naming the problem, and nothing is read for it. The
-sender is the subject's tenant (the broker lets a tenant publish only under its own token);
-the tenant a message claims is checked against it, never trusted.
+A tenant's identity has no JetStream (:mod:`schemas.tenantctl` says why), so everything it
+does goes through here, answered only on its own inbox. Every request is answered, whatever
+is wrong with it: a payload that does not decode, a tag that is not the subject's op or a
+tenant that is not the subject's gets a :class:`~schemas.tenantctl.CtlError` naming the
+problem, and nothing is read or written for it. The sender is the subject's tenant (the
+broker lets a tenant publish only under its own token); the tenant a message claims is
+checked against it, never trusted.
 
 * ``job`` / ``jobs``: the tenant's records from the ``jobs`` KV.
+* ``submit`` / ``cancel``: queued on ``JOBS`` for the tenant, ``events``: a page of a job's
+  events (:mod:`services.master.tenantjobs`).
 * ``datasets``: its :class:`~schemas.tenants.DatasetRecord` s.
-* ``dataset-add``: after ``joynexus data push``: the master reads the manifest from the
-  tenant's bucket, downloads every file into its cache verifying each SHA-256
+* ``dataset-plan`` / ``dataset-part``: a push, file by file in parts, into the tenant's
+  bucket (:mod:`services.master.transfer`); ``dataset-add``: the master writes the manifest,
+  downloads every file into its cache verifying each SHA-256
   (:func:`bus.datasets.materialise`), checks the files as a dataset
   (:func:`vla.data.check_dataset`) and writes the record. Errors name the bad file.
 * ``export``: copies a committed policy version of the tenant's own job from the
-  ``checkpoints`` store into the tenant's bucket as ``policies/<job>/v<version>``.
+  ``checkpoints`` store into the tenant's bucket as ``policies/<job>/v<version>``;
+  ``export-read`` returns it in parts.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from bus.auth import any_inbox, reply_allowed
+from bus.auth import query_reply_allowed, reply_allowed
 from bus.checkpoints import CheckpointError, digest, get_checkpoint
 from bus.codec import DecodeError, decode, encode
 from bus.datasets import (
@@ -58,6 +62,7 @@ from schemas.tenantctl import (
     AddDataset,
     Backbones,
     BackbonesReply,
+    CancelJob,
     CtlError,
     DatasetAdded,
     DatasetsReply,
@@ -67,12 +72,19 @@ from schemas.tenantctl import (
     JobsReply,
     ListDatasets,
     ListJobs,
+    PlanDataset,
     PolicyExported,
+    PutDatasetPart,
+    ReadEvents,
+    ReadExport,
+    SubmitJob,
     TenantReply,
     TenantRequest,
 )
 from schemas.tenants import DatasetRecord
 from services.master.limits import TenantGate
+from services.master.tenantjobs import TenantJobs
+from services.master.transfer import Transfer
 from vla.data import DatasetError, check_dataset
 
 log = logging.getLogger(__name__)
@@ -92,6 +104,8 @@ class Queries:
         self.policies = policies
         self.cache_root = Path(cache_root)
         self.gate = TenantGate(js)
+        self.tenant_jobs = TenantJobs(js)
+        self.transfer = Transfer(js)
         self._subs: list[Subscription] = []
         self._replies: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(CONCURRENCY)
@@ -157,13 +171,27 @@ class Queries:
                 return await self.add_dataset(request)
             case ExportPolicy():
                 return await self.export(request)
+            case SubmitJob() | CancelJob():
+                return await self.tenant_jobs.command(request)
+            case ReadEvents():
+                return await self.tenant_jobs.events(request)
+            case PlanDataset():
+                return await self.transfer.plan(request)
+            case PutDatasetPart():
+                return await self.transfer.put_part(request)
+            case ReadExport():
+                return await self.transfer.read_export(request)
         raise AssertionError(f"unhandled request {request!r}")
 
     # -- datasets ---------------------------------------------------------------------------
 
     async def add_dataset(self, request: AddDataset) -> TenantReply:
-        """Verify a pushed dataset, check it as a dataset, record it in the namespace."""
+        """Verify a pushed dataset, check it as a dataset, record it in the namespace. With
+        ``files`` (the end of a tenant's push) the master first checks that each is stored
+        and writes the manifest itself; without, the manifest in the bucket is used."""
         tenant, dataset = request.tenant, validate_id(request.dataset, "dataset id")
+        if request.files is not None:
+            await self.transfer.write_manifest(request)
         directory, manifest, manifest_digest = await materialise(
             self.js, tenant, dataset, self.cache_root
         )
@@ -261,7 +289,7 @@ class Queries:
     async def _reply(self, msg: Msg) -> None:
         async with self._slots:
             try:
-                if msg.subject == subjects.BACKBONES_QUERY:
+                if msg.subject.startswith(subjects.BACKBONES_QUERY):
                     reply: TenantReply | BackbonesReply = await self.backbones(msg.data)
                 else:
                     reply = await self.answer(msg.subject, msg.data)
@@ -282,10 +310,10 @@ class Queries:
 
     @staticmethod
     def _reply_allowed(subject: str, reply: str) -> bool:
-        """A tenant's request is answered only on its own inbox (or a service's / the
-        operator's); the backbones query, which carries no tenant, only on an inbox."""
-        if subject == subjects.BACKBONES_QUERY:
-            return any_inbox(reply)
+        """A tenant's request is answered only on its own inbox; the backbones query on the
+        inbox of whoever its subject names (a tenant's, or the services' for the bare one)."""
+        if subject.startswith(subjects.BACKBONES_QUERY):
+            return query_reply_allowed(subject, subjects.BACKBONES_QUERY, reply)
         try:
             tenant = subjects.parse_tenant_ctl(subject).tenant
         except subjects.SubjectError:
@@ -300,7 +328,8 @@ class Queries:
 
     async def subscribe(self, nc: NATS) -> None:
         """Start answering in the master's queue group (one master answers each request)."""
-        for subject in (subjects.tenant_ctl_all(), subjects.BACKBONES_QUERY):
+        backbones = subjects.BACKBONES_QUERY
+        for subject in (subjects.tenant_ctl_all(), backbones, f"{backbones}.*"):
             self._subs.append(
                 await nc.subscribe(subject, queue=subjects.TENANT_CTL_QUEUE, cb=self._on_request)
             )

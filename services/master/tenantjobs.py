@@ -1,0 +1,89 @@
+"""A tenant's job commands and event reads, done for it by the master.
+
+A tenant's identity has no JetStream (:mod:`schemas.tenantctl` says why), so it cannot publish
+onto ``JOBS`` nor read ``EVENTS`` itself. The master queues its submits and cancels on
+``JOBS`` exactly as a service publish would (same subject, same ``Nats-Msg-Id``, so a repeated
+request is the same command) and reads its job's events from ``EVENTS`` by subject, a page at
+a time. Which tenant is asking is the request subject's token (the broker lets a tenant
+publish only under its own), already checked against the request by
+:meth:`services.master.queries.Queries.answer`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from bus.publish import msg_id, publish
+from schemas import headers, subjects
+from schemas.ids import validate_id
+from schemas.jobs import JobCancel, JobSubmit
+from schemas.tenantctl import (
+    CancelJob,
+    CtlError,
+    EventsPage,
+    Queued,
+    ReadEvents,
+    StoredEvent,
+    SubmitJob,
+    TenantReply,
+)
+
+#: A page of events stays this far under the broker's 1 MiB payload limit.
+PAGE_BYTES = 512 * 1024
+MAX_PAGE_EVENTS = 1024
+
+
+class TenantJobs:
+    """Queues tenants' job commands and pages through their events."""
+
+    def __init__(self, js: JetStreamContext) -> None:
+        self.js = js
+
+    async def command(self, request: SubmitJob | CancelJob) -> TenantReply:
+        """Put the command on ``JOBS``; the master's consumer applies it like any other (a bad
+        spec is answered there, by a ``rejected`` event naming the field)."""
+        tenant, job_id = request.tenant, validate_id(request.job_id, "job id")
+        if isinstance(request, SubmitJob):
+            verb = "submit"
+            command: JobSubmit | JobCancel = JobSubmit(
+                tenant, job_id, request.spec_json, time.time()
+            )
+        else:
+            verb = "cancel"
+            command = JobCancel(tenant, job_id, request.reason)
+        ack = await publish(
+            self.js,
+            subjects.job(tenant, verb),
+            command,
+            message_id=msg_id(verb, tenant, job_id),
+            headers={headers.JOB_ID: job_id},
+        )
+        return Queued(job_id, ack.seq, bool(ack.duplicate))
+
+    async def events(self, request: ReadEvents) -> TenantReply:
+        """The job's events after ``after_seq``, oldest first, as many as fit one reply."""
+        job_id = validate_id(request.job_id, "job id")
+        if request.after_seq < 0:
+            return CtlError("invalid", f"after_seq: {request.after_seq} is negative")
+        if not 1 <= request.limit <= MAX_PAGE_EVENTS:
+            return CtlError("invalid", f"limit: {request.limit} is not in 1..{MAX_PAGE_EVENTS}")
+        filter_subject = subjects.events_of_job(request.tenant, job_id)
+        page: list[StoredEvent] = []
+        size, seq = 0, request.after_seq
+        while len(page) < request.limit:
+            try:
+                raw = await self.js.get_msg(
+                    subjects.STREAM_EVENTS, seq=seq + 1, subject=filter_subject, next=True
+                )
+            except NotFoundError:
+                break  # nothing newer
+            data = raw.data or b""
+            if page and size + len(data) > PAGE_BYTES:
+                break
+            seq = raw.seq or seq + 1
+            page.append(StoredEvent(seq, raw.subject or "", data))
+            size += len(data) + len(raw.subject or "")
+        return EventsPage(page, seq)

@@ -1,0 +1,173 @@
+"""A tenant's job commands and events through the master (tenants have no JetStream):
+submits and cancels queued on ``JOBS`` for it, events read a page at a time, and the SDK's
+follower returning every event once, in order, across a master restart."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import typing
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from bus.codec import decode, encode
+from bus.connect import connect
+from bus.declare import declare
+from bus.server import EmbeddedServer
+from clients.follow import EventFollower
+from clients.sdk import Client, RequestError
+from schemas import subjects
+from schemas.events import EVENT_DECODER, Progress
+from schemas.jobs import JOB_COMMAND_DECODER, JobCancel, JobSubmit
+from schemas.tenantctl import (
+    CancelJob,
+    EventsPage,
+    Queued,
+    ReadEvents,
+    SubmitJob,
+    TenantRequest,
+)
+from services.master.queries import Queries
+from tests.conftest import Procs
+from tests.helpers import eventually, start_service, uid
+
+
+@pytest_asyncio.fixture
+async def stack(fresh_server: EmbeddedServer, tmp_path: Path) -> AsyncIterator[tuple[NATS, Client]]:
+    """The master's responders (in process, no JOBS consumer) and a client."""
+    nc = await connect(fresh_server.url, name="pytest-master")
+    js = nc.jetstream()
+    await declare(js)
+    queries = Queries(
+        js,
+        await js.key_value(subjects.KV_JOBS),
+        await js.key_value(subjects.KV_POLICIES),
+        tmp_path / "cache",
+    )
+    await queries.subscribe(nc)
+    client = await Client.connect(fresh_server.url)
+    yield nc, client
+    await client.close()
+    await queries.close()
+    await nc.close()
+
+
+async def progress(js: JetStreamContext, tenant: str, job: str, step: int) -> None:
+    event = Progress(tenant, job, step, 10, {"loss": float(step)}, time.time())
+    await js.publish(subjects.event(tenant, job, "progress"), encode(event))
+
+
+def steps(stored: Sequence[object]) -> list[int]:
+    return [e.step for e in stored if isinstance(e, Progress)]
+
+
+async def test_submit_and_cancel_are_queued_on_jobs_once(stack: tuple[NATS, Client]) -> None:
+    nc, client = stack
+    js = nc.jetstream()
+    tenant, job = uid("acme"), uid("j")
+    first = await client.request(tenant, SubmitJob(tenant, job, b'{"kind": "sft"}'))
+    again = await client.request(tenant, SubmitJob(tenant, job, b'{"kind": "sft"}'))
+    assert isinstance(first, Queued) and isinstance(again, Queued)
+    assert not first.duplicate and again.duplicate and again.stream_seq == first.stream_seq
+    stored = await js.get_msg(subjects.STREAM_JOBS, first.stream_seq)
+    assert stored.subject == subjects.job(tenant, "submit")
+    command = decode(JOB_COMMAND_DECODER, stored.data or b"")
+    assert isinstance(command, JobSubmit) and command.tenant == tenant
+    assert command.spec_json == b'{"kind": "sft"}'
+    cancel = await client.request(tenant, CancelJob(tenant, job, "enough"))
+    assert isinstance(cancel, Queued)
+    stored = await js.get_msg(subjects.STREAM_JOBS, cancel.stream_seq)
+    command = decode(JOB_COMMAND_DECODER, stored.data or b"")
+    assert isinstance(command, JobCancel) and command.reason == "enough"
+    with pytest.raises(RequestError, match="job id") as bad:
+        await client.request(tenant, SubmitJob(tenant, "no spaces allowed", b"{}"))
+    assert bad.value.code == "invalid"
+
+
+async def test_events_are_read_in_pages_of_the_tenants_own_job_only(
+    stack: tuple[NATS, Client],
+) -> None:
+    nc, client = stack
+    js = nc.jetstream()
+    tenant, other, job = uid("acme"), uid("bob"), uid("j")
+    for step in range(1, 301):
+        await progress(js, tenant, job, step)
+    await progress(js, other, job, 1)  # the same job id under another tenant
+    seen: list[object] = []
+    after = 0
+    for _ in range(10):
+        page = await client.read_events(ReadEvents(tenant, job, after, limit=128))
+        if not page.events:
+            break
+        assert len(page.events) <= 128
+        seen += [decode(EVENT_DECODER, e.data) for e in page.events]
+        after = page.last_seq
+    assert steps(seen) == list(range(1, 301))
+    assert all(getattr(e, "tenant", tenant) == tenant for e in seen)
+    empty = await client.read_events(ReadEvents(tenant, job, after))
+    assert empty == EventsPage([], after)
+    for bad, field in (
+        (ReadEvents(tenant, job, -1), "after_seq"),
+        (ReadEvents(tenant, job, 0, 0), "limit"),
+    ):
+        with pytest.raises(RequestError, match=field):
+            await client.read_events(bad)
+
+
+async def test_a_live_event_wakes_the_follower_long_before_its_poll(
+    stack: tuple[NATS, Client],
+) -> None:
+    nc, client = stack
+    tenant, job = uid("acme"), uid("j")
+    follower = EventFollower(client.nc, client.read_events, tenant, job, poll_s=60.0)
+    try:
+        waiting = asyncio.ensure_future(follower.next(30.0))
+        await eventually(lambda: follower.pages >= 1 or None, what="the first (empty) page")
+        started = time.monotonic()
+        await progress(nc.jetstream(), tenant, job, 7)
+        stored = await waiting
+        assert steps([decode(EVENT_DECODER, stored.data)]) == [7]
+        assert time.monotonic() - started < 10.0  # woken, not the 60 s poll
+    finally:
+        await follower.close()
+
+
+@pytest.mark.timeout(120)
+async def test_the_follower_returns_every_event_once_across_a_master_restart(
+    fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
+) -> None:
+    nc = await connect(fresh_server.url)
+    js = nc.jetstream()
+    await declare(js)
+    tenant, job = uid("acme"), uid("j")
+    for step in range(1, 4):
+        await progress(js, tenant, job, step)
+    master = procs.add(start_service("master", fresh_server.url, tmp_path / "m1.log"))
+    client = await Client.connect(fresh_server.url)
+    follower = EventFollower(client.nc, client.read_events, tenant, job, poll_s=0.3)
+    try:
+        seen = [decode(EVENT_DECODER, (await follower.next(60)).data) for _ in range(2)]
+        master.send_signal(signal.SIGKILL)
+        master.wait(10)
+        for step in range(4, 7):
+            await progress(js, tenant, job, step)
+        procs.add(start_service("master", fresh_server.url, tmp_path / "m2.log"))
+        seen += [decode(EVENT_DECODER, (await follower.next(60)).data) for _ in range(4)]
+        assert steps(seen) == [1, 2, 3, 4, 5, 6]
+        with pytest.raises(TimeoutError):
+            await follower.next(1.0)
+    finally:
+        await follower.close()
+        await client.close()
+        await nc.close()
+
+
+def test_every_tenant_request_has_its_subject() -> None:
+    tags = {t.__struct_config__.tag for t in typing.get_args(TenantRequest)}
+    assert tags == set(subjects.TENANT_CTL_OPS)
