@@ -211,9 +211,23 @@ def part_count(size: int) -> int:
     return max(1, -(-size // PART_BYTES))
 
 
+#: Longest file path in a pushed dataset, and longest path component (bytes, UTF-8): the
+#: object's name travels base64-encoded in a subject, which the server caps at 4 KiB.
+MAX_PATH_BYTES = 1024
+MAX_NAME_BYTES = 255
+
+
 def path_problem(path: str) -> str | None:
     """Why ``path`` cannot be a file of a pushed dataset (None when it can): it must be a
-    relative, normalised POSIX path inside the dataset, and not its manifest's name."""
+    relative, normalised POSIX path inside the dataset of at most :data:`MAX_PATH_BYTES`
+    (components :data:`MAX_NAME_BYTES`) without control characters, and not its manifest's
+    name."""
+    if len(path.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+        return f"is longer than {MAX_PATH_BYTES} bytes"
+    if any(ord(c) < 32 or ord(c) == 127 for c in path):
+        return "contains a control character"
+    if any(len(part.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES for part in path.split("/")):
+        return f"has a component longer than {MAX_NAME_BYTES} bytes"
     rel = PurePosixPath(path)
     if not path or rel.is_absolute() or ".." in rel.parts:
         return "leaves the dataset (absolute, empty or with '..')"

@@ -24,8 +24,11 @@ from clients.errors import RequestError
 from schemas import subjects
 from schemas.tenantctl import EventsPage, ReadEvents, StoredEvent
 
-#: Asks the master one :class:`ReadEvents`; raises an error with ``retryable`` on failure.
-AskEvents = Callable[[ReadEvents], Awaitable[EventsPage]]
+#: Asks the master one :class:`ReadEvents` within a timeout (seconds); raises
+#: :class:`~clients.errors.RequestError` on failure.
+AskEvents = Callable[[ReadEvents, float], Awaitable[EventsPage]]
+#: The longest one page request may take.
+ASK_TIMEOUT_S = 10.0
 
 
 class EventFollower:
@@ -63,27 +66,30 @@ class EventFollower:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while not self.pending:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError(f"no event from job {self.job_id} in {timeout:g}s")
             if self.sub is None:
                 with contextlib.suppress(NatsError):
                     self.sub = await self.nc.subscribe(self.subject, cb=self._wake)
             # Cleared before asking: an event stored while the page is read wakes the wait.
             self.woken.clear()
+            request = ReadEvents(self.tenant, self.job_id, self.last_seq)
             try:
-                page = await self.ask(ReadEvents(self.tenant, self.job_id, self.last_seq))
+                page = await self.ask(request, max(0.05, min(remaining, ASK_TIMEOUT_S)))
             except RequestError as exc:
                 if not exc.retryable:
                     raise
                 page = EventsPage([], self.last_seq)
             self.pages += 1
-            if page.events:
-                self.pending.extend(e for e in page.events if e.seq > self.last_seq)
-                self.last_seq = max(self.last_seq, page.last_seq)
+            self.pending.extend(e for e in page.events if e.seq > self.last_seq)
+            if self.pending:
+                self.last_seq = self.pending[-1].seq
                 continue
             remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise TimeoutError(f"no event from job {self.job_id} in {timeout:g}s")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.woken.wait(), min(remaining, self.poll_s))
+            if remaining > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.woken.wait(), min(remaining, self.poll_s))
         return self.pending.popleft()
 
     async def close(self) -> None:

@@ -308,9 +308,11 @@ class Client:
         """Cancel one of the tenant's jobs (queued by the master; idempotent)."""
         await self.request(tenant, CancelJob(tenant, job_id, reason))
 
-    async def read_events(self, request: ReadEvents) -> EventsPage:
+    async def read_events(
+        self, request: ReadEvents, timeout: float = REQUEST_TIMEOUT_S
+    ) -> EventsPage:
         """One page of a job's events (what :class:`EventFollower` asks for)."""
-        reply = await self.request(request.tenant, request)
+        reply = await self.request(request.tenant, request, timeout=timeout)
         assert isinstance(reply, EventsPage)
         return reply
 

@@ -293,6 +293,19 @@ async def test_a_bad_part_or_path_gets_its_own_error_naming_the_file(client: Cli
     assert "manifest name" in await refusal(
         PutDatasetPart(tenant, "d", MANIFEST, 0, 1, 1, sha, b"x")
     )
+    # A name the bucket could not even carry (its subject would pass the server's 4 KiB
+    # control line and cost the master its connection), control characters, a file that is
+    # also another's directory.
+    for bad, why in (
+        ("a/" * 600 + "x", "is longer than 1024 bytes"),
+        ("n" * 256, "has a component longer than 255 bytes"),
+        ("a\x00b", "contains a control character"),
+        ("line\nbreak", "contains a control character"),
+    ):
+        assert why in await refusal(PlanDataset(tenant, "d", [ManifestFile(bad, 1, sha)]))
+        assert why in await refusal(PutDatasetPart(tenant, "d", bad, 0, 1, 1, sha, b"x"))
+    clash = [ManifestFile("a", 1, sha), ManifestFile("a/b", 1, sha)]
+    assert "a: is a file and also a directory" in await refusal(PlanDataset(tenant, "d", clash))
 
     oversize = PutDatasetPart(
         tenant, "d", "big.bin", 0, 2, PART_BYTES + 1, sha, b"x" * (PART_BYTES + 1)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from bus.codec import decode, encode
@@ -26,13 +27,18 @@ from schemas import subjects
 from schemas.events import EVENT_DECODER, Progress
 from schemas.jobs import JOB_COMMAND_DECODER, JobCancel, JobSubmit
 from schemas.tenantctl import (
+    TENANT_REPLY_DECODER,
     CancelJob,
+    CtlError,
+    DatasetPlan,
     EventsPage,
+    PlanDataset,
     Queued,
     ReadEvents,
     SubmitJob,
     TenantRequest,
 )
+from schemas.tenants import ManifestFile
 from services.master.queries import Queries
 from tests.conftest import Procs
 from tests.helpers import eventually, start_service, uid
@@ -171,3 +177,70 @@ async def test_the_follower_returns_every_event_once_across_a_master_restart(
 def test_every_tenant_request_has_its_subject() -> None:
     tags = {t.__struct_config__.tag for t in typing.get_args(TenantRequest)}
     assert tags == set(subjects.TENANT_CTL_OPS)
+
+
+async def test_a_tenant_flooding_requests_is_refused_at_once_and_others_are_served(
+    stack: tuple[NATS, Client],
+) -> None:
+    """Requests published without waiting for answers: past MAX_IN_FLIGHT_PER_TENANT the
+    flooding tenant is refused at once (retryable), and another tenant's submit is served."""
+    _, client = stack
+    flooder, other = uid("flood"), uid("calm")
+    inbox = client.nc.new_inbox()
+    replies: list[object] = []
+
+    async def collect(msg: Msg) -> None:
+        replies.append(decode(TENANT_REPLY_DECODER, msg.data))
+
+    sub = await client.nc.subscribe(f"{inbox}.*", cb=collect)
+    plan = PlanDataset(flooder, "d", [ManifestFile("f.bin", 1, "0" * 64)])
+    for i in range(80):  # heavy requests: each holds the master's object store a while
+        await client.nc.publish(
+            subjects.tenant_ctl(flooder, "dataset-plan"), encode(plan), reply=f"{inbox}.{i}"
+        )
+    await client.nc.flush()
+    served = await client.request(other, SubmitJob(other, uid("j"), b"{}"))
+    assert isinstance(served, Queued)
+    await eventually(lambda: len(replies) == 80 or None, timeout=60, what="80 answers")
+    busy = [r for r in replies if isinstance(r, CtlError)]
+    assert busy and all(r.code == "unavailable" and r.retryable for r in busy)
+    assert all("requests are in flight already" in r.message for r in busy)
+    assert {type(r) for r in replies} <= {CtlError, DatasetPlan}
+    await sub.unsubscribe()
+
+
+async def test_an_answer_past_the_servers_max_payload_is_an_error_not_silence(
+    fresh_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    nc = await connect(fresh_server.url)
+    js = nc.jetstream()
+    await declare(js)
+    tenant = uid("acme")
+    for step in range(1, 4):
+        await progress(js, tenant, "j", step)
+    queries = Queries(
+        js, await js.key_value(subjects.KV_JOBS), await js.key_value(subjects.KV_POLICIES), tmp_path
+    )
+    await queries.subscribe(nc)
+    queries._max_payload = 64  # as a server whose max_payload an operator set very low
+    client = await Client.connect(fresh_server.url)
+    try:
+        with pytest.raises(RequestError, match="more than the server's max_payload") as refused:
+            await client.read_events(ReadEvents(tenant, "j"))
+        assert refused.value.code == "invalid"
+    finally:
+        await client.close()
+        await queries.close()
+        await nc.close()
+
+
+async def test_the_follower_keeps_its_timeout_when_no_master_answers(
+    fresh_server: EmbeddedServer,
+) -> None:
+    async with await Client.connect(fresh_server.url) as client:
+        follower = EventFollower(client.nc, client.read_events, "acme", "j", poll_s=0.2)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await follower.next(1.0)
+        assert time.monotonic() - started < 4.0  # not the 10 s of one request
+        await follower.close()

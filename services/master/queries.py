@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 
 from nats.aio.client import Client as NATS
@@ -49,7 +50,6 @@ from bus.datasets import (
     policy_object,
     prefix_of,
     put_dataset,
-    tenant_store,
 )
 from bus.errors import PoisonError
 from bus.placement import live_placements
@@ -89,8 +89,15 @@ from vla.data import DatasetError, check_dataset
 
 log = logging.getLogger(__name__)
 
-#: Requests answered at once; more wait (a dataset-add downloads and checks a dataset).
-CONCURRENCY = 8
+#: Requests that move a dataset's or a policy's bytes, answered HEAVY_CONCURRENCY at a time;
+#: the others (records, submits, event pages) have LIGHT_CONCURRENCY slots of their own, so
+#: no pile of uploads holds up a submit.
+HEAVY_OPS = frozenset({"dataset-plan", "dataset-part", "dataset-add", "export", "export-read"})
+HEAVY_CONCURRENCY = 4
+LIGHT_CONCURRENCY = 16
+#: A tenant's requests running or waiting at once; past it, more are refused at once
+#: (retryable), without keeping their payloads.
+MAX_IN_FLIGHT_PER_TENANT = 16
 
 
 class Queries:
@@ -105,10 +112,13 @@ class Queries:
         self.cache_root = Path(cache_root)
         self.gate = TenantGate(js)
         self.tenant_jobs = TenantJobs(js)
-        self.transfer = Transfer(js)
+        self.transfer = Transfer(js, self.gate)
         self._subs: list[Subscription] = []
         self._replies: set[asyncio.Task[None]] = set()
-        self._slots = asyncio.Semaphore(CONCURRENCY)
+        self._heavy = asyncio.Semaphore(HEAVY_CONCURRENCY)
+        self._light = asyncio.Semaphore(LIGHT_CONCURRENCY)
+        self._in_flight: Counter[str] = Counter()
+        self._max_payload = 1 << 20
 
     # -- dispatch ---------------------------------------------------------------------------
 
@@ -243,7 +253,7 @@ class Queries:
                 data = await self._older_version(store, tenant, job_id, version)
         except CheckpointError as exc:
             return CtlError("not_found", f"version {version} of job {job_id!r}: {exc}")
-        bucket = await tenant_store(self.js, tenant, create=True)
+        bucket = await self.transfer.store(tenant)
         name = policy_object(job_id, version)
         await bucket.put(name, data)
         return PolicyExported(
@@ -286,8 +296,8 @@ class Queries:
 
     # -- subscription -----------------------------------------------------------------------
 
-    async def _reply(self, msg: Msg) -> None:
-        async with self._slots:
+    async def _reply(self, msg: Msg, heavy: bool) -> None:
+        async with self._heavy if heavy else self._light:
             try:
                 if msg.subject.startswith(subjects.BACKBONES_QUERY):
                     reply: TenantReply | BackbonesReply = await self.backbones(msg.data)
@@ -303,8 +313,20 @@ class Queries:
             # a tenant publish, as the master, into another's inbox or onto a stream subject.
             log.warning("dropped the reply to %s: reply subject %r refused", msg.subject, msg.reply)
             return
+        await self._respond(msg, reply)
+
+    async def _respond(self, msg: Msg, reply: TenantReply | BackbonesReply) -> None:
+        data = encode(reply)
+        if len(data) > self._max_payload:
+            # Unsent, the requester would time out and ask the same again, forever.
+            too_big = CtlError(
+                "invalid",
+                f"the answer has {len(data)} bytes, more than the server's max_payload "
+                f"({self._max_payload}): ask for less (a smaller limit or length)",
+            )
+            data = encode(too_big)
         try:
-            await msg.respond(encode(reply))
+            await msg.respond(data)
         except NatsError as exc:  # the connection closed meanwhile: the requester times out
             log.info("reply on %s not sent: %s", msg.subject, exc)
 
@@ -321,13 +343,36 @@ class Queries:
         return reply_allowed(reply, tenant)
 
     async def _on_request(self, msg: Msg) -> None:
+        # The subject's tokens: nexus.ctl.tenant.<tenant>.<op> or nexus.ctl.backbones[.<t>].
+        tokens = msg.subject.split(".")
+        tenant = tokens[3] if len(tokens) > 3 else ""
+        op = tokens[4] if len(tokens) == 5 and tokens[2] == "tenant" else ""
+        if self._in_flight[tenant] >= MAX_IN_FLIGHT_PER_TENANT:
+            if msg.reply and self._reply_allowed(msg.subject, msg.reply):
+                busy = CtlError(
+                    "unavailable",
+                    f"tenant {tenant}: {MAX_IN_FLIGHT_PER_TENANT} requests are in flight "
+                    "already; wait for their answers",
+                    True,
+                )
+                await self._respond(msg, busy)
+            return
+        self._in_flight[tenant] += 1
         # One task per request: a dataset-add's download must not hold up a status query.
-        task = asyncio.create_task(self._reply(msg))
+        task = asyncio.create_task(self._reply(msg, heavy=op in HEAVY_OPS))
         self._replies.add(task)
         task.add_done_callback(self._replies.discard)
+        task.add_done_callback(lambda _: self._done(tenant))
+
+    def _done(self, tenant: str) -> None:
+        self._in_flight[tenant] -= 1
+        if self._in_flight[tenant] <= 0:
+            del self._in_flight[tenant]
 
     async def subscribe(self, nc: NATS) -> None:
         """Start answering in the master's queue group (one master answers each request)."""
+        self._max_payload = nc.max_payload
+        self.tenant_jobs.page_bytes = min(self.tenant_jobs.page_bytes, nc.max_payload // 2)
         backbones = subjects.BACKBONES_QUERY
         for subject in (subjects.tenant_ctl_all(), backbones, f"{backbones}.*"):
             self._subs.append(

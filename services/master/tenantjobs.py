@@ -41,6 +41,8 @@ class TenantJobs:
 
     def __init__(self, js: JetStreamContext) -> None:
         self.js = js
+        #: A page's bytes at most (lowered to half the server's max_payload at subscribe).
+        self.page_bytes = PAGE_BYTES
 
     async def command(self, request: SubmitJob | CancelJob) -> TenantReply:
         """Put the command on ``JOBS``; the master's consumer applies it like any other (a bad
@@ -81,7 +83,7 @@ class TenantJobs:
             except NotFoundError:
                 break  # nothing newer
             data = raw.data or b""
-            if page and size + len(data) > PAGE_BYTES:
+            if page and size + len(data) > self.page_bytes:
                 break
             seq = raw.seq or seq + 1
             page.append(StoredEvent(seq, raw.subject or "", data))

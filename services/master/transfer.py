@@ -55,6 +55,7 @@ from bus.datasets import (
     part_count,
     path_problem,
     prefix_of,
+    read_manifest,
     tenant_store,
 )
 from schemas import subjects
@@ -72,6 +73,7 @@ from schemas.tenantctl import (
     TenantReply,
 )
 from schemas.tenants import DatasetManifest, ManifestFile
+from services.master.limits import TenantGate
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,8 @@ PARALLEL = 16
 #: which is always kept) this many bytes in all.
 CACHED_EXPORTS = 4
 CACHED_EXPORT_BYTES = 2 << 30
+#: An export read within this long is kept past CACHED_EXPORTS (only the byte cap evicts it).
+EXPORT_IDLE_S = 30.0
 
 #: JetStream's error code for a write the stream refused to store, which for a tenant's
 #: bucket means its limits ("maximum bytes exceeded": the tenant's storage limit).
@@ -113,7 +117,8 @@ def checked_file(entry: ManifestFile) -> ManifestFile:
 
 
 def checked_files(files: Iterable[ManifestFile]) -> list[ManifestFile]:
-    """Every file checked (:func:`checked_file`); a path listed twice is refused."""
+    """Every file checked (:func:`checked_file`); a path listed twice, or one that another
+    file's path makes a directory (``a`` beside ``a/b``), is refused."""
     seen: set[str] = set()
     out = []
     for entry in files:
@@ -122,6 +127,9 @@ def checked_files(files: Iterable[ManifestFile]) -> list[ManifestFile]:
             raise DatasetStoreError(f"{entry.path}: listed twice")
         seen.add(entry.path)
         out.append(entry)
+    directories = {"/".join(p.split("/")[:i]) for p in seen for i in range(1, p.count("/") + 1)}
+    for clash in sorted(seen & directories):
+        raise DatasetStoreError(f"{clash}: is a file and also a directory of other files")
     if not out:
         raise DatasetStoreError("files: a dataset has at least one file")
     return out
@@ -176,6 +184,7 @@ class _Cached:
         os.unlink(path)
         self.fd = fd
         self.size = 0
+        self.last_used = time.monotonic()
         # Closes the descriptor on eviction, or when the cache itself goes away.
         self.close = weakref.finalize(self, os.close, fd)
 
@@ -190,11 +199,19 @@ class _Cached:
 class Transfer:
     """The master's object-store work for tenants' pushes and policy downloads."""
 
-    def __init__(self, js: JetStreamContext) -> None:
+    def __init__(self, js: JetStreamContext, gate: TenantGate) -> None:
         self.js = js
+        self.gate = gate
         # Keyed by (bucket, object name, nuid): a put under the same name gets a new nuid.
         self._exports: OrderedDict[tuple[str, str, str], _Cached] = OrderedDict()
         self._loading: dict[tuple[str, str, str], asyncio.Task[_Cached]] = {}
+
+    async def store(self, tenant: str) -> ObjectStore:
+        """The tenant's bucket. A registered tenant's is made by the operator with its
+        storage limit (``max_bytes``), so the master never creates one without it; in open
+        mode (no tenant registered) it is created here."""
+        registered = await self.gate.record(tenant) is not None
+        return await tenant_store(self.js, tenant, create=not registered)
 
     # -- dataset pushes ---------------------------------------------------------------------
 
@@ -203,7 +220,7 @@ class Transfer:
         whose object is missing or has another digest or size."""
         tenant, dataset = request.tenant, validate_id(request.dataset, "dataset id")
         files = checked_files(request.files)
-        store = await tenant_store(self.js, tenant, create=True)
+        store = await self.store(tenant)
         prefix = prefix_of(dataset)
         # The manifest first: from here on the dataset is incomplete until dataset-add.
         await _delete(store, prefix + MANIFEST)
@@ -242,7 +259,7 @@ class Transfer:
                 "invalid",
                 f"{path}: part {index} of {parts} has {len(request.data)} bytes, not {expected}",
             )
-        store = await tenant_store(self.js, request.tenant, create=True)
+        store = await self.store(request.tenant)
         if index < parts - 1:
             # One chunk per part: the join then reads each with a single request.
             name = part_object(dataset, entry.sha256, index)
@@ -300,6 +317,9 @@ class Transfer:
         """A stored part: one chunk (see :meth:`put_part`), so one stream message get
         rather than a consumer per part; checked against the object's digest."""
         info = await store.get_info(name)
+        if info.size != PART_BYTES:
+            # Parts other than the last are stored whole (put_part checked their length).
+            raise DatasetStoreError(f"{name}: a stored part of {info.size} bytes is torn")
         if info.chunks != 1:
             buf = io.BytesIO()
             await download(self.js, bucket, name, buf)
@@ -341,7 +361,7 @@ class Transfer:
         assert request.files is not None
         dataset = validate_id(request.dataset, "dataset id")
         files = checked_files(request.files)
-        store = await tenant_store(self.js, request.tenant, create=True)
+        store = await self.store(request.tenant)
         prefix = prefix_of(dataset)
         objects = await _objects(store)
         for entry in files:
@@ -354,6 +374,14 @@ class Transfer:
                     f"{object_sha256(info.digest)[:16]}…, {info.size} bytes) is not the pushed "
                     f"file's ({entry.sha256[:16]}…, {entry.size} bytes): push the dataset again"
                 )
+        try:
+            old, _ = await read_manifest(self.js, subjects.tenant_bucket(request.tenant), dataset)
+        except DatasetStoreError:
+            old = None
+        if old is not None and old.files == files:
+            # The same dataset added again: the same manifest, so the same digest, and the
+            # copy already materialised is used (not one more copy per request).
+            return
         manifest = encode_manifest(DatasetManifest(dataset, files, time.time()))
         await self._put(store, request.tenant, MANIFEST, prefix + MANIFEST, manifest)
 
@@ -372,7 +400,7 @@ class Transfer:
         if request.offset < 0:
             return CtlError("invalid", f"offset: {request.offset} is negative")
         length = request.length if 0 < request.length <= PART_BYTES else PART_BYTES
-        store = await tenant_store(self.js, tenant, create=False)
+        store = await self.store(tenant)
         try:
             info = await store.get_info(name)
         except (ObjectNotFoundError, NotFoundError):
@@ -384,8 +412,17 @@ class Transfer:
             )
         if request.offset == size:
             return ExportBytes(request.offset, b"", size)
-        cached = await self._export(subjects.tenant_bucket(tenant), name, info)
-        return ExportBytes(request.offset, cached.read(request.offset, length), size)
+        for _ in range(3):
+            try:
+                cached = await self._export(subjects.tenant_bucket(tenant), name, info)
+            except (ObjectNotFoundError, NotFoundError):
+                return CtlError("not_found", f"exported policy {name} was deleted meanwhile")
+            # Evicted (its descriptor closed) between its load and here: load it again. No
+            # await between this check and the read, so it cannot be evicted in between.
+            if cached.close.alive:
+                cached.last_used = time.monotonic()
+                return ExportBytes(request.offset, cached.read(request.offset, length), size)
+        return CtlError("unavailable", f"{name}: too many exports read at once; ask again", True)
 
     async def _export(self, bucket: str, name: str, info: ObjectInfo) -> _Cached:
         """The object in the cache; one download however many parts ask at once."""
@@ -411,10 +448,22 @@ class Transfer:
             cached.close()
             raise
         self._exports[key] = cached
-        while len(self._exports) > 1 and (
-            len(self._exports) > CACHED_EXPORTS
-            or sum(c.size for c in self._exports.values()) > CACHED_EXPORT_BYTES
-        ):
-            _, evicted = self._exports.popitem(last=False)
-            evicted.close()
+        self._evict(keep=key)
         return cached
+
+    def _evict(self, keep: tuple[str, str, str]) -> None:
+        """Over :data:`CACHED_EXPORTS` objects, drop the least recently used of those idle
+        for :data:`EXPORT_IDLE_S` (one being read in parts stays, or every part would be a
+        new download); over :data:`CACHED_EXPORT_BYTES`, the least recently used but
+        ``keep``."""
+        now = time.monotonic()
+        for key, entry in list(self._exports.items()):
+            if len(self._exports) <= CACHED_EXPORTS:
+                break
+            if key != keep and now - entry.last_used > EXPORT_IDLE_S:
+                self._exports.pop(key).close()
+        for key in list(self._exports):
+            if sum(c.size for c in self._exports.values()) <= CACHED_EXPORT_BYTES:
+                break
+            if key != keep:
+                self._exports.pop(key).close()
