@@ -64,6 +64,7 @@ from schemas.tenantctl import (
 from schemas.train import CloseSlot
 from services.envs.datasets import record as record_dataset
 from services.envs.sims import REACH2D_ID
+from services.master.queries import MAX_IN_FLIGHT_PER_TENANT
 from tests.conftest import Procs
 from tests.helpers import eventually, start_service, uid
 from tests.sft_helpers import final_policy
@@ -74,6 +75,9 @@ T = TypeVar("T")
 #: Payloads per family; 1120 in all.
 N_JOBS, N_SUBMITS, N_CTL, N_DESCRIBE, N_BACKBONES = 300, 400, 300, 80, 40
 ROLES = ("master", "envs", "trainer")
+#: A tenant's requests in flight at once: under the master's per-tenant limit
+#: (services.master.queries.MAX_IN_FLIGHT_PER_TENANT), past which it answers "busy".
+AT_ONCE = 12
 
 
 # -- drawing payloads ------------------------------------------------------------------------
@@ -461,6 +465,7 @@ async def test_a_thousand_malformed_payloads_leave_every_service_and_another_ten
     describes = draw(describe_payloads(), N_DESCRIBE)
     backbones = draw(backbones_payloads(), N_BACKBONES)
     drawn_s = time.monotonic() - t0
+    assert AT_ONCE < MAX_IN_FLIGHT_PER_TENANT
     total = len(jobs) + len(submits) + len(ctl) + len(describes) + len(backbones)
     assert total >= 1000, total
 
@@ -487,17 +492,19 @@ async def test_a_thousand_malformed_payloads_leave_every_service_and_another_ten
     tenant_nc = NATS()
     await tenant_nc.connect(fresh_server.url, inbox_prefix=subjects.tenant_inbox_prefix(fuzz))
     submit_replies = await in_chunks(
-        [partial(ask, tenant_nc, subjects.tenant_ctl(fuzz, "submit"), d) for d in submits], 25
+        [partial(ask, tenant_nc, subjects.tenant_ctl(fuzz, "submit"), d) for d in submits],
+        AT_ONCE,
     )
     ctl_replies = await in_chunks(
         [partial(ask, tenant_nc, subjects.tenant_ctl(fuzz, op), data) for op, data in ctl],
-        25,
+        AT_ONCE,
     )
     describe_replies = await in_chunks(
         [partial(ask, tenant_nc, subjects.env_describe(fuzz), data) for data in describes], 10
     )
     backbone_replies = await in_chunks(
-        [partial(ask, tenant_nc, subjects.backbones_query(fuzz), d) for d in backbones], 25
+        [partial(ask, tenant_nc, subjects.backbones_query(fuzz), d) for d in backbones],
+        AT_ONCE,
     )
     sent_s = time.monotonic() - t1
 
