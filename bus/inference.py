@@ -207,6 +207,7 @@ class PolicyClient:
             num_views=num_views,
             token_budget=token_budget,
             sent_at=time.time(),
+            expires_at=time.time() + timeout,
         )
         if self._sub is None:
             raise InferenceError("client is closed", request_id=rid)

@@ -34,6 +34,10 @@ class ActRequest(msgspec.Struct, frozen=True, tag="act"):
     num_views: int = 1
     token_budget: int = 16
     sent_at: float = 0.0
+    #: Unix time after which the requester no longer waits for the answer (0: no deadline).
+    #: An inferencer that takes the request later drops it unanswered instead of spending a
+    #: forward on it (hosts' clocks are assumed to agree to well under the timeout).
+    expires_at: float = 0.0
 
 
 class ActReply(msgspec.Struct, frozen=True):

@@ -24,6 +24,7 @@ import pytest_asyncio
 import torch
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 
@@ -392,6 +393,44 @@ async def test_bad_requests_get_an_error_reply_and_a_dead_letter_and_serving_goe
 
     reply = await client.act(tenant, "job", [good])
     assert reply.error == "" and reply.actions is not None
+
+
+async def test_a_request_whose_requester_stopped_waiting_is_dropped_unanswered(
+    nc: NATS,
+    js: JetStreamContext,
+    client: PolicyClient,
+    backbone: Backbone,
+    inferencer: Replica,
+) -> None:
+    """An act request taken after its ``expires_at`` costs no forward and gets no answer
+    (its requester has given up); it is acked, not dead-lettered."""
+    tenant = uid("late")
+    await commit_policy(js, tenant, "job", OFT, backbone.hidden_size)
+    before = (await gauges_of(js, inferencer) or {}).get("requests_expired", 0.0)
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    late = ActRequest(
+        tenant,
+        "job",
+        "late-1",
+        inbox,
+        [make_obs(OFT, 1)],
+        token_budget=TOKEN_BUDGET,
+        expires_at=time.time() - 1.0,
+    )
+    await js.publish(subjects.infer("tiny", tenant), encode(late))
+    reply = await client.act(tenant, "job", [make_obs(OFT, 2)])  # a live one is served
+    assert reply.error == "" and reply.actions is not None
+
+    async def counted() -> bool:
+        gauges = await gauges_of(js, inferencer)
+        return gauges is not None and gauges["requests_expired"] >= before + 1
+
+    await eventually(counted, timeout=30, what="the late request counted as expired")
+    with pytest.raises(NatsTimeoutError):
+        await sub.next_msg(timeout=0.5)
+    assert await dead_letters(js, tenant) == []
+    await sub.unsubscribe()
 
 
 async def test_client_times_out_with_a_retryable_error_when_no_inferencer_serves(

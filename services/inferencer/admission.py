@@ -18,6 +18,7 @@ tenant's policies: the policy is looked up by the request's (subject-checked) te
 from __future__ import annotations
 
 import re
+import time
 
 import msgspec
 from nats.aio.msg import Msg
@@ -56,6 +57,11 @@ def envelope(msg: Msg) -> Envelope:
         return _ENVELOPE_DECODER.decode(msg.data)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return Envelope()
+
+
+def expired(request: ActRequest, now: float | None = None) -> bool:
+    """Whether the requester has stopped waiting: its ``expires_at`` (0: none) has passed."""
+    return 0 < request.expires_at < (time.time() if now is None else now)
 
 
 def parse(msg: Msg, limits: InputLimits | None = None) -> ActRequest:

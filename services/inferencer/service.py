@@ -54,7 +54,7 @@ from schemas.events import ErrorEvent
 from schemas.infer import INFER_DECODER, ActReply
 from schemas.limits import InputLimits
 from schemas.tensor import Tensor
-from services.inferencer.admission import answerable, envelope, parse, validate
+from services.inferencer.admission import answerable, envelope, expired, parse, validate
 from services.inferencer.batching import REQUEST_ERRORS, BatchRunner, BatchStats, Outcome, Work
 from services.inferencer.policies import STOP_POLL_S, PolicyCache
 from vla import costmodel
@@ -175,6 +175,8 @@ class Inferencer:
         # gauges
         self.served = 0
         self.failed = 0
+        #: Requests dropped unanswered because their requester stopped waiting.
+        self.expired = 0
         self.observations = 0
         self.forwards = 0
         self.batches = 0
@@ -249,12 +251,16 @@ class Inferencer:
         if error is not None:  # settling failed (the bus): the message is redelivered
             log.warning("settling an admission failed: %r", error)
 
-    async def admit(self, msg: Msg) -> Hold:
-        """Decode, resolve the policy, validate; queue the request, held until answered.
-        Errors are the runtime's to settle (poison: dead-lettered, then :meth:`on_dead`
-        answers); :class:`Interrupted` once stopping, so the request is handed back."""
+    async def admit(self, msg: Msg) -> Hold | None:
+        """Decode, resolve the policy, validate; queue the request, held until answered
+        (None: acked at once, for a request whose requester stopped waiting). Errors are the
+        runtime's to settle (poison: dead-lettered, then :meth:`on_dead` answers);
+        :class:`Interrupted` once stopping, so the request is handed back."""
         arrived = asyncio.get_running_loop().time()
         request = parse(msg, self.config.limit)
+        if expired(request):
+            self.expired += 1  # nobody waits for it: acked, unanswered, no forward spent
+            return None
         policy = await self.policies.resolve(request.tenant, request.job_id, request.policy_version)
         validate(request, policy, self.config.limit)
         if self.rt.stop.is_set():
@@ -298,7 +304,15 @@ class Inferencer:
 
     async def dispatch(self, batch: list[Pending]) -> None:
         """Run ``batch`` in a worker thread, then answer and settle every request. Stopping,
-        the forward gets :data:`BATCH_GRACE_S` to end; else the batch is handed back."""
+        the forward gets :data:`BATCH_GRACE_S` to end; else the batch is handed back.
+        Requests whose requester stopped waiting meanwhile are acked unanswered first."""
+        late = [p for p in batch if expired(p.work.request)]
+        if late:
+            self.expired += len(late)
+            batch = [p for p in batch if not expired(p.work.request)]
+            await asyncio.gather(*(self.rt.consumer.settle(p.msg, None) for p in late))
+            if not batch:
+                return
         links = [trace.Link(p.span) for p in batch if p.span.is_valid]
         with tracing.tracer().start_as_current_span("inferencer forward", links=links) as span:
             span.set_attribute("joynexus.requests", len(batch))
@@ -405,6 +419,7 @@ class Inferencer:
         return {
             "requests_served": float(self.served),
             "requests_failed": float(self.failed),
+            "requests_expired": float(self.expired),
             "observations_served": float(self.observations),
             "forwards": float(self.forwards),
             "mean_group_size": self.served / self.forwards if self.forwards else 0.0,
