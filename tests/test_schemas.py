@@ -63,6 +63,13 @@ def test_golden_sample_decodes_and_reencodes_identically(name: str) -> None:
     assert encode(SAMPLES[name]) == data, f"encoding of {name} changed: schema evolution broke"
 
 
+def test_an_act_request_written_before_expires_at_still_decodes_without_a_deadline() -> None:
+    """Rolling upgrade: an older writer's request (no ``expires_at``) reads as no deadline."""
+    old = (GOLDEN / "act_request_before_expires_at.msgpack").read_bytes()
+    decoded = decode(DECODERS["act_request"], old)
+    assert decoded == msgspec.structs.replace(SAMPLES["act_request"], expires_at=0.0)
+
+
 @pytest.mark.parametrize(
     "array",
     [
