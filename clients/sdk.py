@@ -35,13 +35,14 @@ from pydantic import BaseModel
 
 from bus.codec import DecodeError, decode, encode
 from bus.connect import connect
-from bus.datasets import PushReport, push_dataset, sha256_file
+from bus.datasets import sha256_file
 from bus.envinfo import request_description
 from bus.identity import is_joynexus_creds, load_creds
 from bus.local import read_stack_info
 from bus.records import list_jobs
 from clients.errors import RequestError
 from clients.follow import EventFollower
+from clients.push import PushReport, push_dataset
 from schemas import subjects
 from schemas.envdesc import EnvDescription
 from schemas.events import (

@@ -17,6 +17,9 @@ from nats.js import JetStreamContext
 from bus.connect import connect
 from bus.declare import declare
 from bus.server import EmbeddedServer
+from clients.sdk import Client
+from schemas import subjects
+from services.master.queries import Queries
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -74,3 +77,26 @@ def procs() -> Iterator[Procs]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest_asyncio.fixture
+async def stack(fresh_server: EmbeddedServer, tmp_path: Path) -> AsyncIterator[tuple[NATS, Client]]:
+    """The master's responders to tenants' requests (in process, no JOBS consumer) and a
+    client, on a server of this test alone (the only responders in the ``master`` group)."""
+    from clients.sdk import Client
+
+    nc = await connect(fresh_server.url, name="pytest-master")
+    js = nc.jetstream()
+    await declare(js)
+    queries = Queries(
+        js,
+        await js.key_value(subjects.KV_JOBS),
+        await js.key_value(subjects.KV_POLICIES),
+        tmp_path / "cache",
+    )
+    await queries.subscribe(nc)
+    client = await Client.connect(fresh_server.url)
+    yield nc, client
+    await client.close()
+    await queries.close()
+    await nc.close()

@@ -24,11 +24,9 @@ from bus.codec import encode
 from bus.connect import connect
 from bus.datasets import (
     MANIFEST,
-    Ask,
     download,
     encode_manifest,
     prefix_of,
-    push_dataset,
     register_path,
     scan,
     sha256_file,
@@ -37,6 +35,7 @@ from bus.datasets import (
 from bus.declare import declare
 from bus.records import put_policy
 from bus.server import EmbeddedServer
+from clients.push import Ask, push_dataset
 from clients.sdk import Client, Job, JobFailed, RequestError
 from schemas import headers, subjects
 from schemas.jobs import JobSubmit

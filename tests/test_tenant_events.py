@@ -8,11 +8,10 @@ import asyncio
 import signal
 import time
 import typing
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -42,26 +41,6 @@ from schemas.tenants import ManifestFile
 from services.master.queries import Queries
 from tests.conftest import Procs
 from tests.helpers import eventually, start_service, uid
-
-
-@pytest_asyncio.fixture
-async def stack(fresh_server: EmbeddedServer, tmp_path: Path) -> AsyncIterator[tuple[NATS, Client]]:
-    """The master's responders (in process, no JOBS consumer) and a client."""
-    nc = await connect(fresh_server.url, name="pytest-master")
-    js = nc.jetstream()
-    await declare(js)
-    queries = Queries(
-        js,
-        await js.key_value(subjects.KV_JOBS),
-        await js.key_value(subjects.KV_POLICIES),
-        tmp_path / "cache",
-    )
-    await queries.subscribe(nc)
-    client = await Client.connect(fresh_server.url)
-    yield nc, client
-    await client.close()
-    await queries.close()
-    await nc.close()
 
 
 async def progress(js: JetStreamContext, tenant: str, job: str, step: int) -> None:

@@ -9,19 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from bus.codec import decode, encode
-from bus.connect import connect
 from bus.datasets import register_path, tenant_store
-from bus.declare import declare
 from bus.records import put_job
 from bus.server import EmbeddedServer
 from clients.sdk import Client, RequestError
@@ -39,28 +35,7 @@ from schemas.tenantctl import (
     ListJobs,
 )
 from schemas.tenants import ManifestFile, TenantRecord
-from services.master.queries import Queries
 from tests.helpers import uid
-
-
-@pytest_asyncio.fixture
-async def stack(fresh_server: EmbeddedServer, tmp_path: Path) -> AsyncIterator[tuple[NATS, Client]]:
-    """The master's responders (in process) and a client, on a server of this test alone."""
-    nc = await connect(fresh_server.url, name="pytest-master")
-    js = nc.jetstream()
-    await declare(js)
-    queries = Queries(
-        js,
-        await js.key_value(subjects.KV_JOBS),
-        await js.key_value(subjects.KV_POLICIES),
-        tmp_path / "cache",
-    )
-    await queries.subscribe(nc)
-    client = await Client.connect(fresh_server.url)
-    yield nc, client
-    await client.close()
-    await queries.close()
-    await nc.close()
 
 
 async def _job(js: JetStreamContext, tenant: str, job_id: str, at: float) -> JobRecord:
