@@ -11,17 +11,15 @@ import json
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from bus.checkpoints import digest
 from bus.codec import encode
-from bus.connect import connect
 from bus.datasets import (
     MANIFEST,
     download,
@@ -32,7 +30,6 @@ from bus.datasets import (
     sha256_file,
     tenant_store,
 )
-from bus.declare import declare
 from bus.records import put_policy
 from bus.server import EmbeddedServer
 from clients.push import Ask, push_dataset
@@ -55,7 +52,6 @@ from schemas.tenants import DatasetManifest, ManifestFile
 from schemas.train import OpenSlot, PolicyRecord
 from services.envs.datasets import record
 from services.envs.sims import REACH2D_ID
-from services.master.queries import Queries
 from tests.conftest import Procs
 from tests.helpers import uid
 from tests.sft_helpers import OFT_2D, final_policy, sft_spec, start_stack
@@ -107,23 +103,10 @@ async def objects(client: Client, tenant: str, prefix: str) -> list[str]:
     return sorted(i.name for i in infos if i.name and i.name.startswith(prefix))
 
 
-@pytest_asyncio.fixture
-async def client(fresh_server: EmbeddedServer, tmp_path: Path) -> AsyncIterator[Client]:
+@pytest.fixture
+def client(stack: tuple[NATS, Client]) -> Client:
     """A client and the master's responders (in process) on a server of this test alone."""
-    nc = await connect(fresh_server.url, name="pytest-master")
-    js = nc.jetstream()
-    await declare(js)
-    queries = Queries(
-        js,
-        await js.key_value(subjects.KV_JOBS),
-        await js.key_value(subjects.KV_POLICIES),
-        tmp_path / "master-cache",
-    )
-    await queries.subscribe(nc)
-    async with await Client.connect(fresh_server.url) as c:
-        yield c
-    await queries.close()
-    await nc.close()
+    return stack[1]
 
 
 async def test_an_interrupted_push_resumes_uploading_only_the_rest(
