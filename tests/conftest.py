@@ -18,7 +18,6 @@ from bus.connect import connect
 from bus.declare import declare
 from bus.server import EmbeddedServer
 from clients.sdk import Client
-from schemas import subjects
 from services.master.queries import Queries
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -88,12 +87,7 @@ async def stack(fresh_server: EmbeddedServer, tmp_path: Path) -> AsyncIterator[t
     nc = await connect(fresh_server.url, name="pytest-master")
     js = nc.jetstream()
     await declare(js)
-    queries = Queries(
-        js,
-        await js.key_value(subjects.KV_JOBS),
-        await js.key_value(subjects.KV_POLICIES),
-        tmp_path / "cache",
-    )
+    queries = await Queries.on_bus(js, tmp_path / "cache")
     await queries.subscribe(nc)
     client = await Client.connect(fresh_server.url)
     yield nc, client

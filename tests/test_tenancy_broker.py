@@ -192,9 +192,7 @@ async def snapshot(sec: Secured, job: str) -> dict[str, object]:
 async def master(secured: Secured, tmp_path: Path) -> AsyncIterator[Queries]:
     """The master's responders to tenants' requests, running as the service identity."""
     js = secured.service.jetstream()
-    queries = Queries(
-        js, await js.key_value(s.KV_JOBS), await js.key_value(s.KV_POLICIES), tmp_path / "cache"
-    )
+    queries = await Queries.on_bus(js, tmp_path / "cache")
     await queries.subscribe(secured.service)
     yield queries
     await queries.close()

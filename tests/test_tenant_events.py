@@ -197,9 +197,7 @@ async def test_an_answer_past_the_servers_max_payload_is_an_error_not_silence(
     tenant = uid("acme")
     for step in range(1, 4):
         await progress(js, tenant, "j", step)
-    queries = Queries(
-        js, await js.key_value(subjects.KV_JOBS), await js.key_value(subjects.KV_POLICIES), tmp_path
-    )
+    queries = await Queries.on_bus(js, tmp_path)
     await queries.subscribe(nc)
     queries._max_payload = 64  # as a server whose max_payload an operator set very low
     client = await Client.connect(fresh_server.url)

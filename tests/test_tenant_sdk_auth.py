@@ -66,12 +66,7 @@ async def secured(tmp_path: Path) -> AsyncIterator[Secured]:
     js = service.jetstream()
     await declare(js)
     await tenantadmin.sync_bus(service, load_registry(home))
-    queries = Queries(
-        js,
-        await js.key_value(subjects.KV_JOBS),
-        await js.key_value(subjects.KV_POLICIES),
-        tmp_path / "cache",
-    )
+    queries = await Queries.on_bus(js, tmp_path / "cache")
     await queries.subscribe(service)
     try:
         yield Secured(home, server, service)

@@ -120,6 +120,12 @@ class Queries:
         self._in_flight: Counter[str] = Counter()
         self._max_payload = 1 << 20
 
+    @classmethod
+    async def on_bus(cls, js: JetStreamContext, cache_root: Path) -> Queries:
+        """Responders over the bus's ``jobs`` and ``policies`` KV (declared beforehand)."""
+        jobs = await js.key_value(subjects.KV_JOBS)
+        return cls(js, jobs, await js.key_value(subjects.KV_POLICIES), cache_root)
+
     # -- dispatch ---------------------------------------------------------------------------
 
     async def answer(self, subject: str, data: bytes) -> TenantReply:
