@@ -161,6 +161,12 @@ def _bench_inference(args: argparse.Namespace) -> int:
     return int(inference.main(args.bench_args) or 0)
 
 
+def _bench_lowlevel(args: argparse.Namespace) -> int:
+    from bench import lowlevel
+
+    return int(lowlevel.main(args.bench_args) or 0)
+
+
 def _bench_rl(args: argparse.Namespace) -> int:
     from bench import rl
 
@@ -173,6 +179,10 @@ BENCHES: dict[str, tuple[Command, str]] = {
     "sft": (_bench_sft, "N tenants' SFT jobs on one trainer vs one after another, over the bus"),
     "inference": (_bench_inference, "the (B, T) inference scheduler vs one forward per request"),
     "rl": (_bench_rl, "one RL job over the bus: success rate and return per iteration"),
+    "lowlevel": (
+        _bench_lowlevel,
+        "low-level forward_backward + optim_step over the bus vs in process, 1/4/8 clients",
+    ),
 }
 
 

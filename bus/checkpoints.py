@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+from collections.abc import Collection
 
 from nats.js.errors import NotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
@@ -21,12 +22,31 @@ def object_name(tenant: str, job_id: str, version: int, sha256: str) -> str:
     return f"{tenant}/{job_id}/v{version:06d}-{sha256[:16]}"
 
 
+def version_of(name: str) -> int:
+    """The policy version an :func:`object_name` holds (0 if ``name`` is not one)."""
+    tail = name.rsplit("/", 1)[-1]
+    try:
+        return int(tail[1:].split("-", 1)[0]) if tail.startswith("v") else 0
+    except ValueError:
+        return 0
+
+
 def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
 async def put_checkpoint(store: ObjectStore, name: str, data: bytes) -> None:
     await store.put(name, data)
+
+
+async def read_object(store: ObjectStore, name: str) -> bytes | None:
+    """An object's bytes (the object store checks its own digest); None if it is gone."""
+    buffer = io.BytesIO()
+    try:
+        await store.get(name, writeinto=buffer)
+    except (ObjectNotFoundError, NotFoundError):
+        return None
+    return buffer.getvalue()
 
 
 async def get_checkpoint(store: ObjectStore, name: str, sha256: str) -> bytes:
@@ -43,8 +63,15 @@ async def get_checkpoint(store: ObjectStore, name: str, sha256: str) -> bytes:
     return data
 
 
-async def prune(store: ObjectStore, tenant: str, job_id: str, keep_from_version: int) -> int:
-    """Delete this job's checkpoint objects older than ``keep_from_version``; return how many."""
+async def prune(
+    store: ObjectStore,
+    tenant: str,
+    job_id: str,
+    keep_from_version: int,
+    keep: Collection[str] = (),
+) -> int:
+    """Delete this job's checkpoint objects older than ``keep_from_version`` (except those
+    named in ``keep``: a session's saved states); return how many."""
     prefix = f"{tenant}/{job_id}/v"
     removed = 0
     try:
@@ -53,7 +80,7 @@ async def prune(store: ObjectStore, tenant: str, job_id: str, keep_from_version:
         return 0
     for info in infos:
         name = info.name or ""
-        if info.deleted or not name.startswith(prefix):
+        if info.deleted or not name.startswith(prefix) or name in keep:
             continue
         try:
             version = int(name[len(prefix) :].split("-", 1)[0])

@@ -16,6 +16,8 @@ from nats.js.errors import NotFoundError
 from bus.consume import Consumer, ConsumerSpec, DeadHook, Durable
 
 log = logging.getLogger(__name__)
+#: How long a fetch waits for messages the server reported pending.
+BACKLOG_WAIT_S = 0.05
 
 
 @dataclass
@@ -39,6 +41,14 @@ class DurableSet:
     durables: dict[str, Durable] = field(default_factory=dict)
     #: Keys with messages to fetch (last fetch was non-empty, or discovery saw more).
     active: set[str] = field(default_factory=set)
+    #: Messages the server said were still pending after each key's last fetch that got any
+    #: (``num_pending`` of its last message): those are stored, so a fetch of them may wait
+    #: for them to arrive however short the caller's timeout.
+    backlog: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def has_backlog(self) -> bool:
+        return any(n > 0 for n in self.backlog.values())
 
     async def discover(self) -> list[str]:
         """Bind durables for new keys; mark keys with unfetched messages active. Returns the
@@ -76,7 +86,14 @@ class DurableSet:
         ]
 
         async def one(key: str) -> list[Msg]:
-            msgs = await self.consumer.fetch(self.durables[key], wants[key], timeout)
+            # Messages known to be stored are worth a longer wait: a short one can end before
+            # large ones have crossed the connection, and the next round would idle.
+            waits = max(timeout, BACKLOG_WAIT_S) if self.backlog.get(key, 0) > 0 else timeout
+            msgs = await self.consumer.fetch(self.durables[key], wants[key], waits)
+            if msgs:
+                self.backlog[key] = msgs[-1].metadata.num_pending
+            elif waits >= BACKLOG_WAIT_S:
+                self.backlog.pop(key, None)
             if len(msgs) < wants[key] and (not msgs or msgs[-1].metadata.num_pending == 0):
                 self.active.discard(key)
             return msgs

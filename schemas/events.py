@@ -85,7 +85,36 @@ class Metrics(msgspec.Struct, frozen=True, tag="metrics"):
     at: float
 
 
-Event = Accepted | Rejected | StateChanged | Progress | PolicyPublished | ErrorEvent | Metrics
+class CallResult(msgspec.Struct, frozen=True, tag="call"):
+    """The outcome of call ``call`` of a low-level session (``op``: the call's tag).
+
+    ``metrics``: ``loss`` and ``samples`` of a forward(-backward); ``grad_norm``,
+    ``learning_rate`` and ``step`` (updates so far) of an optim step. ``version``: the
+    policy version a save committed (or a load restored). ``error``: why the call was not
+    applied (the session goes on; the call still counts as done); ``retryable`` whether
+    sending the same work again as a new call can help."""
+
+    tenant: str
+    job_id: str
+    call: int
+    op: str
+    metrics: dict[str, float]
+    at: float
+    version: int = 0
+    error: str = ""
+    retryable: bool = False
+
+
+Event = (
+    Accepted
+    | Rejected
+    | StateChanged
+    | Progress
+    | PolicyPublished
+    | ErrorEvent
+    | Metrics
+    | CallResult
+)
 EVENT_DECODER = msgspec.msgpack.Decoder(Event)
 
 

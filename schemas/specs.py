@@ -236,12 +236,49 @@ class PipelineSpec(_Strict):
         return self
 
 
-JobSpec = SFTJobSpec | RLJobSpec | EvalJobSpec | PipelineSpec
+class SessionSpec(_Strict):
+    """A low-level training session: a slot on the trainer that the tenant's own algorithm
+    drives call by call (``forward_backward``, ``optim_step``, ``save_state``, ...: see
+    :mod:`clients.lowlevel`) instead of a dataset or an env."""
+
+    kind: Literal["session"]
+    tenant: Id
+    backbone: Id = "tiny"
+    head: HeadSpec
+    optimizer: OptimizerSpec = Field(
+        default_factory=OptimizerSpec,
+        description="AdamW's defaults; each optim_step call gives its own hyper-parameters.",
+    )
+    seed: int = 0
+    num_views: int = Field(1, ge=1, le=3)
+    token_budget: int = Field(16, ge=4, le=4096, description="Text+image tokens per sample.")
+    #: Commit a checkpoint at least every this many calls (and on every save_state).
+    checkpoint_every: int = Field(20, ge=1)
+    priority: int = Field(1, ge=1, le=16, description="Fair-share weight on the trainer.")
+    lease_s: float = Field(
+        300.0,
+        ge=2.0,
+        le=7 * 86400.0,
+        description="The session is closed when its client sends nothing for this long.",
+    )
+    max_calls: int = Field(1_000_000, ge=1, le=100_000_000)
+    init_from: Id | None = Field(None, description="Job id of this tenant to start from.")
+
+    @model_validator(mode="after")
+    def _dims(self) -> SessionSpec:
+        for name in ("action_dim", "proprio_dim"):
+            if getattr(self.head, name) is None:
+                raise ValueError(f"head.{name}: a session has no env to take it from; give it")
+        return self
+
+
+JobSpec = SFTJobSpec | RLJobSpec | EvalJobSpec | PipelineSpec | SessionSpec
 _SPEC_KINDS: dict[str, type[BaseModel]] = {
     "sft": SFTJobSpec,
     "rl": RLJobSpec,
     "eval": EvalJobSpec,
     "pipeline": PipelineSpec,
+    "session": SessionSpec,
 }
 
 

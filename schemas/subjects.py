@@ -54,6 +54,9 @@ TENANT_CTL_OPS: tuple[str, ...] = (
     "dataset-plan",
     "dataset-part",
     "export-read",
+    "call",
+    "lease",
+    "act",
 )
 TENANT_CTL_QUEUE = "master"
 #: Core NATS request-reply: what backbones are served now (no tenant data; any identity).
@@ -129,6 +132,13 @@ def shared_query_tenant(subject: str, base: str) -> str | None:
         return validate_id(tenant, "tenant")
     except InvalidIdError as exc:
         raise SubjectError(f"{subject!r}: {exc}") from exc
+
+
+def train_wake(backbone: str) -> str:
+    """``nexus.wake.train.<backbone>``: core NATS, no payload, published by the master after it
+    queued a session call on that backbone's Training Queue, so an idle trainer fetches it at
+    once (services only: tenants may neither publish nor subscribe here)."""
+    return f"{PREFIX}.wake.train.{validate_id(backbone, 'backbone')}"
 
 
 def tenant_ctl(tenant: str, op: str) -> str:

@@ -22,9 +22,12 @@ from typing import Literal
 
 import msgspec
 
+from schemas.infer import ActReply
 from schemas.jobs import JobRecord
+from schemas.model import Observation
 from schemas.placement import PlacementRecord
 from schemas.tenants import DatasetRecord, ManifestFile
+from schemas.train import SessionCall
 
 #: Why a request got no answer; ``retryable`` tells whether asking again can help.
 CtlErrorCode = Literal[
@@ -34,6 +37,7 @@ CtlErrorCode = Literal[
     "not_found",  # no such job, dataset or policy version of this tenant
     "invalid",  # a dataset or value that fails its checks (the message names the file/field)
     "unavailable",  # the master could not finish now (the broker is away, a store is missing)
+    "closed",  # the session is not running (never opened, closed, or its lease ran out)
 ]
 
 
@@ -143,6 +147,40 @@ class ReadExport(msgspec.Struct, frozen=True, tag="export-read"):
     length: int = 0
 
 
+class CallSession(msgspec.Struct, frozen=True, tag="call"):
+    """Queue call ``call.call`` of the tenant's low-level session ``job_id`` (a running job
+    of kind ``session``) on its Training Queue. Answered :class:`Queued` (a repeat of the
+    same call number is ``duplicate``); the call's outcome is a ``call`` event
+    (:class:`schemas.events.CallResult`) on the session's events. Also renews the lease."""
+
+    tenant: str
+    job_id: str
+    call: SessionCall
+
+
+class RenewLease(msgspec.Struct, frozen=True, tag="lease"):
+    """Keep the tenant's session ``job_id`` open (a client with no call to send sends this
+    within every ``lease_s``); answered :class:`Leased`."""
+
+    tenant: str
+    job_id: str
+
+
+class SamplePolicy(msgspec.Struct, frozen=True, tag="act"):
+    """Actions for ``observations`` from a committed version of one of the tenant's policies
+    (a job's or a session's; ``version`` 0 = the latest), served by an inferencer with the
+    same grouped forwards as rollouts. ``seed`` >= 0 makes the samples reproducible.
+    Answered :class:`Sampled`."""
+
+    tenant: str
+    job_id: str
+    observations: list[Observation]
+    version: int = 0
+    deterministic: bool = False
+    seed: int = -1
+    timeout_s: float = 10.0
+
+
 #: The largest piece of a file in one request or reply (the broker's payload limit is 1 MiB).
 PART_BYTES = 256 * 1024
 
@@ -158,6 +196,9 @@ TenantRequest = (
     | PlanDataset
     | PutDatasetPart
     | ReadExport
+    | CallSession
+    | RenewLease
+    | SamplePolicy
 )
 TENANT_REQUEST_DECODER = msgspec.msgpack.Decoder(TenantRequest)
 
@@ -247,6 +288,19 @@ class ExportBytes(msgspec.Struct, frozen=True, tag="export-read"):
     size: int
 
 
+class Leased(msgspec.Struct, frozen=True, tag="lease"):
+    """The session stays open until ``lease_s`` after this reply without a call or renewal."""
+
+    job_id: str
+    lease_s: float
+
+
+class Sampled(msgspec.Struct, frozen=True, tag="act"):
+    """The inferencer's answer (``reply.error`` is never set: a refusal is a CtlError)."""
+
+    reply: ActReply
+
+
 TenantReply = (
     JobReply
     | JobsReply
@@ -258,6 +312,8 @@ TenantReply = (
     | DatasetPlan
     | PartStored
     | ExportBytes
+    | Leased
+    | Sampled
     | CtlError
 )
 TENANT_REPLY_DECODER = msgspec.msgpack.Decoder(TenantReply)

@@ -6,6 +6,8 @@ with it for free. Decode with :data:`TRAIN_DECODER`.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from schemas.model import HeadConfig, OptimizerConfig
@@ -53,6 +55,10 @@ class OpenSlot(msgspec.Struct, frozen=True, tag="open_slot"):
     #: Start from this checkpoint's module weights (e.g. an SFT job's final policy).
     init_object: str = ""
     init_sha256: str = ""
+    #: A low-level session (:class:`ForwardBackward`, :class:`OptimStep`, :class:`SaveState`
+    #: and :class:`LoadState` calls, ``total_steps`` of them at most) instead of a job's
+    #: batches.
+    session: bool = False
 
 
 class CloseSlot(msgspec.Struct, frozen=True, tag="close_slot"):
@@ -109,7 +115,92 @@ class RolloutBatch(msgspec.Struct, frozen=True, tag="rollout"):
     bootstrap_value: float = 0.0
 
 
-TrainMessage = OpenSlot | CloseSlot | SFTBatch | RolloutBatch
+#: The objective of a :class:`ForwardBackward`: ``default`` is the head's own supervised loss
+#: (regression, flow matching or cross-entropy by head kind); ``ppo`` PPO's clipped surrogate
+#: over ``advantages`` (REINFORCE when ``old_log_probs`` is absent).
+LossFn = Literal["default", "ppo"]
+
+
+class ForwardBackward(msgspec.Struct, frozen=True, tag="forward_backward"):
+    """A low-level session's call ``call`` (0-based; a session's calls apply strictly in this
+    order, each exactly once): the loss of a batch and, unless ``backward`` is False (a
+    ``forward``), its gradients added to those the session's slot holds.
+
+    Shapes as in :class:`SFTBatch`: ``images`` uint8 (B, V, H, W, 3), ``proprio`` float32
+    (B, P), ``actions`` float32 (B, C, A); ``advantages`` and ``old_log_probs`` float32 (B,)
+    for ``loss_fn="ppo"``. It rides the same grouped backbone forward as other tenants' SFT
+    steps. Answered by a :class:`schemas.events.CallResult` event."""
+
+    tenant: str
+    job_id: str
+    call: int
+    images: Tensor
+    instructions: list[str]
+    proprio: Tensor
+    actions: Tensor
+    backward: bool = True
+    loss_fn: LossFn = "default"
+    advantages: Tensor | None = None
+    old_log_probs: Tensor | None = None
+    #: PPO's ratio clip.
+    clip: float = 0.2
+
+
+class OptimStep(msgspec.Struct, frozen=True, tag="optim_step"):
+    """Call ``call``: one AdamW update of the session's slot from the gradients accumulated
+    since the last one (then cleared), with these hyper-parameters (Tinker's
+    ``AdamParams``)."""
+
+    tenant: str
+    job_id: str
+    call: int
+    learning_rate: float
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    #: Max global norm of the accumulated gradients; 0 disables clipping.
+    grad_clip: float = 0.0
+
+
+class SaveState(msgspec.Struct, frozen=True, tag="save_state"):
+    """Call ``call``: commit the session's slot as a new policy version now and keep it
+    under ``name`` (names are the session's own, each used once; a named version outlives
+    the retention of unnamed ones). ``for_sampler``: the version is for an inferencer
+    (Tinker's ``save_weights_for_sampler``); a state is also that, so the flag only labels
+    it."""
+
+    tenant: str
+    job_id: str
+    call: int
+    name: str
+    for_sampler: bool = False
+
+
+class LoadState(msgspec.Struct, frozen=True, tag="load_state"):
+    """Call ``call``: reset the session's slot to the state saved under ``name`` (weights,
+    and with ``optimizer`` the AdamW moments too; accumulated gradients are dropped)."""
+
+    tenant: str
+    job_id: str
+    call: int
+    name: str
+    optimizer: bool = True
+
+
+SessionCall = ForwardBackward | OptimStep | SaveState | LoadState
+SESSION_CALL_TYPES = (ForwardBackward, OptimStep, SaveState, LoadState)
+
+TrainMessage = (
+    OpenSlot
+    | CloseSlot
+    | SFTBatch
+    | RolloutBatch
+    | ForwardBackward
+    | OptimStep
+    | SaveState
+    | LoadState
+)
 TRAIN_DECODER = msgspec.msgpack.Decoder(TrainMessage)
 
 
@@ -134,6 +225,9 @@ class PolicyRecord(msgspec.Struct, frozen=True):
     #: below this was already consumed, whatever its stream sequence (a re-publish after the
     #: duplicate window gets a new one).
     batches_done: int = 0
+    #: A low-level session's named states (:class:`SaveState`): name → checkpoint object
+    #: (kept past the version retention).
+    saved: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 POLICY_RECORD_DECODER = msgspec.msgpack.Decoder(PolicyRecord)

@@ -24,7 +24,7 @@ from schemas.jobs import JOB_COMMAND_DECODER, JOB_RECORD_DECODER, JobCancel, Job
 from schemas.model import HeadConfig, Observation
 from schemas.specs import JobSpecError, SFTJobSpec, parse_job_spec
 from schemas.tensor import Tensor, TensorError
-from schemas.train import POLICY_RECORD_DECODER, TRAIN_DECODER
+from schemas.train import POLICY_RECORD_DECODER, TRAIN_DECODER, OpenSlot, PolicyRecord
 from tests.golden.regen import SAMPLES
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -46,6 +46,11 @@ DECODERS: dict[str, msgspec.msgpack.Decoder[Any]] = {
     "close_slot": TRAIN_DECODER,
     "sft_batch": TRAIN_DECODER,
     "rollout_batch": TRAIN_DECODER,
+    "forward_backward": TRAIN_DECODER,
+    "optim_step": TRAIN_DECODER,
+    "save_state": TRAIN_DECODER,
+    "load_state": TRAIN_DECODER,
+    "event_call": EVENT_DECODER,
     "policy_record": POLICY_RECORD_DECODER,
     "act_request": INFER_DECODER,
     "act_reply": ACT_REPLY_DECODER,
@@ -69,6 +74,21 @@ def test_an_act_request_written_before_expires_at_still_decodes_without_a_deadli
     decoded = decode(DECODERS["act_request"], old)
     assert isinstance(decoded, ActRequest) and decoded.expires_at == 0.0
     assert decoded == SAMPLES["act_request"]  # the sample has no deadline either
+
+
+def test_records_written_before_sessions_still_decode_as_no_session() -> None:
+    """Rolling upgrade: an OpenSlot without ``session`` is a job's slot, a policy record
+    without ``saved`` has no named states."""
+    old_open = decode(
+        DECODERS["open_slot"], (GOLDEN / "open_slot_before_session.msgpack").read_bytes()
+    )
+    assert isinstance(old_open, OpenSlot) and old_open.session is False
+    assert old_open == SAMPLES["open_slot"]
+    old_record = decode(
+        DECODERS["policy_record"], (GOLDEN / "policy_record_before_saved.msgpack").read_bytes()
+    )
+    assert isinstance(old_record, PolicyRecord) and old_record.saved == {}
+    assert old_record == SAMPLES["policy_record"]
 
 
 @pytest.mark.parametrize(

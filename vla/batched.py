@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -31,7 +32,46 @@ from vla.heads.stacked import StackedInputs
 from vla.multiopt import adamw_step, clip_grad_norms
 from vla.slot import NonFiniteLossError, StepResult, TenantSlot, lr_at
 
-__all__ = ["arch_key", "batched_backward", "train_steps"]
+__all__ = [
+    "AdamParams",
+    "PolicyGradient",
+    "TrainMode",
+    "arch_key",
+    "batched_backward",
+    "optim_steps",
+    "train_steps",
+]
+
+#: What a training call does with a tenant's batch: ``step`` (zero grads, loss, backward, clip,
+#: AdamW: one SFT step), ``accumulate`` (loss and backward, the gradients added to those the
+#: slot already holds: a low-level ``forward_backward``) or ``forward`` (the loss only; the
+#: slot, its gradients and its generator are left exactly as they were).
+TrainMode = Literal["step", "accumulate", "forward"]
+
+
+@dataclass(frozen=True)
+class PolicyGradient:
+    """A policy-gradient objective instead of the head's supervised loss: PPO's clipped
+    surrogate ``-mean(min(r * A, clip(r, 1 - clip, 1 + clip) * A))`` with
+    ``r = exp(log_prob - old_log_prob)``; without ``old_log_probs_B`` the ratio is taken
+    against the current policy (r = 1, the plain REINFORCE gradient ``-mean(A * log_prob)``)."""
+
+    advantages_B: torch.Tensor
+    old_log_probs_B: torch.Tensor | None = None
+    clip: float = 0.2
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """One low-level ``optim_step``'s AdamW hyper-parameters (Tinker's names)."""
+
+    learning_rate: float
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    #: Max global grad norm of the accumulated gradients; 0 disables clipping.
+    grad_clip: float = 0.0
 
 
 def arch_key(module: ActionHead, batch_size: int) -> Hashable:
@@ -59,9 +99,11 @@ def batched_backward(
     features: Sequence[VLAFeature],
     actions: Sequence[torch.Tensor],
     draws: Sequence[tuple[torch.Tensor, ...]],
+    wants_grad: Sequence[bool] | None = None,
 ) -> list[float]:
     """Every tenant's loss from one batched forward, and its gradients from one batched
     backward, written into each module's own ``p.grad`` (views of the stacked gradient).
+    A tenant whose ``wants_grad`` is False (a forward-only call) gets its loss only.
 
     Inputs must already be checked (``check_actions``) and share one :func:`arch_key`;
     ``draws[i]`` is what ``modules[i].draw`` gave for tenant ``i``. A tenant whose loss is
@@ -91,6 +133,8 @@ def batched_backward(
     losses_N = template.stacked_loss(params, inputs)
     values = losses_N.detach().tolist()
     finite = [math.isfinite(v) for v in values]
+    if wants_grad is not None:
+        finite = [f and w for f, w in zip(finite, wants_grad, strict=True)]
     if any(finite):
         # A non-finite tenant gets a zero upstream gradient; its slice of the gradients is
         # discarded below in any case.
@@ -117,6 +161,10 @@ class _Live:
     feature: VLAFeature
     actions_B_C_A: torch.Tensor
     rng_before: torch.Tensor
+    mode: TrainMode = "step"
+    objective: PolicyGradient | None = None
+    #: The gradients the slot held before the call (``accumulate`` / ``forward`` keep them).
+    grads_before: list[torch.Tensor | None] = field(default_factory=list)
     loss: float = math.nan
     grad_norm: float = math.nan
 
@@ -127,9 +175,48 @@ def _max_norm(slot: TenantSlot) -> float:
 
 
 def _abandon(live: _Live) -> None:
-    """Leave the slot as it was before the step: grads dropped, RNG rewound."""
+    """Leave the slot as it was before the step: grads as they were, RNG rewound."""
     live.slot.optimizer.zero_grad(set_to_none=True)
+    if live.grads_before:
+        for p, g in zip(live.slot.module.parameters(), live.grads_before, strict=True):
+            p.grad = g
     live.slot.generator.set_state(live.rng_before)
+
+
+def _merge_grads(live: _Live) -> None:
+    """``accumulate``: the call's gradients added to those the slot held before it."""
+    for p, before in zip(live.slot.module.parameters(), live.grads_before, strict=True):
+        if before is None:
+            continue
+        p.grad = before if p.grad is None else before + p.grad
+
+
+def _policy_gradient(live: _Live, results: list[StepResult | Exception | None]) -> None:
+    """The :class:`PolicyGradient` loss of one tenant and (unless ``forward``) its gradients,
+    with the head's own per-tenant kernels (the stacked kernels compute supervised losses)."""
+    objective = live.objective
+    assert objective is not None
+    module = live.slot.module
+    device = module.state_token_D.device
+    log_prob_B = module.log_prob(live.feature, live.actions_B_C_A)
+    advantages_B = objective.advantages_B.to(device=device, dtype=log_prob_B.dtype)
+    old_B = objective.old_log_probs_B
+    old_B = log_prob_B.detach() if old_B is None else old_B.to(device, log_prob_B.dtype)
+    ratio_B = torch.exp(log_prob_B - old_B)
+    clipped_B = ratio_B.clamp(1.0 - objective.clip, 1.0 + objective.clip)
+    loss = -torch.minimum(ratio_B * advantages_B, clipped_B * advantages_B).mean()
+    live.loss = float(loss.detach())
+    if not math.isfinite(live.loss):
+        _abandon(live)
+        results[live.index] = NonFiniteLossError(
+            live.slot.tenant, live.slot.step, "loss", live.loss
+        )
+        return
+    if live.mode == "forward":
+        return
+    params = list(module.parameters())
+    for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True), strict=True):
+        p.grad = g
 
 
 def _backward(members: list[_Live], results: list[StepResult | Exception | None]) -> None:
@@ -141,6 +228,7 @@ def _backward(members: list[_Live], results: list[StepResult | Exception | None]
         [m.feature for m in members],
         [m.actions_B_C_A for m in members],
         draws,
+        [m.mode != "forward" for m in members],
     )
     for m, value in zip(members, losses, strict=True):
         m.loss = value
@@ -175,6 +263,8 @@ def train_steps(
     features: Sequence[VLAFeature],
     actions: Sequence[torch.Tensor],
     batch_heads: bool = True,
+    modes: Sequence[TrainMode] | None = None,
+    objectives: Sequence[PolicyGradient | None] | None = None,
 ) -> list[StepResult | Exception]:
     """One supervised update per tenant, as :meth:`TenantSlot.train_step` would make it, with
     the heads batched across tenants and one shared clip + AdamW step.
@@ -185,37 +275,73 @@ def train_steps(
     clipped and its AdamW step applied by shared multi-tensor calls (:mod:`vla.multiopt`,
     bit for bit as its own optimizer would).
 
+    ``modes[i]`` (default ``step``; see :data:`TrainMode`) lets a low-level call stop after
+    the backward (``accumulate``) or the loss (``forward``); those tenants are stacked with
+    the others all the same, and their result's ``grad_norm`` is NaN and ``lr`` 0.
+    ``objectives[i]``: a :class:`PolicyGradient` loss instead of the supervised one (run with
+    the head's per-tenant kernels).
+
     A tenant's failure is its result: ``ValueError`` for mis-shaped input,
     :class:`NonFiniteLossError` for a NaN/inf loss or grad norm, or whatever its head raised;
-    that slot is left exactly as before (parameters, optimizer state, RNG, step), and the
-    other tenants' steps do not see it.
+    that slot is left exactly as before (parameters, gradients, optimizer state, RNG, step),
+    and the other tenants' steps do not see it.
     """
-    if not (len(slots) == len(features) == len(actions)):
+    n = len(slots)
+    modes = list(modes) if modes is not None else ["step"] * n
+    objectives = list(objectives) if objectives is not None else [None] * n
+    if not (len(features) == len(actions) == len(modes) == len(objectives) == n):
         raise ValueError(
-            f"train_steps needs one feature and target per slot: {len(slots)} slots, "
-            f"{len(features)} features, {len(actions)} targets"
+            f"train_steps needs one feature, target, mode and objective per slot: {n} slots, "
+            f"{len(features)} features, {len(actions)} targets, {len(modes)} modes, "
+            f"{len(objectives)} objectives"
         )
     if len({id(s) for s in slots}) != len(slots):
         raise ValueError("a slot appears twice in one train_steps call")
-    results: list[StepResult | Exception | None] = [None] * len(slots)
+    results: list[StepResult | Exception | None] = [None] * n
     live: list[_Live] = []
     for i, (slot, feature, target) in enumerate(zip(slots, features, actions, strict=True)):
         try:
             slot.module.check_actions(feature, target)
+            objective = objectives[i]
+            if objective is not None and objective.advantages_B.shape != (feature.batch_size,):
+                raise ValueError(
+                    f"advantages: expected shape ({feature.batch_size},), got "
+                    f"{tuple(objective.advantages_B.shape)}"
+                )
         except Exception as exc:  # noqa: BLE001 - bad input fails its own tenant only
             results[i] = exc
             continue
         slot.module.train()
         rng_before = slot.generator.get_state()
+        grads_before: list[torch.Tensor | None] = []
+        if modes[i] != "step":
+            grads_before = [p.grad for p in slot.module.parameters()]
         slot.optimizer.zero_grad(set_to_none=True)
-        live.append(_Live(i, slot, feature, target, rng_before))
+        live.append(
+            _Live(i, slot, feature, target, rng_before, modes[i], objectives[i], grads_before)
+        )
     # Which tenants share one batched head call: same architecture, batch and prefix shape.
     batches: dict[Hashable, list[_Live]] = {}
     for m in live:
+        if m.objective is not None:
+            try:
+                _policy_gradient(m, results)
+            except Exception as exc:  # noqa: BLE001 - one tenant's failure is its result
+                _abandon(m)
+                results[m.index] = exc
+            continue
         key = (arch_key(m.slot.module, m.feature.batch_size), tuple(m.feature.prefix_B_T_D.shape))
         batches.setdefault(key if batch_heads else id(m), []).append(m)
     for members in batches.values():
         _backward_isolated(members, results)
+    for m in live:
+        if results[m.index] is not None or m.mode == "step":
+            continue
+        if m.mode == "forward":
+            _abandon(m)  # nothing of the call stays in the slot
+        else:
+            _merge_grads(m)
+        results[m.index] = StepResult(loss=m.loss, grad_norm=math.nan, lr=0.0, step=m.slot.step)
     stepping = [m for m in live if results[m.index] is None]
     try:
         norms = clip_grad_norms(
@@ -248,6 +374,65 @@ def train_steps(
         m.slot.optimizer.zero_grad(set_to_none=True)
         m.slot.step += 1
         results[m.index] = StepResult(loss=m.loss, grad_norm=m.grad_norm, lr=lr, step=m.slot.step)
+    out: list[StepResult | Exception] = []
+    for r in results:
+        assert r is not None
+        out.append(r)
+    return out
+
+
+def has_grads(slot: TenantSlot) -> bool:
+    """Whether the slot holds accumulated gradients (a low-level session between calls)."""
+    return any(p.grad is not None for p in slot.module.parameters())
+
+
+def optim_steps(
+    slots: Sequence[TenantSlot], params: Sequence[AdamParams]
+) -> list[StepResult | Exception]:
+    """A low-level ``optim_step`` per slot: clip its accumulated gradients to
+    ``params[i].grad_clip``, one AdamW update with ``params[i]``'s hyper-parameters, then
+    the gradients are cleared and the slot's step counted. Shared multi-tensor calls as
+    in :func:`train_steps`. A slot without gradients gets a ``ValueError``, one whose grad
+    norm is not finite a :class:`NonFiniteLossError` (its gradients are dropped); neither
+    slot's weights nor optimizer state change."""
+    if len(slots) != len(params):
+        raise ValueError(
+            f"optim_steps needs one AdamParams per slot: {len(slots)} vs {len(params)}"
+        )
+    results: list[StepResult | Exception | None] = [None] * len(slots)
+    ready = []
+    for i, slot in enumerate(slots):
+        if not has_grads(slot):
+            results[i] = ValueError(
+                "optim_step: no gradients accumulated since the last step (call forward_backward)"
+            )
+        else:
+            ready.append(i)
+    clips = [params[i].grad_clip if params[i].grad_clip > 0 else math.inf for i in ready]
+    norms = clip_grad_norms([list(slots[i].module.parameters()) for i in ready], clips)
+    stepping = []
+    for i, norm in zip(ready, norms, strict=True):
+        if not math.isfinite(norm):
+            # Non-finite gradients are no use to any later step: dropped, like a bad SFT step.
+            slots[i].optimizer.zero_grad(set_to_none=True)
+            results[i] = NonFiniteLossError(slots[i].tenant, slots[i].step, "grad norm", norm)
+        else:
+            stepping.append((i, norm))
+    for i, _ in stepping:
+        p = params[i]
+        for group in slots[i].optimizer.param_groups:
+            group["lr"] = p.learning_rate
+            group["betas"] = (p.beta1, p.beta2)
+            group["eps"] = p.eps
+            group["weight_decay"] = p.weight_decay
+    adamw_step([slots[i].optimizer for i, _ in stepping])
+    for i, norm in stepping:
+        slot = slots[i]
+        slot.optimizer.zero_grad(set_to_none=True)
+        slot.step += 1
+        results[i] = StepResult(
+            loss=math.nan, grad_norm=norm, lr=params[i].learning_rate, step=slot.step
+        )
     out: list[StepResult | Exception] = []
     for r in results:
         assert r is not None

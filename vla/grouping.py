@@ -31,7 +31,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from vla.batched import train_steps
+from vla.batched import PolicyGradient, TrainMode, train_steps
 from vla.feature import CompatKey, ModelInputs, VLAFeature
 from vla.heads import ActOutput
 from vla.slot import StepResult, TenantSlot
@@ -47,12 +47,15 @@ class FeatureEncoder(Protocol):
 
 @dataclass
 class TrainRequest:
-    """One tenant's supervised micro-batch: normalised inputs and target action chunks."""
+    """One tenant's micro-batch: normalised inputs and target action chunks; ``mode`` and
+    ``objective`` as in :func:`vla.batched.train_steps` (a low-level call's)."""
 
     tenant: str
     slot: TenantSlot
     inputs: ModelInputs
     actions_B_C_A: torch.Tensor
+    mode: TrainMode = "step"
+    objective: PolicyGradient | None = None
 
 
 @dataclass
@@ -194,6 +197,8 @@ def group_train_step(
         [f for _, f in ready],
         [r.actions_B_C_A for r, _ in ready],
         batch_heads=batch_heads,
+        modes=[r.mode for r, _ in ready],
+        objectives=[r.objective for r, _ in ready],
     )
     for (r, _), step in zip(ready, steps, strict=True):
         results[r.tenant] = step

@@ -184,7 +184,8 @@ class TenantSlot:
 
         Contains only tensors and primitives (``torch.load(weights_only=True)`` reads it):
         configs as builtins, module and optimizer state, the generator state (a uint8 tensor),
-        step and version. The LR schedule is a function of ``step`` and needs nothing else.
+        step, version and any accumulated gradients. The LR schedule is a function of
+        ``step`` and needs nothing else.
         """
         return {
             "format": _STATE_FORMAT,
@@ -198,6 +199,13 @@ class TenantSlot:
             "rng": self.generator.get_state(),
             "step": self.step,
             "version": self.version,
+            # A low-level session's gradients accumulated between forward_backward and
+            # optim_step (empty between SFT steps, which free them).
+            "grads": {
+                name: p.grad.detach().clone()
+                for name, p in self.module.named_parameters()
+                if p.grad is not None
+            },
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -215,6 +223,9 @@ class TenantSlot:
         self.generator.set_state(state["rng"])
         self.step = int(state["step"])
         self.version = int(state["version"])
+        grads = state.get("grads", {})  # absent in states written before sessions existed
+        for name, p in self.module.named_parameters():
+            p.grad = grads[name].to(p.device) if name in grads else None
 
     def to_bytes(self) -> bytes:
         """Serialise for the object store (``torch.save``; loadable with ``weights_only``)."""

@@ -31,7 +31,15 @@ from bus.records import list_jobs
 from schemas import subjects
 from schemas.jobs import TERMINAL_STATUSES
 from schemas.limits import InputLimits, exceeds
-from schemas.specs import EvalJobSpec, HeadSpec, JobSpec, PipelineSpec, RLJobSpec, SFTJobSpec
+from schemas.specs import (
+    EvalJobSpec,
+    HeadSpec,
+    JobSpec,
+    PipelineSpec,
+    RLJobSpec,
+    SessionSpec,
+    SFTJobSpec,
+)
 from schemas.tenants import TENANT_RECORD_DECODER, TenantRecord
 
 
@@ -67,6 +75,15 @@ def check_spec_bounds(spec: JobSpec, limits: InputLimits, prefix: str = "") -> N
             _at_most(
                 f"{prefix}batch_size", spec.batch_size, "max_batch_size", limits.max_batch_size
             )
+            _at_most(f"{prefix}num_views", spec.num_views, "max_views", limits.max_views)
+            _at_most(
+                f"{prefix}token_budget",
+                spec.token_budget,
+                "max_token_budget",
+                limits.max_token_budget,
+            )
+        case SessionSpec():
+            _head(prefix, spec.head, limits)
             _at_most(f"{prefix}num_views", spec.num_views, "max_views", limits.max_views)
             _at_most(
                 f"{prefix}token_budget",

@@ -25,7 +25,7 @@ from bus.errors import PoisonError, RetryableError
 from schemas.env import EnvTask, EvalTask, RolloutTask, StreamDataset
 from schemas.limits import InputLimits
 from schemas.model import HeadConfig
-from schemas.specs import EvalJobSpec, RLJobSpec, SFTJobSpec
+from schemas.specs import EvalJobSpec, RLJobSpec, SessionSpec, SFTJobSpec
 from schemas.train import OpenSlot, PolicyRecord
 from vla.data import DatasetError, DatasetMeta, check_dataset, read_meta
 from vla.data.limits import dataset_violation
@@ -172,7 +172,7 @@ async def compile_sft(
     return Plan(spec.backbone, open_slot, [env_task])
 
 
-def check_init_fits(spec: SFTJobSpec | RLJobSpec, init: PolicyRecord) -> None:
+def check_init_fits(spec: SFTJobSpec | RLJobSpec | SessionSpec, init: PolicyRecord) -> None:
     """A job that starts from another job's policy must keep its head's shape."""
     if init.slot.head != spec.head.to_config():
         raise PoisonError(
@@ -199,6 +199,28 @@ def compile_rl(job_id: str, spec: RLJobSpec, init: PolicyRecord | None) -> Plan:
         rl=spec.rl.to_config(spec.episodes_per_iteration),
         init_object=init.object_name if init else "",
         init_sha256=init.sha256 if init else "",
+    )
+    return Plan(spec.backbone, open_slot, [])
+
+
+def compile_session(job_id: str, spec: SessionSpec, init: PolicyRecord | None) -> Plan:
+    """A low-level session's slot: its calls come from the tenant, one by one."""
+    if init is not None:
+        check_init_fits(spec, init)
+    open_slot = OpenSlot(
+        tenant=spec.tenant,
+        job_id=job_id,
+        head=spec.head.to_config(),
+        optimizer=spec.optimizer.to_config(0),
+        seed=spec.seed,
+        total_steps=spec.max_calls,
+        num_views=spec.num_views,
+        token_budget=spec.token_budget,
+        checkpoint_every=spec.checkpoint_every,
+        priority=spec.priority,
+        init_object=init.object_name if init else "",
+        init_sha256=init.sha256 if init else "",
+        session=True,
     )
     return Plan(spec.backbone, open_slot, [])
 

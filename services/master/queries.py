@@ -18,6 +18,8 @@ checked against it, never trusted.
   downloads every file into its cache verifying each SHA-256
   (:func:`bus.datasets.materialise`), checks the files as a dataset
   (:func:`vla.data.check_dataset`) and writes the record. Errors name the bad file.
+* ``call`` / ``lease`` / ``act``: a low-level session's calls queued on ``TRAIN``, its lease,
+  and actions from a policy relayed through ``INFER`` (:mod:`services.master.sessions`).
 * ``export``: copies a committed policy version of the tenant's own job from the
   ``checkpoints`` store into the tenant's bucket as ``policies/<job>/v<version>``;
   ``export-read`` returns it in parts.
@@ -62,6 +64,7 @@ from schemas.tenantctl import (
     AddDataset,
     Backbones,
     BackbonesReply,
+    CallSession,
     CancelJob,
     CtlError,
     DatasetAdded,
@@ -77,12 +80,15 @@ from schemas.tenantctl import (
     PutDatasetPart,
     ReadEvents,
     ReadExport,
+    RenewLease,
+    SamplePolicy,
     SubmitJob,
     TenantReply,
     TenantRequest,
 )
 from schemas.tenants import DatasetRecord
 from services.master.limits import TenantGate
+from services.master.sessions import Sessions
 from services.master.tenantjobs import TenantJobs
 from services.master.transfer import Transfer
 from vla.data import DatasetError, check_dataset
@@ -113,6 +119,9 @@ class Queries:
         self.gate = TenantGate(js)
         self.tenant_jobs = TenantJobs(js)
         self.transfer = Transfer(js, self.gate)
+        self.sessions = Sessions(js, jobs, self.tenant_jobs)
+        self._stop = asyncio.Event()
+        self._sweeper: asyncio.Task[None] | None = None
         self._subs: list[Subscription] = []
         self._replies: set[asyncio.Task[None]] = set()
         self._heavy = asyncio.Semaphore(HEAVY_CONCURRENCY)
@@ -188,6 +197,8 @@ class Queries:
             case ExportPolicy():
                 return await self.export(request)
             case SubmitJob() | CancelJob():
+                if isinstance(request, SubmitJob):
+                    self.sessions.submitted(request)
                 return await self.tenant_jobs.command(request)
             case ReadEvents():
                 return await self.tenant_jobs.events(request)
@@ -197,6 +208,12 @@ class Queries:
                 return await self.transfer.put_part(request)
             case ReadExport():
                 return await self.transfer.read_export(request)
+            case CallSession():
+                return await self.sessions.call(request)
+            case RenewLease():
+                return await self.sessions.renew(request)
+            case SamplePolicy():
+                return await self.sessions.act(request)
         raise AssertionError(f"unhandled request {request!r}")
 
     # -- datasets ---------------------------------------------------------------------------
@@ -384,6 +401,7 @@ class Queries:
             self._subs.append(
                 await nc.subscribe(subject, queue=subjects.TENANT_CTL_QUEUE, cb=self._on_request)
             )
+        self._sweeper = asyncio.create_task(self.sessions.sweep(self._stop))
 
     async def close(self, timeout: float = 1.0) -> None:
         """Stop answering; replies in progress get ``timeout`` to finish (a requester whose
@@ -394,5 +412,9 @@ class Queries:
             except NatsError:
                 pass
         self._subs.clear()
+        self._stop.set()
         if self._replies:
             await asyncio.wait(set(self._replies), timeout=timeout)
+        if self._sweeper is not None:
+            await asyncio.wait({self._sweeper}, timeout=timeout)
+        await self.sessions.close()

@@ -55,6 +55,7 @@ from schemas.specs import (
     JobSpecError,
     PipelineSpec,
     RLJobSpec,
+    SessionSpec,
     SFTJobSpec,
     parse_job_spec,
 )
@@ -68,6 +69,7 @@ from services.master.plans import (
     Plan,
     compile_eval,
     compile_rl,
+    compile_session,
     compile_sft,
     rollout_tasks,
 )
@@ -218,6 +220,9 @@ class Master:
                 return await compile_sft(job_id, spec, init, self.datasets, self.limits)
             case RLJobSpec():
                 return compile_rl(job_id, spec, await self.init_policy(spec.tenant, spec.init_from))
+            case SessionSpec():
+                init = await self.init_policy(spec.tenant, spec.init_from)
+                return compile_session(job_id, spec, init)
             case EvalJobSpec():
                 policy = await self.policy_record(spec.tenant, spec.policy_job)
                 if policy is None:
@@ -347,7 +352,7 @@ class Master:
         if found is None:
             return
         spec = parse_job_spec(found[0].spec_json)
-        if isinstance(spec, SFTJobSpec | RLJobSpec):
+        if isinstance(spec, SFTJobSpec | RLJobSpec | SessionSpec):
             await publish(
                 self.js,
                 subjects.train(spec.backbone, tenant),

@@ -29,7 +29,7 @@ from bus import checkpoints as ckpt
 from bus import records
 from bus.consume import Consumer
 from bus.errors import HandlerError
-from schemas.events import PolicyPublished
+from schemas.events import CallResult, PolicyPublished
 from schemas.train import OpenSlot, PolicyRecord
 from vla.slot import TenantSlot
 
@@ -51,6 +51,8 @@ async def write_version(
     batches_done: int = 0,
     metrics: dict[str, float] | None = None,
     frozen: Frozen | None = None,
+    saved: dict[str, str] | None = None,
+    save_as: str = "",
 ) -> tuple[PolicyRecord, int]:
     """Publish the slot's next version: checkpoint object, then the KV entry (created when
     ``revision`` is None or 0, else updated only if still at ``revision``: a lost race raises
@@ -58,7 +60,7 @@ async def write_version(
 
     ``frozen``: the version already taken with :func:`freeze` (the trainer freezes at the
     round boundary, then writes while the next round trains the slot); else it is taken
-    here."""
+    here. ``saved``: a session's named states; ``save_as`` names this version among them."""
     if frozen is None:
         # Versions count from 1 (the initial weights): 0 means "none" / "latest" elsewhere.
         slot.publish_version()
@@ -66,6 +68,9 @@ async def write_version(
     sha = ckpt.digest(frozen.data)
     name = ckpt.object_name(spec.tenant, spec.job_id, frozen.version, sha)
     await ckpt.put_checkpoint(store, name, frozen.data)
+    named = dict(saved or {})
+    if save_as:
+        named[save_as] = name
     record = PolicyRecord(
         spec.tenant,
         spec.job_id,
@@ -78,8 +83,46 @@ async def write_version(
         time.time(),
         dict(metrics or {}),
         batches_done,
+        named,
     )
     return record, await records.put_policy(policies, record, last=revision or 0)
+
+
+@dataclass(frozen=True)
+class _At:
+    """What a commit records of its job, taken when the slot is frozen (not when it lands)."""
+
+    applied_seq: int
+    batches_done: int
+    metrics: dict[str, float]
+    finished: bool
+    #: A session's save_state (name, call) this version answers.
+    save_as: tuple[str, int] | None
+
+    @classmethod
+    def of(cls, job: JobSlot) -> _At:
+        save_as, job.save_as = job.save_as, None
+        return cls(job.applied_seq, job.batches_done, dict(job.metrics), job.finished, save_as)
+
+    def give_back(self, job: JobSlot, covered: list[tuple[Msg, HandlerError | None]]) -> None:
+        """A commit that failed: its messages (and a save it answered) wait for the next."""
+        job.held = covered + job.held
+        if self.save_as is not None and job.save_as is None:
+            job.save_as = self.save_as
+
+
+def save_result(job: JobSlot, call: int, record: PolicyRecord) -> CallResult:
+    """The answer to a session's ``save_state`` call that ``record`` committed."""
+    spec = job.spec
+    return CallResult(
+        spec.tenant,
+        spec.job_id,
+        call,
+        "save_state",
+        {"step": float(record.step)},
+        time.time(),
+        version=record.version,
+    )
 
 
 @dataclass(frozen=True)
@@ -112,7 +155,7 @@ class Committer:
         self,
         registry: JobRegistry,
         consumer: Consumer,
-        emit: Callable[[PolicyPublished], Awaitable[None]],
+        emit: Callable[..., Awaitable[None]],
         keep_versions: int,
         crash_after_commits: int = 0,
     ) -> None:
@@ -141,7 +184,7 @@ class Committer:
         covered, job.held = job.held, []
         frozen = freeze(job.slot)
         # What the checkpoint records is what the job stands at now, not when it lands.
-        at = (job.applied_seq, job.batches_done, dict(job.metrics), job.finished)
+        at = _At.of(job)
         self.blocking_s += time.perf_counter() - t0
         task = asyncio.ensure_future(self._commit(job, covered, frozen, at))
         self.in_flight[job.key] = task
@@ -156,8 +199,7 @@ class Committer:
         await self.drain([job])
         covered, job.held = job.held, []
         frozen = freeze(job.slot)
-        at = (job.applied_seq, job.batches_done, dict(job.metrics), job.finished)
-        await self._commit(job, covered, frozen, at, initial)
+        await self._commit(job, covered, frozen, _At.of(job), initial)
         self.blocking_s += time.perf_counter() - t0
 
     async def drain(self, jobs: Iterable[JobSlot] | None = None, within_s: float = 60.0) -> None:
@@ -172,19 +214,29 @@ class Committer:
         job: JobSlot,
         covered: list[tuple[Msg, HandlerError | None]],
         frozen: Frozen,
-        at: tuple[int, int, dict[str, float], bool],
+        at: _At,
         initial: bool = False,
     ) -> None:
         try:
+            # A session's call results go out before their calls can be acked: after a
+            # crash past this point the calls are not applied again, so nothing would.
+            if not await self.publish_results(job):
+                raise TimeoutError("call results not published")
             record = await self._write(job, frozen, at, initial)
         except (NatsError, TimeoutError) as exc:
             log.warning("commit of %s failed (%s); trying again", job.key, exc)
-            job.held = covered + job.held
+            at.give_back(job, covered)
             return
         except Exception:  # a bug: keep the messages for the next commit, and say so loudly
             log.exception("commit of %s failed; trying again", job.key)
-            job.held = covered + job.held
+            at.give_back(job, covered)
             return
+        if at.save_as is not None:
+            _, call = at.save_as
+            job.results.append(save_result(job, call, record))
+            # Best effort: one left over goes with the next step or commit, and a replay of
+            # the save (acked or not) answers it again from the record.
+            await self.publish_results(job)
         self.commits += 1
         if self.crash_after_commits and self.commits >= self.crash_after_commits:
             log.warning("fault injection: SIGKILL after commit %d, before its acks", self.commits)
@@ -193,8 +245,28 @@ class Committer:
             await self.consumer.settle(msg, error)
         job.versions.append(record.object_name)
         while len(job.versions) > self.keep_versions:
+            old = job.versions.popleft()
+            if old in job.saved.values():
+                continue  # a session's saved state outlives the retention
             with contextlib.suppress(NotFoundError):
-                await self.registry.store.delete(job.versions.popleft())
+                await self.registry.store.delete(old)
+
+    async def publish_results(self, job: JobSlot) -> bool:
+        """Publish the session's pending call results; whether all went out (those that did
+        not stay pending)."""
+        if not job.results:
+            return True
+        pending, job.results = job.results, []
+        outcomes = await asyncio.gather(
+            *(self.emit(r, step_id=r.call) for r in pending), return_exceptions=True
+        )
+        failed = [r for r, o in zip(pending, outcomes, strict=True) if isinstance(o, BaseException)]
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                log.warning("call result of %s not published: %s", job.key, outcome)
+                break
+        job.results = failed + job.results
+        return not failed
 
     async def commit_applied(self, jobs: Iterable[JobSlot], within_s: float) -> None:
         """On stop: let in-flight commits land, then commit what was applied (so it is
@@ -211,21 +283,23 @@ class Committer:
         self,
         job: JobSlot,
         frozen: Frozen,
-        at: tuple[int, int, dict[str, float], bool],
+        at: _At,
         initial: bool,
     ) -> PolicyRecord:
-        applied_seq, batches_done, metrics, finished = at
         record, job.kv_revision = await write_version(
             self.registry.store,
             self.registry.policies,
             job.spec,
             job.slot,
             revision=None if initial else job.kv_revision,
-            stream_seq=applied_seq,
-            batches_done=batches_done,
-            metrics=metrics,
+            stream_seq=at.applied_seq,
+            batches_done=at.batches_done,
+            metrics=at.metrics,
             frozen=frozen,
+            saved=job.saved,
+            save_as=at.save_as[0] if at.save_as else "",
         )
+        job.saved = dict(record.saved)
         job.committed_seq, job.committed_step = record.stream_seq, record.step
         job.committed_batches = record.batches_done
         job.last_commit_at = time.monotonic()
@@ -237,7 +311,7 @@ class Committer:
                 record.object_name,
                 record.step,
                 time.time(),
-                final=finished,
+                final=at.finished,
             )
         )
         return record

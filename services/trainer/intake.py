@@ -62,17 +62,18 @@ class Intake:
     def busy(self) -> bool:
         return any(self.buffers.values())
 
-    async def fill(self, live: set[str]) -> int:
+    async def fill(self, live: set[str], linger: bool = True) -> int:
         """Top up the buffers of tenants with messages or with live jobs (fetches run at
-        once). Only when no tenant has work buffered is it worth waiting for messages.
-        Returns how many messages arrived."""
+        once). Only when no tenant has work buffered (and ``linger``) is it worth waiting
+        for messages. Returns how many messages arrived."""
         wants = {}
         for tenant, buf in self.buffers.items():
             waiting = sum(1 for _, item in buf if isinstance(item, Waiting))
             # Batches waiting for an earlier step do not use up the prefetch: the earlier
             # step must still be fetched. MAX_BUFFER bounds memory all the same.
             wants[tenant] = min(self.prefetch - (len(buf) - waiting), MAX_BUFFER - len(buf))
-        fetched = await self.tenants.fill(wants, 0.001 if self.busy else 0.05, also=live)
+        wait = 0.05 if linger and not self.busy else 0.001
+        fetched = await self.tenants.fill(wants, wait, also=live)
         arrived = 0
         for tenant, msgs in fetched.items():
             for msg in msgs:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from nats.aio.msg import Msg
 
 from bus.errors import HandlerError, PoisonError
+from schemas.events import CallResult
 from schemas.train import OpenSlot, RolloutBatch
 from vla.normalize import Normaliser
 from vla.slot import TenantSlot
@@ -52,6 +53,14 @@ class JobSlot:
     closed: bool = False
     #: RL: the current iteration's episodes collected so far (episode index → message, body).
     rollouts: dict[int, tuple[Msg, RolloutBatch]] = field(default_factory=dict)
+    #: A session's named states (name → checkpoint object), as its latest record has them.
+    saved: dict[str, str] = field(default_factory=dict)
+    #: A session's ``save_state`` (name, call) applied and not committed yet: the next
+    #: commit keeps its version under this name and answers the call.
+    save_as: tuple[str, int] | None = None
+    #: A session's call results not published yet; a commit publishes them first (a result
+    #: must be out before its call is acked, or a crash would lose it).
+    results: list[CallResult] = field(default_factory=list)
 
     @property
     def iteration_complete(self) -> bool:
@@ -76,6 +85,7 @@ class JobSlot:
             return False
         return (
             self.finished
+            or self.save_as is not None
             or self.batches_done - self.committed_batches >= self.spec.checkpoint_every
             or time.monotonic() - self.last_commit_at >= every_s
         )

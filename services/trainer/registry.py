@@ -104,9 +104,16 @@ class JobRegistry:
             committed_batches=record.batches_done,
             versions=deque([record.object_name]),
             metrics=dict(record.metrics),
+            saved=dict(record.saved),
         )
         self.jobs[key] = job
-        await ckpt.prune(self.store, tenant, job_id, slot.version - self.keep_versions + 1)
+        await ckpt.prune(
+            self.store,
+            tenant,
+            job_id,
+            slot.version - self.keep_versions + 1,
+            keep=set(record.saved.values()),
+        )
         log.info(
             "restored %s at step %d (v%d, seq %d)", key, slot.step, slot.version, record.stream_seq
         )

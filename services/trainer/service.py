@@ -22,6 +22,7 @@ up while a round computes in its thread; a job that starts running wakes tenant 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -37,7 +38,17 @@ from bus.placement import placed
 from bus.service import Runtime, serve
 from bus.watch import follow_kv
 from schemas import subjects
-from schemas.train import CloseSlot, OpenSlot, RolloutBatch, SFTBatch
+from schemas.train import (
+    SESSION_CALL_TYPES,
+    CloseSlot,
+    ForwardBackward,
+    OpenSlot,
+    RolloutBatch,
+    SaveState,
+    SessionCall,
+    SFTBatch,
+)
+from services.trainer import session
 from services.trainer.announce import Announcer
 from services.trainer.commit import Committer
 from services.trainer.config import TrainerConfig
@@ -86,6 +97,11 @@ class Trainer:
         self.deficits: dict[str, float] = {}
         #: Set when a job record changes (a new job may have opened a tenant's queue).
         self.job_changed = asyncio.Event()
+        #: Rung (core NATS, :func:`schemas.subjects.train_wake`) when a session call is queued:
+        #: an idle trainer takes it at once instead of at its next poll.
+        self.rung = asyncio.Event()
+        #: Session calls applied at triage (optim steps, saves, loads).
+        self.inline_calls = 0
 
     def spec_for(self, tenant: str) -> ConsumerSpec:
         return ConsumerSpec(
@@ -100,6 +116,7 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:
         await self.registry.connect()
+        doorbell = await self.rt.nc.subscribe(subjects.train_wake(self.bid), cb=self._ring)
         self.rt.spawn(
             follow_kv(self.registry.jobs_kv, self.rt.stop, self.observe_job),
             "job status follower",
@@ -123,38 +140,51 @@ class Trainer:
                 if not self.tenants.durables:
                     await self.idle(self.config.discover_every_s)
                     continue
-                arrived = await self.intake.fill(self.live())
+                self.rung.clear()
+                # With a session open its calls ring the doorbell: nothing is gained by a
+                # fetch that lingers (one tenant's lingering fetch holds up every other's).
+                arrived = await self.intake.fill(self.live(), linger=not self.sessions_open())
                 worked = await self.round()
                 self.commit_due()
-                if not arrived and not worked:
+                if not arrived and not worked and not self.tenants.has_backlog:
                     # Nothing to fetch from: new tenants' messages show up at discovery.
                     await self.idle(0.05)
         finally:
+            with contextlib.suppress(NatsError):
+                await doorbell.unsubscribe()
             await self.committer.commit_applied(self.registry.jobs.values(), STOP_COMMIT_S)
 
     def observe_job(self, entry: KeyValue.Entry) -> None:
         self.registry.observe_job(entry)
         self.job_changed.set()
 
+    async def _ring(self, _msg: Msg) -> None:
+        self.rung.set()
+
+    def sessions_open(self) -> bool:
+        return any(j.spec.session and j.live for j in self.registry.jobs.values())
+
     def live(self) -> set[str]:
         """Tenants with a live job: worth fetching from even when discovery saw nothing."""
         return {j.spec.tenant for j in self.registry.jobs.values() if j.live}
 
     async def idle(self, seconds: float) -> None:
-        """Wait until a stop, a job change or ``seconds``, whichever comes first."""
-        stop = asyncio.ensure_future(self.rt.stop.wait())
-        changed = asyncio.ensure_future(self.job_changed.wait())
+        """Wait until a stop, a job change, a ring or ``seconds``, whichever comes first."""
+        waits = [
+            asyncio.ensure_future(e.wait()) for e in (self.rt.stop, self.job_changed, self.rung)
+        ]
         try:
-            await asyncio.wait({stop, changed}, timeout=seconds, return_when="FIRST_COMPLETED")
+            await asyncio.wait(waits, timeout=seconds, return_when="FIRST_COMPLETED")
         finally:
             # Event.wait() holds no nats call: cancelling it is safe (unlike PITFALLS' case).
-            for fut in (stop, changed):
+            for fut in waits:
                 fut.cancel()
 
     async def round(self) -> bool:
         """Triage every buffer; DRR picks the tenants served; one grouped step; RL updates.
         Returns whether anything was applied."""
-        ready: dict[str, tuple[Msg, SFTBatch, JobSlot]] = {}
+        inline_before = self.inline_calls
+        ready: dict[str, tuple[Msg, SFTBatch | ForwardBackward, JobSlot]] = {}
         for tenant in list(self.intake.buffers):
             picked = await self.triage(tenant)
             if picked is not None:
@@ -175,18 +205,21 @@ class Trainer:
             # While the round computes (in a thread), top up the buffers (triage is done:
             # nothing else touches them until the next round), so the next round's batches
             # are there when this one ends.
-            await self.stepper.step(chosen, during=lambda: self.intake.fill(self.live()))
+            linger = not self.sessions_open()
+            await self.stepper.step(
+                chosen, during=lambda: self.intake.fill(self.live(), linger=linger)
+            )
         complete = any(j.iteration_complete for j in self.registry.jobs.values())
         if complete:
             await self.stepper.rl_updates()
-        return bool(chosen) or complete
+        return bool(chosen) or complete or self.inline_calls > inline_before
 
-    async def triage(self, tenant: str) -> tuple[Msg, SFTBatch, JobSlot] | None:
+    async def triage(self, tenant: str) -> tuple[Msg, SFTBatch | ForwardBackward, JobSlot] | None:
         """Settle what needs no training (control, poison, already consumed), hold RL episodes
         of the current iteration, and return the first batch that is its job's next step.
         Messages that must wait (a later step, a slot whose OpenSlot is being redelivered)
         stay buffered, marked WAIT."""
-        ready: tuple[Msg, SFTBatch, JobSlot] | None = None
+        ready: tuple[Msg, SFTBatch | ForwardBackward, JobSlot] | None = None
         kept: list[tuple[Msg, object]] = []
         for msg, item in self.intake.buffers[tenant]:
             body = item.body if isinstance(item, Waiting) else item
@@ -200,7 +233,7 @@ class Trainer:
                 kept.append((msg, item))
                 continue
             if verdict is Verdict.APPLY and ready is None:
-                assert isinstance(body, SFTBatch)
+                assert isinstance(body, SFTBatch | ForwardBackward)
                 ready = (msg, body, self.registry.jobs[f"{body.tenant}/{body.job_id}"])
                 kept.append((msg, body))
             elif verdict is Verdict.WAIT or verdict is Verdict.APPLY:
@@ -220,7 +253,7 @@ class Trainer:
             await self.close_slot(body)
             await self.consumer.settle(msg, None)
             return Verdict.CONSUMED
-        assert isinstance(body, SFTBatch | RolloutBatch)
+        assert isinstance(body, (SFTBatch, RolloutBatch, *SESSION_CALL_TYPES))
         job = await self.registry.job_for(body.tenant, body.job_id)
         if not isinstance(job, JobSlot):
             if job is WAIT:
@@ -232,6 +265,10 @@ class Trainer:
             return Verdict.CONSUMED
         if isinstance(body, RolloutBatch):
             return await self.stepper.collect(msg, body, job)
+        if isinstance(body, SESSION_CALL_TYPES):
+            return await self.session_call(msg, body, job)
+        if job.spec.session:
+            raise job.error(f"SFT batch sent to session {body.job_id!r}", fatal=False)
         if job.spec.rl is not None:
             raise job.error(f"SFT batch sent to RL job {body.job_id!r}")
         verdict = sft_verdict(job.batches_done, body.step)
@@ -240,6 +277,33 @@ class Trainer:
             # window): never apply twice.
             await self.consumer.settle(msg, None)
         return verdict
+
+    async def session_call(self, msg: Msg, call: SessionCall, job: JobSlot) -> Verdict:
+        """A low-level session's call: applied now (no backbone needed), left for the round's
+        grouped step (a forward), kept waiting (a later call), or consumed (done already)."""
+        if not job.spec.session:
+            raise job.error(f"{session.op_of(call)} sent to job {call.job_id!r}, not a session")
+        if job.save_as is not None:
+            return Verdict.WAIT  # a save's commit failed: nothing moves until it lands
+        verdict = sft_verdict(job.batches_done, call.call)
+        if verdict is Verdict.CONSUMED:
+            if isinstance(call, SaveState) and call.name in job.saved:
+                # Committed, maybe unanswered (a crash right after): answer it again.
+                job.results.append(session.saved_result(job, call))
+                await self.committer.publish_results(job)
+            await self.consumer.settle(msg, None)
+        if verdict is not Verdict.APPLY or isinstance(call, ForwardBackward):
+            return verdict
+        answer = await session.apply_now(self.registry, self.slots, job, call)
+        self.inline_calls += 1
+        job.applied_seq = max(job.applied_seq, msg.metadata.sequence.stream)
+        job.held.append((msg, None))
+        if answer is not None:
+            job.results.append(answer)
+            await self.committer.publish_results(job)
+        else:  # a save: its commit, now, answers it with the version
+            await self.committer.commit(job)
+        return Verdict.CONSUMED
 
     # -- slots -------------------------------------------------------------------------------
     async def open_slot(self, msg: Msg, spec: OpenSlot) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -15,15 +16,15 @@ from nats.aio.msg import Msg
 
 from bus.errors import PoisonError
 from schemas.events import Progress
-from schemas.train import RolloutBatch, SFTBatch
-from services.trainer import rl
+from schemas.train import ForwardBackward, RolloutBatch, SFTBatch
+from services.trainer import rl, session
 from services.trainer.checks import check_rollout_fits, sft_non_finite
 from services.trainer.jobs import JobSlot
 from services.trainer.ledger import Verdict, episode_verdict
 from services.trainer.sft import build_request
 from vla.backbone import Backbone
 from vla.grouping import FeatureEncoder, TrainRequest, group_train_step
-from vla.slot import NonFiniteLossError
+from vla.slot import NonFiniteLossError, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class Stepper:
     # -- SFT ---------------------------------------------------------------------------------
     async def step(
         self,
-        chosen: list[tuple[Msg, SFTBatch, JobSlot]],
+        chosen: list[tuple[Msg, SFTBatch | ForwardBackward, JobSlot]],
         during: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         """One grouped step over ``chosen`` (their slots fit the budget together).
@@ -57,9 +58,17 @@ class Stepper:
         t0 = time.perf_counter()
         slots = self.trainer.slots.acquire([job.key for _, _, job in chosen])
         requests: list[TrainRequest] = []
-        accepted: list[tuple[Msg, SFTBatch, JobSlot]] = []
+        accepted: list[tuple[Msg, SFTBatch | ForwardBackward, JobSlot]] = []
+        calls: list[tuple[Msg, ForwardBackward, JobSlot]] = []
         for (msg, batch, job), slot in zip(chosen, slots, strict=True):
             job.slot = slot
+            if isinstance(batch, ForwardBackward):
+                try:
+                    requests.append(session.build_call_request(job, batch))
+                    accepted.append((msg, batch, job))
+                except ValueError as exc:
+                    self.book_call(msg, batch, job, exc)
+                continue
             non_finite = sft_non_finite(batch)
             if non_finite is not None:
                 # Dropped, and consumed, like a non-finite loss below: the job goes on.
@@ -75,6 +84,8 @@ class Stepper:
                 job.closed = True
                 await consumer.settle(msg, job.error(f"bad batch at step {batch.step}: {exc}"))
         if not requests:
+            for _, _, job in chosen:
+                await self.trainer.committer.publish_results(job)
             return
         compute_t0 = time.perf_counter()
         compute = asyncio.ensure_future(asyncio.to_thread(group_train_step, self.encoder, requests))
@@ -86,10 +97,16 @@ class Stepper:
                 log.warning("fetch during the step failed: %s", fetched)
         results = await compute
         self.compute_s += time.perf_counter() - compute_t0
+        # How many of the round's batches each backbone forward took (one per group key).
+        sharing = Counter(r.inputs.key for r in requests)
         now = time.time()
         events: list[Progress] = []
         for (msg, batch, job), request in zip(accepted, requests, strict=True):
             result = results[job.key]
+            if isinstance(batch, ForwardBackward):
+                self.book_call(msg, batch, job, result, sharing[request.inputs.key])
+                calls.append((msg, batch, job))
+                continue
             if isinstance(result, NonFiniteLossError):
                 # Dropped, and consumed: the next commit records that, then dead-letters it.
                 job.batches_done = batch.step + 1
@@ -113,7 +130,30 @@ class Stepper:
             }
             events.append(self.progress(job, result.step, now))
         await self.announce(events)
+        committer = self.trainer.committer
+        await asyncio.gather(*(committer.publish_results(job) for _, _, job in calls))
         self.round_s += time.perf_counter() - t0
+
+    def book_call(
+        self,
+        msg: Msg,
+        call: ForwardBackward,
+        job: JobSlot,
+        outcome: StepResult | Exception,
+        group_size: int = 1,
+    ) -> None:
+        """A session's forward(-backward) is done (applied, or refused with its error: the
+        session goes on, the message is dead-lettered at the next commit). ``group_size``:
+        the batches of the round that shared its backbone forward."""
+        job.batches_done = call.call + 1
+        answer = session.forward_result(job, call, outcome, group_size)
+        job.results.append(answer)
+        if answer.error:
+            job.held.append((msg, job.error(answer.error, fatal=False)))
+            return
+        job.applied_seq = max(job.applied_seq, msg.metadata.sequence.stream)
+        job.held.append((msg, None))
+        self.samples += call.actions.shape[0]
 
     def progress(self, job: JobSlot, step: int, now: float) -> Progress:
         spec = job.spec

@@ -10,13 +10,31 @@ import numpy as np
 from bus.codec import encode
 from schemas.dead import DeadLetter
 from schemas.env import EvalTask, RolloutTask, StreamDataset
-from schemas.events import Accepted, PolicyPublished, Progress, Rejected, StateChanged
+from schemas.events import (
+    Accepted,
+    CallResult,
+    PolicyPublished,
+    Progress,
+    Rejected,
+    StateChanged,
+)
 from schemas.health import Heartbeat
 from schemas.infer import ActReply, ActRequest
 from schemas.jobs import JobCancel, JobRecord, JobSubmit
 from schemas.model import HeadConfig, Observation, OptimizerConfig
 from schemas.tensor import Tensor
-from schemas.train import CloseSlot, OpenSlot, PolicyRecord, PPOConfig, RolloutBatch, SFTBatch
+from schemas.train import (
+    CloseSlot,
+    ForwardBackward,
+    LoadState,
+    OpenSlot,
+    OptimStep,
+    PolicyRecord,
+    PPOConfig,
+    RolloutBatch,
+    SaveState,
+    SFTBatch,
+)
 
 HERE = Path(__file__).parent
 
@@ -112,6 +130,23 @@ SAMPLES: dict[str, object] = {
         proprio=_f32(2, 3),
         actions=_f32(2, 2, 3),
         action_pad=Tensor.from_numpy(np.array([[False, False], [False, True]])),
+    ),
+    "forward_backward": ForwardBackward(
+        "acme",
+        "session-0001",
+        call=4,
+        images=_u8(2, 1, 2, 2, 3),
+        instructions=["push the cube", "lift the cube"],
+        proprio=_f32(2, 3),
+        actions=_f32(2, 2, 3),
+        loss_fn="ppo",
+        advantages=Tensor.from_numpy(np.array([0.5, -1.0], dtype=np.float32)),
+    ),
+    "optim_step": OptimStep("acme", "session-0001", call=5, learning_rate=1e-3, grad_clip=1.0),
+    "save_state": SaveState("acme", "session-0001", call=6, name="iter-1", for_sampler=True),
+    "load_state": LoadState("acme", "session-0001", call=7, name="iter-1"),
+    "event_call": CallResult(
+        "acme", "session-0001", 4, "forward_backward", {"loss": 0.25, "samples": 2.0}, 1767225600.0
     ),
     "rollout_batch": RolloutBatch(
         "acme",

@@ -1,0 +1,581 @@
+"""The low-level API: a tenant's own training algorithm, call by call (Tinker's shape).
+
+```python
+service = await ServiceClient.connect(tenant="alice")          # the local stack's alice
+training = await service.create_training_client(
+    head=HeadSpec(kind="oft", action_dim=2, proprio_dim=4), backbone="tiny"
+)
+fb = training.forward_backward(batch)        # a future, at once: calls pipeline
+opt = training.optim_step(AdamParams(learning_rate=1e-3))
+print((await fb).loss, (await opt).metrics["grad_norm"])
+sampling = await training.save_weights_and_get_sampling_client("iter-1")
+actions = await sampling.act([observation([image], "reach the target", proprio)])
+await training.close()
+```
+
+A :class:`TrainingClient` is a *session* on the trainer (a job of kind ``session``): a slot
+with the tenant's action module and AdamW state beside the shared frozen backbone. Each call
+is numbered as it is made and sent at once (several in flight); the trainer applies a
+session's calls strictly in that order, each exactly once, also across a trainer crash, and a
+``forward_backward`` shares the round's grouped backbone forward with other tenants' work.
+Every call returns an :class:`asyncio.Future` of its :class:`CallOutput`; a call the trainer
+could not apply fails its future with :class:`CallError` (``retryable``: sending the same
+work again as a new call may succeed), and the session goes on.
+
+The session has a lease (``lease_s``): the client renews it while open; a client that goes
+away for longer has its session closed by the master (its saved states remain, and a new
+session can start from one with ``init_from``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from nats.errors import Error as NatsError
+
+from bus.codec import decode
+from clients.errors import RequestError
+from clients.follow import EventFollower
+from clients.sdk import Client
+from schemas.events import EVENT_DECODER, CallResult, Rejected, StateChanged
+from schemas.jobs import TERMINAL_STATUSES
+from schemas.model import Observation
+from schemas.specs import HeadSpec, OptimizerSpec, SessionSpec
+from schemas.tenantctl import CallSession, Leased, RenewLease, Sampled, SamplePolicy
+from schemas.tensor import Tensor
+from schemas.train import (
+    ForwardBackward,
+    LoadState,
+    LossFn,
+    OptimStep,
+    SaveState,
+    SessionCall,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "AdamParams",
+    "CallError",
+    "CallOutput",
+    "SampleOutput",
+    "SamplingClient",
+    "ServiceClient",
+    "SessionClosed",
+    "TrainingClient",
+    "VLABatch",
+]
+
+#: Requests a client has in flight to the master at most (the master serves 16 per tenant).
+MAX_SENDING = 8
+#: How long a call may take to be queued (retrying while the master is away).
+SEND_DEADLINE_S = 60.0
+#: How long opening a session may take (the trainer commits its first version first).
+OPEN_TIMEOUT_S = 60.0
+
+
+class CallError(RuntimeError):
+    """A call the trainer did not apply (``call`` is its number), or one that could not be
+    sent; ``retryable`` whether the same work sent again may succeed."""
+
+    def __init__(self, message: str, *, call: int, retryable: bool) -> None:
+        super().__init__(message)
+        self.call = call
+        self.retryable = retryable
+
+
+class SessionClosed(CallError):
+    """The session ended (closed, cancelled, its lease expired, or it failed) before the
+    call was answered."""
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """One ``optim_step``'s AdamW hyper-parameters (Tinker's names)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    #: Max global norm of the accumulated gradients; 0 disables clipping.
+    grad_clip: float = 0.0
+
+
+@dataclass(frozen=True)
+class VLABatch:
+    """A batch of VLA samples for ``forward`` / ``forward_backward``.
+
+    ``images`` uint8 (B, V, H, W, 3); ``instructions`` B strings; ``proprio`` float32 (B, P)
+    (P = the head's ``proprio_dim``); ``actions`` float32 (B, C, A) targets (C = chunk_len,
+    A = action_dim; for a policy-gradient loss, the actions taken). ``advantages`` and
+    ``old_log_probs`` float32 (B,) for ``loss_fn="ppo"``."""
+
+    images: np.ndarray
+    instructions: Sequence[str]
+    proprio: np.ndarray
+    actions: np.ndarray
+    advantages: np.ndarray | None = None
+    old_log_probs: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.images.ndim != 5 or self.images.dtype != np.uint8:
+            raise ValueError(
+                f"images: expected uint8 (B, V, H, W, 3), got {self.images.dtype} "
+                f"{self.images.shape}"
+            )
+        batch = self.images.shape[0]
+        if len(self.instructions) != batch:
+            raise ValueError(f"instructions: {len(self.instructions)} for {batch} samples")
+        for name in ("proprio", "actions"):
+            value = getattr(self, name)
+            if value.shape[0] != batch:
+                raise ValueError(f"{name}: {value.shape[0]} rows for {batch} samples")
+
+    @property
+    def size(self) -> int:
+        return int(self.images.shape[0])
+
+
+@dataclass(frozen=True)
+class CallOutput:
+    """A call's answer: ``loss`` (forward calls; NaN otherwise), its ``metrics`` and the
+    policy ``version`` a save committed or a load restored (0 otherwise)."""
+
+    call: int
+    op: str
+    metrics: dict[str, float]
+    version: int = 0
+
+    @property
+    def loss(self) -> float:
+        return self.metrics.get("loss", math.nan)
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    """Actions for B observations: ``actions`` (B, C, A), ``log_probs`` (B,), ``values`` (B,)
+    or None without a value head, from policy ``version``; ``group_size``: act requests
+    that shared the inferencer's backbone forward."""
+
+    actions: np.ndarray
+    log_probs: np.ndarray
+    values: np.ndarray | None
+    version: int
+    group_size: int
+
+
+def _tensor(a: np.ndarray, dtype: type[np.generic]) -> Tensor:
+    return Tensor.from_numpy(np.ascontiguousarray(a, dtype=dtype))
+
+
+class ServiceClient:
+    """Entry point: creates training sessions and sampling clients for one tenant."""
+
+    def __init__(self, client: Client, tenant: str) -> None:
+        self.client = client
+        self.tenant = tenant
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str | None = None,
+        *,
+        tenant: str,
+        creds: str | Path | None = None,
+        home: str | Path | None = None,
+        **kw: Any,
+    ) -> ServiceClient:
+        """Connect as ``tenant`` (to ``url``, or the local stack under ``home``; see
+        :meth:`clients.sdk.Client.connect`)."""
+        client = await Client.connect(url, creds=creds, home=home, tenant=tenant, **kw)
+        return cls(client, tenant)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def create_training_client(
+        self,
+        *,
+        head: HeadSpec | Mapping[str, Any],
+        backbone: str = "tiny",
+        optimizer: OptimizerSpec | Mapping[str, Any] | None = None,
+        seed: int = 0,
+        num_views: int = 1,
+        token_budget: int = 16,
+        lease_s: float = 300.0,
+        checkpoint_every: int = 20,
+        priority: int = 1,
+        init_from: str | None = None,
+        session_id: str | None = None,
+        timeout: float = OPEN_TIMEOUT_S,
+    ) -> TrainingClient:
+        """Open a session (a slot for ``head`` on ``backbone``'s trainer, optionally starting
+        from job ``init_from``'s policy) and return its client once the slot is open.
+        Raises :class:`schemas.specs.JobSpecError` naming a bad field, and
+        :class:`SessionClosed` if the master refuses the session."""
+        spec = SessionSpec.model_validate(
+            {
+                "kind": "session",
+                "tenant": self.tenant,
+                "backbone": backbone,
+                "head": head if isinstance(head, Mapping) else head.model_dump(),
+                "optimizer": (
+                    {}
+                    if optimizer is None
+                    else optimizer
+                    if isinstance(optimizer, Mapping)
+                    else optimizer.model_dump()
+                ),
+                "seed": seed,
+                "num_views": num_views,
+                "token_budget": token_budget,
+                "lease_s": lease_s,
+                "checkpoint_every": checkpoint_every,
+                "priority": priority,
+                "init_from": init_from,
+            }
+        )
+        job = await self.client.submit(
+            spec, job_id=session_id or f"session-{uuid.uuid4().hex[:12]}"
+        )
+        training = TrainingClient(self, job.job_id, spec)
+        await training._open(timeout)
+        return training
+
+    def create_sampling_client(self, policy: str, version: int = 0) -> SamplingClient:
+        """Sampling from a committed version of the tenant's job or session ``policy``
+        (``version`` 0: its latest at each call)."""
+        return SamplingClient(self, policy, version)
+
+
+class TrainingClient:
+    """One open session: calls numbered in the order they are made; see the module doc."""
+
+    def __init__(self, service: ServiceClient, session_id: str, spec: SessionSpec) -> None:
+        self.service = service
+        self.client = service.client
+        self.tenant = service.tenant
+        self.session_id = session_id
+        self.spec = spec
+        self.next_call = 0
+        self._waiting: dict[int, asyncio.Future[CallOutput]] = {}
+        self._sending = asyncio.Semaphore(MAX_SENDING)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed: SessionClosed | None = None
+        self._follower: asyncio.Task[None] | None = None
+        self._lease: asyncio.Task[None] | None = None
+        self._opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._last_sent = 0.0
+        #: Set when the session's terminal state (or rejection) arrives.
+        self._ended = asyncio.Event()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def _open(self, timeout: float) -> None:
+        self._follower = asyncio.create_task(self._follow())
+        try:
+            await asyncio.wait_for(asyncio.shield(self._opened), timeout)
+        except BaseException:
+            await self._stop_tasks()
+            raise
+        self._lease = asyncio.create_task(self._renew())
+
+    async def close(self, reason: str = "closed by its client", timeout: float = 10.0) -> None:
+        """End the session (its saved states and versions remain) and wait, at most
+        ``timeout``, until the master has closed it; pending calls fail with
+        :class:`SessionClosed`."""
+        if not self._ended.is_set():
+            try:
+                await self.client.cancel(self.tenant, self.session_id, reason)
+            except RequestError as exc:
+                log.warning("session %s: close not queued (%s)", self.session_id, exc)
+            if self._follower is not None and not self._follower.done():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._ended.wait(), timeout)
+        closed = SessionClosed(f"session {self.session_id}: {reason}", call=-1, retryable=False)
+        self._fail_all(closed)
+        await self._stop_tasks()
+
+    async def __aenter__(self) -> TrainingClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _stop_tasks(self) -> None:
+        for task in (self._follower, self._lease, *self._tasks):
+            if task is not None:
+                task.cancel()
+        for task in (self._follower, self._lease, *self._tasks):
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    # -- calls -------------------------------------------------------------------------------
+    def forward_backward(
+        self,
+        batch: VLABatch,
+        loss_fn: LossFn = "default",
+        *,
+        clip: float = 0.2,
+    ) -> asyncio.Future[CallOutput]:
+        """The loss of ``batch`` and its gradients, added to those accumulated since the last
+        ``optim_step``. ``loss_fn``: ``default`` (the head's supervised loss against
+        ``batch.actions``) or ``ppo`` (clipped surrogate over ``batch.advantages``)."""
+        return self._forward(batch, True, loss_fn, clip)
+
+    def forward(
+        self, batch: VLABatch, loss_fn: LossFn = "default", *, clip: float = 0.2
+    ) -> asyncio.Future[CallOutput]:
+        """The loss of ``batch`` only: nothing in the session changes."""
+        return self._forward(batch, False, loss_fn, clip)
+
+    def _forward(
+        self, batch: VLABatch, backward: bool, loss_fn: LossFn, clip: float
+    ) -> asyncio.Future[CallOutput]:
+        if loss_fn == "ppo" and batch.advantages is None:
+            raise ValueError("advantages: loss_fn 'ppo' needs batch.advantages")
+        n = self._number()
+        return self._send(
+            ForwardBackward(
+                self.tenant,
+                self.session_id,
+                n,
+                _tensor(batch.images, np.uint8),
+                list(batch.instructions),
+                _tensor(batch.proprio, np.float32),
+                _tensor(batch.actions, np.float32),
+                backward=backward,
+                loss_fn=loss_fn,
+                advantages=None
+                if batch.advantages is None
+                else _tensor(batch.advantages, np.float32),
+                old_log_probs=None
+                if batch.old_log_probs is None
+                else _tensor(batch.old_log_probs, np.float32),
+                clip=clip,
+            )
+        )
+
+    def optim_step(self, params: AdamParams | None = None) -> asyncio.Future[CallOutput]:
+        """One AdamW update from the accumulated gradients (then cleared)."""
+        p = params or AdamParams()
+        n = self._number()
+        return self._send(
+            OptimStep(
+                self.tenant,
+                self.session_id,
+                n,
+                p.learning_rate,
+                p.beta1,
+                p.beta2,
+                p.eps,
+                p.weight_decay,
+                p.grad_clip,
+            )
+        )
+
+    def save_state(self, name: str) -> asyncio.Future[CallOutput]:
+        """Commit the session's state (weights, AdamW moments, step) as a new policy version
+        kept under ``name`` (once per name); the output's ``version`` is its number."""
+        return self._send(SaveState(self.tenant, self.session_id, self._number(), name))
+
+    def save_weights_for_sampler(self, name: str) -> asyncio.Future[CallOutput]:
+        """:meth:`save_state` for sampling: its ``version`` is what a sampling client of
+        this session serves."""
+        return self._send(
+            SaveState(self.tenant, self.session_id, self._number(), name, for_sampler=True)
+        )
+
+    def load_state(self, name: str, *, optimizer: bool = True) -> asyncio.Future[CallOutput]:
+        """Reset the session to the state saved under ``name`` (with ``optimizer``: its
+        AdamW moments and step count too); accumulated gradients are dropped."""
+        return self._send(LoadState(self.tenant, self.session_id, self._number(), name, optimizer))
+
+    async def save_weights_and_get_sampling_client(self, name: str) -> SamplingClient:
+        """Save for the sampler, then a sampling client of exactly that version."""
+        saved = await self.save_weights_for_sampler(name)
+        return SamplingClient(self.service, self.session_id, saved.version)
+
+    def _number(self) -> int:
+        if self._closed is not None:
+            raise self._closed
+        n, self.next_call = self.next_call, self.next_call + 1
+        return n
+
+    def _send(self, call: SessionCall) -> asyncio.Future[CallOutput]:
+        future: asyncio.Future[CallOutput] = asyncio.get_running_loop().create_future()
+        self._waiting[call.call] = future
+        task = asyncio.create_task(self._deliver(call))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return future
+
+    async def _deliver(self, call: SessionCall) -> None:
+        """Queue the call with the master, asking again while it is busy or away. A call
+        that cannot be queued leaves a gap no later call can pass: the session is closed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SEND_DEADLINE_S
+        delay = 0.05
+        async with self._sending:
+            while True:
+                try:
+                    await self.client.request(
+                        self.tenant, CallSession(self.tenant, self.session_id, call)
+                    )
+                    self._last_sent = loop.time()
+                    return
+                except RequestError as exc:
+                    if not exc.retryable or loop.time() + delay > deadline:
+                        error = SessionClosed(
+                            f"call {call.call} could not be queued ({exc}); the session "
+                            "cannot go on without it",
+                            call=call.call,
+                            retryable=False,
+                        )
+                        break
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
+        with contextlib.suppress(RequestError):
+            await self.client.cancel(self.tenant, self.session_id, str(error))
+        self._fail_all(error)
+
+    def _fail_all(self, error: SessionClosed) -> None:
+        self._closed = self._closed or error
+        if not self._opened.done():
+            self._opened.set_exception(error)
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(error)
+        self._waiting.clear()
+
+    async def _renew(self) -> None:
+        """Renew the lease while no call does (a third of ``lease_s`` without one)."""
+        loop = asyncio.get_running_loop()
+        every = self.spec.lease_s / 3
+        while self._closed is None:
+            await asyncio.sleep(max(0.1, every - (loop.time() - self._last_sent)))
+            if loop.time() - self._last_sent < every:
+                continue
+            try:
+                reply = await self.client.request(
+                    self.tenant, RenewLease(self.tenant, self.session_id)
+                )
+                assert isinstance(reply, Leased)
+                self._last_sent = loop.time()
+            except RequestError as exc:
+                if not exc.retryable:
+                    self._fail_all(SessionClosed(str(exc), call=-1, retryable=False))
+                    return
+
+    async def _follow(self) -> None:
+        """The session's events: opens, answers and the end."""
+        follower = EventFollower(
+            self.client.nc, self.client.read_events, self.tenant, self.session_id, poll_s=2.0
+        )
+        try:
+            while True:
+                try:
+                    stored = await follower.next(3600.0)
+                except TimeoutError:
+                    continue
+                except (RequestError, NatsError) as exc:
+                    log.warning("session %s: events unreadable (%s)", self.session_id, exc)
+                    await asyncio.sleep(1.0)
+                    continue
+                event = decode(EVENT_DECODER, stored.data)
+                match event:
+                    case CallResult():
+                        self._answer(event)
+                    case StateChanged(status="running"):
+                        if not self._opened.done():
+                            self._opened.set_result(None)
+                    case StateChanged() if event.status in TERMINAL_STATUSES:
+                        reason = f"session {self.session_id} {event.status}: {event.reason}"
+                        self._fail_all(SessionClosed(reason, call=-1, retryable=False))
+                        self._ended.set()
+                        return
+                    case Rejected():
+                        self._ended.set()
+                        self._fail_all(
+                            SessionClosed(
+                                f"session {self.session_id} rejected: {event.reason}",
+                                call=-1,
+                                retryable=False,
+                            )
+                        )
+                        return
+        finally:
+            await follower.close()
+
+    def _answer(self, result: CallResult) -> None:
+        future = self._waiting.pop(result.call, None)
+        if future is None or future.done():
+            return  # answered already (a replayed call's answer is published again)
+        if result.error:
+            future.set_exception(
+                CallError(result.error, call=result.call, retryable=result.retryable)
+            )
+        else:
+            future.set_result(
+                CallOutput(result.call, result.op, dict(result.metrics), result.version)
+            )
+
+
+@dataclass
+class SamplingClient:
+    """Actions from a committed policy version of the tenant (a session's or a job's),
+    served by the inferencers with the same grouped forwards as rollouts."""
+
+    service: ServiceClient
+    policy: str
+    version: int = 0
+    timeout_s: float = 10.0
+    _seeds: int = field(default=0, repr=False)
+
+    async def act(
+        self,
+        observations: Sequence[Observation],
+        *,
+        deterministic: bool = False,
+        seed: int = -1,
+    ) -> SampleOutput:
+        """One action chunk per observation (``seed`` >= 0: reproducible samples)."""
+        client = self.service.client
+        tenant = self.service.tenant
+        request = SamplePolicy(
+            tenant,
+            self.policy,
+            list(observations),
+            self.version,
+            deterministic,
+            seed,
+            self.timeout_s,
+        )
+        reply = await client.request(tenant, request, timeout=self.timeout_s + 5.0)
+        assert isinstance(reply, Sampled)
+        act = reply.reply
+        if act.actions is None or act.log_probs is None:
+            raise RequestError(f"act: empty reply ({act.error})", code="invalid", retryable=False)
+        return SampleOutput(
+            act.actions.to_numpy(),
+            act.log_probs.to_numpy(),
+            None if act.values is None else act.values.to_numpy(),
+            act.policy_version,
+            act.group_size,
+        )
+
+    async def sample(self, observation: Observation, n: int, *, seed: int = -1) -> SampleOutput:
+        """``n`` samples for one observation, with their log-probs (and values)."""
+        if n < 1:
+            raise ValueError(f"n: {n} must be >= 1")
+        return await self.act([observation] * n, seed=seed)

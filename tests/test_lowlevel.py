@@ -1,0 +1,367 @@
+"""The low-level API (:mod:`clients.lowlevel`) against the real roles, as subprocesses.
+
+Shown: calls sent at once apply in call order and give bit for bit what the same calls give
+in process (:func:`reference`: the trainer's own kernels on a slot of ours); bad calls come
+back as typed errors and the session goes on; saved states load; a sampling client acts from
+a saved version through an inferencer; a silent client's lease runs out and its session is
+closed; a session shares grouped backbone forwards with another tenant's SFT job (counted)
+and both reach the parameters they reach alone; a trainer SIGKILL in the middle of a
+pipelined session loses and repeats no call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import io
+import math
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytest_asyncio
+import torch
+from nats.js import JetStreamContext
+
+from bus.codec import decode
+from bus.connect import connect
+from bus.datasets import register_path
+from bus.declare import declare
+from bus.inference import observation
+from bus.records import get_policy
+from bus.server import EmbeddedServer
+from clients.errors import RequestError
+from clients.lowlevel import (
+    AdamParams,
+    CallError,
+    CallOutput,
+    ServiceClient,
+    SessionClosed,
+    TrainingClient,
+    VLABatch,
+)
+from schemas import subjects
+from schemas.events import EVENT_DECODER, CallResult
+from schemas.jobs import JobRecord
+from schemas.model import HeadConfig, OptimizerConfig
+from schemas.tenantctl import CallSession, ReadEvents
+from schemas.train import OptimStep
+from services.envs.datasets import record as record_dataset
+from services.envs.sims import REACH2D_ID
+from tests.conftest import Procs
+from tests.helpers import eventually, start_service, uid
+from tests.sft_helpers import follow, sft_spec
+from vla import batched
+from vla.backbone import Backbone
+from vla.grouping import TrainRequest, group_train_step
+from vla.normalize import Normaliser
+from vla.slot import TenantSlot
+
+HEAD = {"kind": "oft", "action_dim": 2, "chunk_len": 4, "proprio_dim": 4}
+TOKEN_BUDGET = 48  # the SFT spec's default: a session and an SFT job then share a group key
+
+
+def make_batch(seed: int, size: int = 4) -> VLABatch:
+    rng = np.random.default_rng(seed)
+    return VLABatch(
+        rng.integers(0, 255, (size, 1, 32, 32, 3), dtype=np.uint8),
+        ["reach the red dot"] * size,
+        rng.standard_normal((size, 4)).astype(np.float32),
+        rng.uniform(-1, 1, (size, 4, 2)).astype(np.float32),
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A session's calls: ``iterations`` of (``accumulate`` forward_backwards, one
+    optim_step)."""
+
+    iterations: int
+    accumulate: int = 2
+    lr: float = 1e-3
+    seed: int = 0
+
+    def batches(self) -> list[list[VLABatch]]:
+        return [
+            [make_batch(1000 * self.seed + 10 * i + j) for j in range(self.accumulate)]
+            for i in range(self.iterations)
+        ]
+
+    def send(self, training: TrainingClient) -> list[asyncio.Future[CallOutput]]:
+        """Every call at once (nothing awaited in between)."""
+        futures = []
+        for group in self.batches():
+            futures += [training.forward_backward(b) for b in group]
+            futures.append(training.optim_step(AdamParams(self.lr, grad_clip=1.0)))
+        return futures
+
+
+def reference(plan: Plan, head: dict[str, int | str] = HEAD) -> tuple[list[float], TenantSlot]:
+    """The plan's losses and final slot in process: the trainer's backbone, normaliser and
+    kernels (a stack of one, as a tenant alone on the trainer runs)."""
+    torch.use_deterministic_algorithms(True)
+    backbone = Backbone.load("tiny")
+    normaliser = Normaliser(backbone, 1, TOKEN_BUDGET)
+    slot = TenantSlot(
+        "ref", HeadConfig(**head), OptimizerConfig(), backbone.hidden_size, seed=plan.seed
+    )
+    losses = []
+    for group in plan.batches():
+        for b in group:
+            inputs = normaliser.normalise_arrays(b.images, list(b.instructions), b.proprio)
+            request = TrainRequest("ref", slot, inputs, torch.from_numpy(b.actions), "accumulate")
+            result = group_train_step(backbone, [request])["ref"]
+            assert not isinstance(result, Exception), result
+            losses.append(result.loss)
+        (step,) = batched.optim_steps([slot], [batched.AdamParams(plan.lr, grad_clip=1.0)])
+        assert not isinstance(step, Exception), step
+    return losses, slot
+
+
+async def saved_slot(js: JetStreamContext, tenant: str, session: str) -> TenantSlot:
+    record, _ = await get_policy(await js.key_value(subjects.KV_POLICIES), tenant, session)
+    assert record is not None
+    buffer = io.BytesIO()
+    await (await js.object_store(subjects.OBJ_CHECKPOINTS)).get(
+        record.object_name, writeinto=buffer
+    )
+    return TenantSlot.from_bytes(buffer.getvalue())
+
+
+def assert_same_slot(a: TenantSlot, b: TenantSlot) -> None:
+    assert a.step == b.step
+    for (name, pa), pb in zip(a.module.named_parameters(), b.module.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+    sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    for k in sa:
+        assert torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]), k
+
+
+async def call_results(service: ServiceClient, session: str) -> list[CallResult]:
+    """Every ``call`` event the session's stream holds, in order."""
+    out: list[CallResult] = []
+    after = 0
+    while True:
+        page = await service.client.read_events(ReadEvents(service.tenant, session, after))
+        if not page.events:
+            return out
+        after = page.last_seq
+        for stored in page.events:
+            event = decode(EVENT_DECODER, stored.data)
+            if isinstance(event, CallResult):
+                out.append(event)
+
+
+@pytest_asyncio.fixture
+async def bus(fresh_server: EmbeddedServer) -> AsyncIterator[JetStreamContext]:
+    nc = await connect(fresh_server.url)
+    await declare(nc.jetstream())
+    yield nc.jetstream()
+    await nc.close()
+
+
+def start_roles(
+    url: str, logs: Path, procs: Procs, *roles: str
+) -> dict[str, subprocess.Popen[bytes]]:
+    args = {"trainer": ("--deterministic",)}
+    return {
+        role: procs.add(start_service(role, url, logs / f"{role}.log", *args.get(role, ())))
+        for role in roles
+    }
+
+
+@pytest.mark.timeout(240)
+async def test_pipelined_calls_apply_in_order_as_in_process_with_errors_states_and_sampling(
+    fresh_server: EmbeddedServer, bus: JetStreamContext, procs: Procs, tmp_path: Path
+) -> None:
+    start_roles(fresh_server.url, tmp_path, procs, "master", "trainer", "inferencer")
+    tenant = uid("ll")
+    service = await ServiceClient.connect(fresh_server.url, tenant=tenant)
+    try:
+        training = await service.create_training_client(head=HEAD, token_budget=TOKEN_BUDGET)
+        plan = Plan(iterations=4)
+        futures = plan.send(training)
+        saved = training.save_state("after-4")
+        outputs = await asyncio.wait_for(asyncio.gather(*futures), 120)
+        assert [o.call for o in outputs] == list(range(len(futures)))
+        assert [o.op for o in outputs] == ["forward_backward", "forward_backward", "optim_step"] * 4
+        ref_losses, ref_slot = reference(plan)
+        assert [o.loss for o in outputs if o.op == "forward_backward"] == ref_losses
+        assert [o.metrics["step"] for o in outputs if o.op == "optim_step"] == [1, 2, 3, 4]
+        version = (await saved).version
+        assert version >= 2
+        assert_same_slot(await saved_slot(bus, tenant, training.session_id), ref_slot)
+
+        # Bad calls fail their own future, naming the problem; the session goes on.
+        with pytest.raises(CallError, match="no gradients accumulated"):
+            await training.optim_step()
+        wrong = make_batch(7)
+        wrong = VLABatch(wrong.images, wrong.instructions, wrong.proprio, wrong.actions[:, :3])
+        with pytest.raises(CallError, match=r"actions: expected float32 \(4, 4, 2\)") as bad:
+            await training.forward_backward(wrong)
+        assert not bad.value.retryable
+        with pytest.raises(CallError, match="no state 'nope' was saved"):
+            await training.load_state("nope")
+        with pytest.raises(CallError, match="'after-4' is saved already"):
+            await training.save_state("after-4")
+        forward = await training.forward(make_batch(99))
+        assert math.isfinite(forward.loss)
+        # A forward changes nothing; training on, then loading the saved state, goes back.
+        await training.forward_backward(make_batch(5))
+        await training.optim_step(AdamParams(1e-2))
+        loaded = await training.load_state("after-4")
+        assert loaded.version == version and loaded.metrics["step"] == 4
+        again = await training.forward(make_batch(99))
+        assert again.loss == forward.loss
+
+        # Sampling from exactly the version saved for it, through an inferencer.
+        sampling = await training.save_weights_and_get_sampling_client("for-sampler")
+        obs = observation([np.zeros((32, 32, 3), np.uint8)], "reach", np.zeros(4, np.float32))
+        sampled = await sampling.sample(obs, 3, seed=1)
+        assert sampled.actions.shape == (3, 4, 2) and sampled.log_probs.shape == (3,)
+        assert sampled.version == sampling.version
+
+        # Requests the master refuses: a foreign tenant's call, a job that is no session.
+        call = OptimStep("someone-else", training.session_id, 99, 1e-3)
+        with pytest.raises(RequestError, match="for someone-else"):
+            await service.client.request(tenant, CallSession(tenant, training.session_id, call))
+        unknown = OptimStep(tenant, "no-such-session", 0, 1e-3)
+        with pytest.raises(RequestError, match="no session 'no-such-session'") as missing:
+            await service.client.request(tenant, CallSession(tenant, "no-such-session", unknown))
+        assert missing.value.code == "not_found"
+
+        # A client that goes silent loses its session when the lease runs out.
+        silent = await service.create_training_client(head=HEAD, lease_s=2.0)
+        assert silent._lease is not None
+        silent._lease.cancel()  # stands for a client that died
+
+        async def cancelled() -> JobRecord | None:
+            record = await service.client.status(tenant, silent.session_id)
+            return record if record is not None and record.status == "cancelled" else None
+
+        record = await eventually(cancelled, timeout=30, what="the silent session closed")
+        assert "lease expired" in record.reason
+        with pytest.raises(SessionClosed):
+            await asyncio.wait_for(silent.optim_step(), 20)
+        await silent.close()
+        await training.close()
+        closed = await service.client.status(tenant, training.session_id)
+        assert closed is not None and closed.status == "cancelled"
+    finally:
+        await service.close()
+
+
+async def drive(training: TrainingClient, plan: Plan) -> list[CallOutput]:
+    return list(await asyncio.gather(*plan.send(training)))
+
+
+@pytest.mark.timeout(300)
+async def test_a_session_shares_grouped_forwards_with_another_tenants_sft_job(
+    fresh_server: EmbeddedServer, bus: JetStreamContext, procs: Procs, tmp_path: Path
+) -> None:
+    start_roles(fresh_server.url, tmp_path, procs, "master", "envs", "trainer")
+    alice, bob = uid("ll"), uid("sft")
+    record_dataset(REACH2D_ID, 6, tmp_path / "demos", seed=0)
+    await register_path(bus, bob, "demos", tmp_path / "demos")
+    # A head of another width than the SFT job's: the backbone forward is shared, the head
+    # kernels are not stacked (stacked heads are tested bit for bit in test_batched_heads).
+    head = {**HEAD, "hidden_dim": 32}
+    sft = sft_spec(bob, "demos", HEAD, steps=12, batch_size=4)
+    service = await ServiceClient.connect(fresh_server.url, tenant=alice)
+    try:
+        plan = Plan(iterations=6, seed=3)
+        alone = await service.create_training_client(head=head, seed=3, token_budget=TOKEN_BUDGET)
+        alone_outputs = await asyncio.wait_for(drive(alone, plan), 120)
+        await alone.save_state("end")
+        alone_slot = await saved_slot(bus, alice, alone.session_id)
+        sft_alone = await asyncio.wait_for(follow(await service.client.train_sft(sft)), 180)
+
+        shared = await service.create_training_client(head=head, seed=3, token_budget=TOKEN_BUDGET)
+        job = await service.client.train_sft(sft)
+        # Both at once: the session's calls and the SFT job's steps meet in the rounds.
+        shared_outputs, sft_shared = await asyncio.wait_for(
+            asyncio.gather(drive(shared, plan), follow(job)), 180
+        )
+        await shared.save_state("end")
+        grouped = [o for o in shared_outputs if o.metrics.get("group_size", 1) >= 2]
+        assert grouped, "no forward_backward shared a backbone forward with the SFT job"
+        assert [o.metrics for o in shared_outputs if o.op == "optim_step"] == [
+            o.metrics for o in alone_outputs if o.op == "optim_step"
+        ]
+        fb = "forward_backward"
+        assert [o.loss for o in shared_outputs if o.op == fb] == [
+            o.loss for o in alone_outputs if o.op == fb
+        ]
+        assert_same_slot(await saved_slot(bus, alice, shared.session_id), alone_slot)
+        assert sft_shared.losses == sft_alone.losses
+        print(f"{len(grouped)} of {plan.iterations * plan.accumulate} forward_backwards grouped")
+        await alone.close()
+        await shared.close()
+    finally:
+        await service.close()
+
+
+@pytest.mark.timeout(300)
+async def test_a_trainer_sigkill_mid_session_loses_and_repeats_no_call(
+    fresh_server: EmbeddedServer, bus: JetStreamContext, procs: Procs, tmp_path: Path
+) -> None:
+    roles = start_roles(fresh_server.url, tmp_path, procs, "master", "trainer")
+    tenant = uid("ll")
+    service = await ServiceClient.connect(fresh_server.url, tenant=tenant)
+    try:
+        plan = Plan(iterations=10, seed=5)
+        training = await service.create_training_client(
+            head=HEAD, seed=plan.seed, token_budget=TOKEN_BUDGET, checkpoint_every=4
+        )
+        futures = plan.send(training)
+        # Kill once some calls are answered and committed, and many are still to come.
+        await asyncio.wait_for(asyncio.gather(*futures[:7]), 120)
+        assert not all(f.done() for f in futures), "the session ended before the kill"
+        trainer = roles["trainer"]
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(10)
+        procs.add(
+            start_service("trainer", fresh_server.url, tmp_path / "trainer2.log", "--deterministic")
+        )
+        outputs = await asyncio.wait_for(asyncio.gather(*futures), 180)
+        await training.save_state("end")
+        ref_losses, ref_slot = reference(plan)
+        assert [o.loss for o in outputs if o.op == "forward_backward"] == ref_losses
+        assert_same_slot(await saved_slot(bus, tenant, training.session_id), ref_slot)
+        answered = await call_results(service, training.session_id)
+        numbers = [r.call for r in answered]
+        assert sorted(numbers) == list(range(len(futures) + 1)), numbers  # each call once
+        await training.close()
+    finally:
+        await service.close()
+
+
+@pytest.mark.timeout(240)
+async def test_the_custom_algorithm_example_learns_with_the_low_level_api_only(
+    fresh_server: EmbeddedServer, bus: JetStreamContext, procs: Procs, tmp_path: Path
+) -> None:
+    """``examples/custom_algorithm.py`` (DAgger on Reach2D): its policy's success rate rises
+    over the iterations, to most episodes reached."""
+    start_roles(fresh_server.url, tmp_path, procs, "master", "trainer", "inferencer")
+    path = Path(__file__).parents[1] / "examples" / "custom_algorithm.py"
+    spec = importlib.util.spec_from_file_location("custom_algorithm", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = example  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(example)
+        service = await ServiceClient.connect(fresh_server.url, tenant=uid("dagger"))
+        try:
+            rates = await asyncio.wait_for(example.dagger(service, iterations=4, steps=40), 200)
+        finally:
+            await service.close()
+    finally:
+        sys.modules.pop(spec.name, None)
+    policy = rates[1:]  # iteration 0 rolls out the expert
+    assert policy[-1] >= 0.75, rates
+    assert policy[-1] > policy[0], rates
