@@ -60,7 +60,7 @@ from vla import batched
 from vla.backbone import Backbone
 from vla.grouping import TrainRequest, group_train_step
 from vla.normalize import Normaliser
-from vla.slot import TenantSlot
+from vla.slot import SlotManager, TenantSlot
 
 HEAD = {"kind": "oft", "action_dim": 2, "chunk_len": 4, "proprio_dim": 4}
 TOKEN_BUDGET = 48  # the SFT spec's default: a session and an SFT job then share a group key
@@ -365,3 +365,27 @@ async def test_the_custom_algorithm_example_learns_with_the_low_level_api_only(
     policy = rates[1:]  # iteration 0 rolls out the expert
     assert policy[-1] >= 0.75, rates
     assert policy[-1] > policy[0], rates
+
+
+def test_accumulated_gradients_survive_a_checkpoint_and_an_eviction() -> None:
+    """A session between forward_backward and optim_step: its gradients travel in the slot's
+    bytes (a checkpoint, or an eviction under the memory budget) and come back equal."""
+    backbone = Backbone.load("tiny")
+    normaliser = Normaliser(backbone, 1, TOKEN_BUDGET)
+    one = TenantSlot("a", HeadConfig(**HEAD), OptimizerConfig(), backbone.hidden_size)
+    manager = SlotManager(int(1.5 * one.nbytes))  # room for one slot only
+    slot = manager.create("a", HeadConfig(**HEAD), OptimizerConfig(), backbone.hidden_size)
+    b = make_batch(3)
+    inputs = normaliser.normalise_arrays(b.images, list(b.instructions), b.proprio)
+    request = TrainRequest("a", slot, inputs, torch.from_numpy(b.actions), "accumulate")
+    assert not isinstance(group_train_step(backbone, [request])["a"], Exception)
+    grads = {n: p.grad.clone() for n, p in slot.module.named_parameters() if p.grad is not None}
+    assert grads and batched.has_grads(slot)
+    restored = TenantSlot.from_bytes(slot.to_bytes())
+    for name, p in restored.module.named_parameters():
+        assert torch.equal(p.grad, grads[name]) if name in grads else p.grad is None, name
+    manager.create("b", HeadConfig(**HEAD), OptimizerConfig(), backbone.hidden_size)
+    assert manager.resident == ["b"]  # "a" was evicted to bytes
+    back = manager.get("a")
+    for name, p in back.module.named_parameters():
+        assert torch.equal(p.grad, grads[name]) if name in grads else p.grad is None, name
