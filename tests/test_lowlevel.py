@@ -46,7 +46,7 @@ from clients.lowlevel import (
     VLABatch,
 )
 from schemas import subjects
-from schemas.events import EVENT_DECODER, CallResult
+from schemas.events import EVENT_DECODER, CallResult, Progress
 from schemas.jobs import JobRecord
 from schemas.model import HeadConfig, OptimizerConfig
 from schemas.tenantctl import CallSession, ReadEvents
@@ -283,10 +283,21 @@ async def test_a_session_shares_grouped_forwards_with_another_tenants_sft_job(
 
         shared = await service.create_training_client(head=head, seed=3, token_budget=TOKEN_BUDGET)
         job = await service.client.train_sft(sft)
-        # Both at once: the session's calls and the SFT job's steps meet in the rounds.
-        shared_outputs, sft_shared = await asyncio.wait_for(
-            asyncio.gather(drive(shared, plan), follow(job)), 180
-        )
+        started = asyncio.Event()
+
+        async def follow_sft() -> dict[int, float]:
+            losses = {}
+            async for event in job.events(idle_timeout=180):
+                if isinstance(event, Progress):
+                    losses[event.step] = event.metrics["loss"]
+                    started.set()
+            return losses
+
+        sft_task = asyncio.create_task(follow_sft())
+        # The session's calls go once the SFT job is stepping: they meet in the rounds.
+        await asyncio.wait_for(started.wait(), 120)
+        shared_outputs = await asyncio.wait_for(drive(shared, plan), 120)
+        sft_shared = await asyncio.wait_for(sft_task, 180)
         await shared.save_state("end")
         grouped = [o for o in shared_outputs if o.metrics.get("group_size", 1) >= 2]
         assert grouped, "no forward_backward shared a backbone forward with the SFT job"
@@ -298,7 +309,7 @@ async def test_a_session_shares_grouped_forwards_with_another_tenants_sft_job(
             o.loss for o in alone_outputs if o.op == fb
         ]
         assert_same_slot(await saved_slot(bus, alice, shared.session_id), alone_slot)
-        assert sft_shared.losses == sft_alone.losses
+        assert sft_shared == sft_alone.losses
         print(f"{len(grouped)} of {plan.iterations * plan.accumulate} forward_backwards grouped")
         await alone.close()
         await shared.close()
