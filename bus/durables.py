@@ -45,10 +45,9 @@ class DurableSet:
     #: (``num_pending`` of its last message): those are stored, so a fetch of them may wait
     #: for them to arrive however short the caller's timeout.
     backlog: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def has_backlog(self) -> bool:
-        return any(n > 0 for n in self.backlog.values())
+    #: The last :meth:`fill` fetched from a key with a backlog (worth fetching again at once;
+    #: a key the caller wants nothing of, its buffer full, does not count).
+    backlog_fetched: bool = False
 
     async def discover(self) -> list[str]:
         """Bind durables for new keys; mark keys with unfetched messages active. Returns the
@@ -99,4 +98,5 @@ class DurableSet:
             return msgs
 
         results = await asyncio.gather(*(one(k) for k in keys))
+        self.backlog_fetched = any(self.backlog.get(k, 0) > 0 for k in keys)
         return dict(zip(keys, results, strict=True))

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 from nats.errors import Error as NatsError
 
-from bus.codec import decode
+from bus.codec import decode, encode
 from clients.errors import RequestError
 from clients.follow import EventFollower
 from clients.sdk import Client
@@ -77,6 +77,9 @@ __all__ = [
 
 #: Requests a client has in flight to the master at most (the master serves 16 per tenant).
 MAX_SENDING = 8
+#: Calls out without an answer at most (well under the trainer's per-tenant buffer, so the
+#: calls waiting there for a retried earlier one can never crowd it out).
+MAX_UNANSWERED = 64
 #: How long a call may take to be queued (retrying while the master is away).
 SEND_DEADLINE_S = 60.0
 #: How long opening a session may take (the trainer commits its first version first).
@@ -270,6 +273,7 @@ class TrainingClient:
         self.next_call = 0
         self._waiting: dict[int, asyncio.Future[CallOutput]] = {}
         self._sending = asyncio.Semaphore(MAX_SENDING)
+        self._window = asyncio.Semaphore(MAX_UNANSWERED)
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed: SessionClosed | None = None
         self._follower: asyncio.Task[None] | None = None
@@ -407,22 +411,40 @@ class TrainingClient:
         return SamplingClient(self.service, self.session_id, saved.version)
 
     def _number(self) -> int:
+        """The next call's number (taken by :meth:`_send` once the call is accepted)."""
         if self._closed is not None:
             raise self._closed
-        n, self.next_call = self.next_call, self.next_call + 1
-        return n
+        return self.next_call
 
     def _send(self, call: SessionCall) -> asyncio.Future[CallOutput]:
+        """Number the call, send it in the background and return its future. A call too big
+        for one message is refused here, before it takes a number (a number never sent
+        would hold up every later call)."""
+        assert call.call == self.next_call
+        size = len(encode(CallSession(self.tenant, self.session_id, call)))
+        limit = self.client.nc.max_payload
+        if size > limit:
+            raise ValueError(
+                f"call of {size} bytes is over the server's max_payload ({limit}): send the "
+                "batch in smaller pieces (forward_backward accumulates)"
+            )
+        self.next_call += 1
         future: asyncio.Future[CallOutput] = asyncio.get_running_loop().create_future()
         self._waiting[call.call] = future
-        task = asyncio.create_task(self._deliver(call))
+        task = asyncio.create_task(self._deliver(call, future))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return future
 
-    async def _deliver(self, call: SessionCall) -> None:
-        """Queue the call with the master, asking again while it is busy or away. A call
-        that cannot be queued leaves a gap no later call can pass: the session is closed."""
+    async def _deliver(self, call: SessionCall, future: asyncio.Future[CallOutput]) -> None:
+        """Queue the call with the master, asking again while it is busy or away. At most
+        :data:`MAX_UNANSWERED` calls are out unanswered (the trainer buffers a bounded number
+        of calls that wait for an earlier one). A call that cannot be queued leaves a gap no
+        later call can pass: the session is closed."""
+        await self._window.acquire()
+        future.add_done_callback(lambda _: self._window.release())
+        if future.done():  # failed meanwhile (the session closed)
+            return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + SEND_DEADLINE_S
         delay = 0.05
@@ -436,16 +458,20 @@ class TrainingClient:
                     return
                 except RequestError as exc:
                     if not exc.retryable or loop.time() + delay > deadline:
-                        error = SessionClosed(
-                            f"call {call.call} could not be queued ({exc}); the session "
-                            "cannot go on without it",
-                            call=call.call,
-                            retryable=False,
-                        )
+                        problem = str(exc)
                         break
+                except NatsError as exc:  # the connection is closed or refused the message
+                    problem = f"{type(exc).__name__}: {exc}"
+                    break
                 await asyncio.sleep(delay)
                 delay = min(1.0, delay * 2)
-        with contextlib.suppress(RequestError):
+        error = SessionClosed(
+            f"call {call.call} could not be queued ({problem}); the session cannot go on "
+            "without it",
+            call=call.call,
+            retryable=False,
+        )
+        with contextlib.suppress(RequestError, NatsError):
             await self.client.cancel(self.tenant, self.session_id, str(error))
         self._fail_all(error)
 
@@ -476,6 +502,8 @@ class TrainingClient:
                 if not exc.retryable:
                     self._fail_all(SessionClosed(str(exc), call=-1, retryable=False))
                     return
+            except NatsError as exc:  # the connection is away: try again next time
+                log.warning("session %s: lease not renewed (%s)", self.session_id, exc)
 
     async def _follow(self) -> None:
         """The session's events: opens, answers and the end."""

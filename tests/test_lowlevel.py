@@ -50,7 +50,8 @@ from schemas.events import EVENT_DECODER, CallResult, Progress
 from schemas.jobs import JobRecord
 from schemas.model import HeadConfig, OptimizerConfig
 from schemas.tenantctl import CallSession, ReadEvents
-from schemas.train import OptimStep
+from schemas.tensor import Tensor
+from schemas.train import ForwardBackward, OptimStep
 from services.envs.datasets import record as record_dataset
 from services.envs.sims import REACH2D_ID
 from tests.conftest import Procs
@@ -209,6 +210,26 @@ async def test_pipelined_calls_apply_in_order_as_in_process_with_errors_states_a
             await training.load_state("nope")
         with pytest.raises(CallError, match="'after-4' is saved already"):
             await training.save_state("after-4")
+        # A malformed call (as a non-SDK client could send) is answered, not a trainer crash.
+        good = make_batch(8)
+        scalar = Tensor.from_numpy(np.array(1.0, np.float32))
+        malformed = ForwardBackward(
+            tenant,
+            training.session_id,
+            training._number(),
+            Tensor.from_numpy(good.images),
+            list(good.instructions),
+            Tensor.from_numpy(good.proprio),
+            scalar,
+        )
+        with pytest.raises(CallError, match="actions"):
+            await training._send(malformed)
+        # A batch too big for one message is refused before it takes a call number.
+        numbered = training.next_call
+        huge = make_batch(9, size=400)
+        with pytest.raises(ValueError, match="max_payload"):
+            training.forward_backward(huge)
+        assert training.next_call == numbered
         forward = await training.forward(make_batch(99))
         assert math.isfinite(forward.loss)
         # A forward changes nothing; training on, then loading the saved state, goes back.

@@ -184,11 +184,14 @@ def _abandon(live: _Live) -> None:
 
 
 def _merge_grads(live: _Live) -> None:
-    """``accumulate``: the call's gradients added to those the slot held before it."""
+    """``accumulate``: the call's gradients added to those the slot held before it. They
+    stay in the slot between calls, so none may stay a view of the stacked gradient (it
+    would keep every stacked tenant's gradient alive)."""
     for p, before in zip(live.slot.module.parameters(), live.grads_before, strict=True):
         if before is None:
-            continue
-        p.grad = before if p.grad is None else before + p.grad
+            p.grad = None if p.grad is None else p.grad.clone()
+        else:
+            p.grad = before if p.grad is None else before + p.grad
 
 
 def _policy_gradient(live: _Live, results: list[StepResult | Exception | None]) -> None:

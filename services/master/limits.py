@@ -84,6 +84,7 @@ def check_spec_bounds(spec: JobSpec, limits: InputLimits, prefix: str = "") -> N
             )
         case SessionSpec():
             _head(prefix, spec.head, limits)
+            _at_most(f"{prefix}max_calls", spec.max_calls, "max_steps", limits.max_steps)
             _at_most(f"{prefix}num_views", spec.num_views, "max_views", limits.max_views)
             _at_most(
                 f"{prefix}token_budget",

@@ -20,7 +20,7 @@ import math
 from bus.errors import PoisonError
 from schemas.limits import InputLimits, exceeds
 from schemas.tensor import Tensor, TensorError, check_finite, check_tensor
-from schemas.train import OpenSlot, RolloutBatch, SFTBatch
+from schemas.train import ForwardBackward, OpenSlot, RolloutBatch, SFTBatch
 
 
 def _tensor(
@@ -104,6 +104,27 @@ def check_sft(batch: SFTBatch, limits: InputLimits) -> None:
     pad = _tensor(batch.action_pad, "action_pad", "bool", 2)
     if pad != (n, chunk):
         raise PoisonError(f"action_pad: expected bool {(n, chunk)}, got {pad}")
+
+
+def check_call(call: ForwardBackward, limits: InputLimits) -> None:
+    """A session's forward(-backward): its tensors well-formed, finite, consistent and within
+    ``limits`` (the SFT bounds). Checked when the call's turn comes, so that a bad one is
+    answered and counted like any call (a dead letter alone would leave its number unused,
+    and every later call of the session waiting for it)."""
+    n = _images(call.images, limits)[0]
+    _at_most("images", "batch size", n, "max_batch_size", limits.max_batch_size)
+    if len(call.instructions) != n:
+        raise PoisonError(f"instructions: {len(call.instructions)} for {n} images")
+    for i, text in enumerate(call.instructions):
+        _instruction(text, f"instructions[{i}]", limits)
+    _vector_rows(call.proprio, "proprio", n, limits)
+    _actions(call.actions, n, limits)
+    for name in ("advantages", "old_log_probs"):
+        value = getattr(call, name)
+        if value is not None and _tensor(value, name, "float32", 1) != (n,):
+            raise PoisonError(f"{name}: expected float32 ({n},), got {tuple(value.shape)}")
+    if not 0.0 < call.clip <= 1.0:
+        raise PoisonError(f"clip: {call.clip} is not in (0, 1]")
 
 
 def sft_non_finite(batch: SFTBatch) -> str | None:

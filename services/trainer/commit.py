@@ -101,14 +101,13 @@ class _At:
 
     @classmethod
     def of(cls, job: JobSlot) -> _At:
-        save_as, job.save_as = job.save_as, None
-        return cls(job.applied_seq, job.batches_done, dict(job.metrics), job.finished, save_as)
+        # job.save_as stays set until a commit carrying it lands: the session's calls wait
+        # (services.trainer.service.Trainer.session_call), so any retry freezes the same state.
+        return cls(job.applied_seq, job.batches_done, dict(job.metrics), job.finished, job.save_as)
 
     def give_back(self, job: JobSlot, covered: list[tuple[Msg, HandlerError | None]]) -> None:
-        """A commit that failed: its messages (and a save it answered) wait for the next."""
+        """A commit that failed: its messages wait for the next."""
         job.held = covered + job.held
-        if self.save_as is not None and job.save_as is None:
-            job.save_as = self.save_as
 
 
 def save_result(job: JobSlot, call: int, record: PolicyRecord) -> CallResult:
@@ -232,11 +231,15 @@ class Committer:
             at.give_back(job, covered)
             return
         if at.save_as is not None:
-            _, call = at.save_as
-            job.results.append(save_result(job, call, record))
-            # Best effort: one left over goes with the next step or commit, and a replay of
-            # the save (acked or not) answers it again from the record.
-            await self.publish_results(job)
+            if job.save_as == at.save_as:
+                job.save_as = None  # the session's calls may go on
+            job.results.append(save_result(job, at.save_as[1], record))
+        if not await self.publish_results(job):
+            # Committed, but an answer is not out: its call is settled only after it is
+            # (the next commit publishes first); a replay meanwhile answers a save again.
+            job.held = covered + job.held
+            self.commits += 1
+            return
         self.commits += 1
         if self.crash_after_commits and self.commits >= self.crash_after_commits:
             log.warning("fault injection: SIGKILL after commit %d, before its acks", self.commits)
@@ -254,19 +257,22 @@ class Committer:
     async def publish_results(self, job: JobSlot) -> bool:
         """Publish the session's pending call results; whether all went out (those that did
         not stay pending)."""
-        if not job.results:
-            return True
-        pending, job.results = job.results, []
-        outcomes = await asyncio.gather(
-            *(self.emit(r, step_id=r.call) for r in pending), return_exceptions=True
-        )
-        failed = [r for r, o in zip(pending, outcomes, strict=True) if isinstance(o, BaseException)]
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                log.warning("call result of %s not published: %s", job.key, outcome)
-                break
-        job.results = failed + job.results
-        return not failed
+        async with job.publish_lock:
+            if not job.results:
+                return True
+            pending, job.results = job.results, []
+            outcomes = await asyncio.gather(
+                *(self.emit(r, step_id=r.call) for r in pending), return_exceptions=True
+            )
+            failed = [
+                r for r, o in zip(pending, outcomes, strict=True) if isinstance(o, BaseException)
+            ]
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    log.warning("call result of %s not published: %s", job.key, outcome)
+                    break
+            job.results = failed + job.results
+            return not failed
 
     async def commit_applied(self, jobs: Iterable[JobSlot], within_s: float) -> None:
         """On stop: let in-flight commits land, then commit what was applied (so it is

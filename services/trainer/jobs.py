@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -61,6 +62,8 @@ class JobSlot:
     #: A session's call results not published yet; a commit publishes them first (a result
     #: must be out before its call is acked, or a crash would lose it).
     results: list[CallResult] = field(default_factory=list)
+    #: One publish of ``results`` at a time: a commit must see the outcome of one in flight.
+    publish_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def iteration_complete(self) -> bool:

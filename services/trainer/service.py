@@ -33,7 +33,7 @@ from nats.js.kv import KeyValue
 
 from bus.consume import ConsumerSpec
 from bus.durables import DurableSet
-from bus.errors import HandlerError
+from bus.errors import HandlerError, PoisonError
 from bus.placement import placed
 from bus.service import Runtime, serve
 from bus.watch import follow_kv
@@ -50,6 +50,7 @@ from schemas.train import (
 )
 from services.trainer import session
 from services.trainer.announce import Announcer
+from services.trainer.checks import check_call
 from services.trainer.commit import Committer
 from services.trainer.config import TrainerConfig
 from services.trainer.intake import Intake, Waiting
@@ -146,7 +147,7 @@ class Trainer:
                 arrived = await self.intake.fill(self.live(), linger=not self.sessions_open())
                 worked = await self.round()
                 self.commit_due()
-                if not arrived and not worked and not self.tenants.has_backlog:
+                if not arrived and not worked and not self.tenants.backlog_fetched:
                     # Nothing to fetch from: new tenants' messages show up at discovery.
                     await self.idle(0.05)
         finally:
@@ -284,8 +285,15 @@ class Trainer:
         if not job.spec.session:
             raise job.error(f"{session.op_of(call)} sent to job {call.job_id!r}, not a session")
         if job.save_as is not None:
-            return Verdict.WAIT  # a save's commit failed: nothing moves until it lands
+            return Verdict.WAIT  # a save not committed yet: nothing moves until it lands
         verdict = sft_verdict(job.batches_done, call.call)
+        if verdict is Verdict.APPLY and isinstance(call, ForwardBackward):
+            try:
+                check_call(call, self.config.limit)
+            except PoisonError as exc:
+                self.stepper.book_call(msg, call, job, ValueError(str(exc)))
+                await self.committer.publish_results(job)
+                return Verdict.CONSUMED
         if verdict is Verdict.CONSUMED:
             if isinstance(call, SaveState) and call.name in job.saved:
                 # Committed, maybe unanswered (a crash right after): answer it again.

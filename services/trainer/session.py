@@ -21,6 +21,8 @@ still counts as done: the session goes on.
 
 from __future__ import annotations
 
+import math
+import re
 import time
 
 import numpy as np
@@ -169,8 +171,9 @@ async def apply_now(
             }
             return result(job, call, metrics)
         case SaveState():
-            if call.name in job.saved:
-                return result(job, call, error=f"name: state {call.name!r} is saved already")
+            problem = _name_problem(call.name, job)
+            if problem:
+                return result(job, call, error=problem)
             job.save_as = (call.name, call.call)
             return None
         case LoadState():
@@ -195,8 +198,36 @@ def saved_result(job: JobSlot, call: SaveState) -> CallResult:
     return result(job, call, version=ckpt.version_of(job.saved[call.name]))
 
 
+#: Named states a session may keep (they outlive the version retention, in its record).
+MAX_SAVED_STATES = 256
+
+
+_STATE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _name_problem(name: str, job: JobSlot) -> str:
+    if not _STATE_NAME.fullmatch(name):
+        return (
+            f"name: {name[:80]!r} is not a state name (1 to 64 of A-Z, a-z, 0-9, '.', '_', "
+            "'-', starting with a letter or digit)"
+        )
+    if name in job.saved:
+        return f"name: state {name!r} is saved already"
+    if len(job.saved) >= MAX_SAVED_STATES:
+        return (
+            f"name: the session keeps {MAX_SAVED_STATES} saved states already; start a new "
+            "session from one (init_from) to keep saving"
+        )
+    return ""
+
+
 def _adam_problem(p: AdamParams) -> str:
-    if not (np.isfinite(p.learning_rate) and 0.0 <= p.learning_rate <= 10.0):
+    if not all(
+        math.isfinite(v)
+        for v in (p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip)
+    ):
+        return "AdamParams: every value must be finite"
+    if not 0.0 <= p.learning_rate <= 10.0:
         return f"learning_rate: {p.learning_rate} is not in [0, 10]"
     for name, beta in (("beta1", p.beta1), ("beta2", p.beta2)):
         if not 0.0 <= beta < 1.0:
