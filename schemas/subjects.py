@@ -155,6 +155,11 @@ def tenant_ctl_all(tenant: str | None = None) -> str:
     return f"{PREFIX}.ctl.tenant.{validate_id(tenant, 'tenant')}.*"
 
 
+def feature_bucket(backbone: str) -> str:
+    """The object store bucket of one backbone's feature records too big for a message."""
+    return f"features-{validate_id(backbone, 'backbone')}"
+
+
 def tenant_bucket(tenant: str) -> str:
     """The tenant's own object store bucket: its pushed datasets and exported policies."""
     return f"data-{validate_id(tenant, 'tenant')}"

@@ -17,6 +17,7 @@ from schemas import subjects
 from schemas.dead import DEAD_LETTER_DECODER
 from schemas.env import ENV_DECODER
 from schemas.events import EVENT_DECODER, Accepted, Rejected, event_kind
+from schemas.feature import FEATURE_DECODER
 from schemas.health import HEARTBEAT_DECODER
 from schemas.ids import InvalidIdError, validate_id
 from schemas.infer import ACT_REPLY_DECODER, INFER_DECODER, ActRequest
@@ -51,6 +52,8 @@ DECODERS: dict[str, msgspec.msgpack.Decoder[Any]] = {
     "save_state": TRAIN_DECODER,
     "load_state": TRAIN_DECODER,
     "event_call": EVENT_DECODER,
+    "feature_record": FEATURE_DECODER,
+    "feature_ref": FEATURE_DECODER,
     "policy_record": POLICY_RECORD_DECODER,
     "act_request": INFER_DECODER,
     "act_reply": ACT_REPLY_DECODER,

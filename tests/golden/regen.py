@@ -18,6 +18,7 @@ from schemas.events import (
     Rejected,
     StateChanged,
 )
+from schemas.feature import FeatureRecord, FeatureRef
 from schemas.health import Heartbeat
 from schemas.infer import ActReply, ActRequest
 from schemas.jobs import JobCancel, JobRecord, JobSubmit
@@ -147,6 +148,30 @@ SAMPLES: dict[str, object] = {
     "load_state": LoadState("acme", "session-0001", call=7, name="iter-1"),
     "event_call": CallResult(
         "acme", "session-0001", 4, "forward_backward", {"loss": 0.25, "samples": 2.0}, 1767225600.0
+    ),
+    "feature_record": FeatureRecord(
+        backbone_id="tiny",
+        feature_layer=2,
+        image_size=32,
+        num_views=1,
+        token_budget=16,
+        dtype="bfloat16",
+        sample_ids=["a1b2", "c3d4"],
+        prefix=Tensor("bfloat16", (2, 3, 4), bytes(range(48))),
+        mask=Tensor.from_numpy(np.array([[True, True, False], [True, True, True]])),
+        proprio=_f32(2, 3),
+    ),
+    "feature_ref": FeatureRef(
+        backbone_id="tiny",
+        feature_layer=2,
+        image_size=32,
+        num_views=1,
+        token_budget=16,
+        sample_ids=["a1b2", "c3d4"],
+        bucket="features-tiny",
+        object_name="2/" + "ab" * 32,
+        size=2_000_000,
+        sha256="ab" * 32,
     ),
     "rollout_batch": RolloutBatch(
         "acme",
