@@ -46,7 +46,9 @@ def job_specs(
     data: dict[int, Path],
     backbone: str,
     token_budget: int,
+    epochs: int | None = None,
 ) -> list[dict[str, Any]]:
+    """``steps`` optimizer steps per job, or ``epochs`` passes over its dataset if given."""
     specs = []
     for i in range(tenants):
         head = HEADS[i % len(HEADS)]
@@ -57,7 +59,7 @@ def job_specs(
                 "backbone": backbone,
                 "dataset": data[head["action_dim"]].name,  # an id in the tenant's namespace
                 "head": head,
-                "steps": steps,
+                **({"epochs": epochs} if epochs else {"steps": steps}),
                 "batch_size": batch,
                 "seed": i,
                 "checkpoint_every": 10,
@@ -105,7 +107,6 @@ async def measure(
     info: StackInfo,
     specs: list[dict[str, Any]],
     concurrent: bool,
-    samples: int,
     data: dict[int, Path],
 ) -> dict[str, float]:
     await asyncio.sleep(1.5)  # let the previous run's last heartbeat gauges land
@@ -115,23 +116,91 @@ async def measure(
     after = await trainer_gauges(info)
     compute = after["compute_s"] - before["compute_s"]
     rounds = after["round_s"] - before["round_s"]
+    samples = after["samples"] - before["samples"]
+    hits = after.get("feature_cache_hits", 0.0) - before.get("feature_cache_hits", 0.0)
+    misses = after.get("feature_cache_misses", 0.0) - before.get("feature_cache_misses", 0.0)
     return {
         "wall_s": wall,
+        "samples": samples,
         "samples_per_s": samples / wall,
+        "cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
         "compute_s": compute,
         "bus_overhead_fraction": 1.0 - compute / wall,
         "round_overhead_fraction": 1.0 - compute / rounds if rounds > 0 else float("nan"),
     }
 
 
+def run_stack(
+    args: argparse.Namespace, home: Path, data: dict[int, Path], cache_mb: float, sequential: bool
+) -> tuple[dict[str, float], dict[str, float] | None]:
+    """One stack (its trainer's feature cache ``cache_mb``, 0 = off): the multi-tenant
+    measurement, and the sequential one if asked."""
+    stack = LocalStack(
+        home,
+        tenants=(),
+        roles={"master": 1, "envs": 1, "trainer": 1},
+        role_args={
+            "trainer": [
+                "--backbone",
+                args.backbone,
+                "--torch-threads",
+                str(args.torch_threads),
+                "--feature-cache-mb",
+                str(cache_mb),
+            ]
+        },
+    )
+    try:
+        info = stack.start_server()
+        stack.start_roles()
+        _, missing = asyncio.run(wait_healthy(info, ["master", "envs", "trainer"], 120))
+        if missing:
+            raise SystemExit(f"roles did not come up: {missing}; see {home}/logs")
+        backbone_id = args.backbone if "/" not in args.backbone else Path(args.backbone).name
+
+        def specs(prefix: str, tenants: int, steps: int) -> list[dict[str, Any]]:
+            return job_specs(
+                prefix,
+                tenants,
+                steps,
+                args.batch_size,
+                data,
+                backbone_id,
+                args.token_budget,
+                None if prefix == "warm" else args.epochs,
+            )
+
+        # Warm-up (first-touch costs: consumers, normaliser caches, allocator).
+        asyncio.run(run_jobs(info, specs("warm", 1, 5), True, data))
+        multi = asyncio.run(measure(info, specs("multi", args.tenants, args.steps), True, data))
+        seq = None
+        if sequential:
+            seq = asyncio.run(measure(info, specs("seq", args.tenants, args.steps), False, data))
+        return multi, seq
+    finally:
+        stack.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="joynexus bench sft", description=__doc__)
     p.add_argument("--tenants", type=int, default=4)
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per job")
+    p.add_argument("--epochs", type=int, help="passes over each job's dataset (not --steps)")
     p.add_argument("--batch-size", type=int, default=2, help="local batch per tenant step")
     p.add_argument("--token-budget", type=int, default=16, help="instruction tokens/sample")
     p.add_argument("--backbone", default="tiny", help="tiny name or checkpoint dir")
     p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument(
+        "--feature-cache-mb",
+        type=float,
+        default=256.0,
+        help="the trainer's feature cache for the cached run (see --no-cache-compare)",
+    )
+    p.add_argument(
+        "--no-cache-compare",
+        action="store_true",
+        help="skip the second stack whose trainer caches features (cache_speedup)",
+    )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
@@ -140,70 +209,15 @@ def main(argv: list[str] | None = None) -> int:
         data = {2: home / "reach", 3: home / "grasp"}
         record(REACH2D_ID, 24, data[2], seed=0)
         record(REACH_GRASP_ID, 24, data[3], seed=1)
-        stack = LocalStack(
-            home,
-            tenants=(),
-            roles={"master": 1, "envs": 1, "trainer": 1},
-            role_args={
-                "trainer": ["--backbone", args.backbone, "--torch-threads", str(args.torch_threads)]
-            },
-        )
-        try:
-            info = stack.start_server()
-            stack.start_roles()
-            _, missing = asyncio.run(wait_healthy(info, ["master", "envs", "trainer"], 120))
-            if missing:
-                raise SystemExit(f"roles did not come up: {missing}; see {home}/logs")
-            backbone_id = args.backbone if "/" not in args.backbone else Path(args.backbone).name
-            samples = args.tenants * args.steps * args.batch_size
-            # Warm-up (first-touch costs: consumers, normaliser caches, allocator).
-            asyncio.run(
-                run_jobs(
-                    info,
-                    job_specs("warm", 1, 5, args.batch_size, data, backbone_id, args.token_budget),
-                    True,
-                    data,
-                )
-            )
-            multi = asyncio.run(
-                measure(
-                    info,
-                    job_specs(
-                        "multi",
-                        args.tenants,
-                        args.steps,
-                        args.batch_size,
-                        data,
-                        backbone_id,
-                        args.token_budget,
-                    ),
-                    True,
-                    samples,
-                    data,
-                )
-            )
-            seq = asyncio.run(
-                measure(
-                    info,
-                    job_specs(
-                        "seq",
-                        args.tenants,
-                        args.steps,
-                        args.batch_size,
-                        data,
-                        backbone_id,
-                        args.token_budget,
-                    ),
-                    False,
-                    samples,
-                    data,
-                )
-            )
-        finally:
-            stack.stop()
-    result = {
+        multi, seq = run_stack(args, home / "uncached", data, 0.0, sequential=True)
+        assert seq is not None
+        cached = None
+        if not args.no_cache_compare:
+            cached, _ = run_stack(args, home / "cached", data, args.feature_cache_mb, False)
+    result: dict[str, Any] = {
         "tenants": args.tenants,
-        "steps_per_job": args.steps,
+        "steps_per_job": None if args.epochs else args.steps,
+        "epochs_per_job": args.epochs,
         "batch_size": args.batch_size,
         "token_budget": args.token_budget,
         "backbone": args.backbone,
@@ -216,19 +230,25 @@ def main(argv: list[str] | None = None) -> int:
         "multi_wall_s": multi["wall_s"],
         "sequential_wall_s": seq["wall_s"],
     }
-    print(f"{'mode':<12}{'wall s':>10}{'samples/s':>12}{'bus overhead':>14}")
-    print(
-        f"{'multi':<12}{multi['wall_s']:>10.2f}{multi['samples_per_s']:>12.1f}"
-        f"{multi['bus_overhead_fraction']:>14.1%}"
-    )
-    print(
-        f"{'sequential':<12}{seq['wall_s']:>10.2f}{seq['samples_per_s']:>12.1f}"
-        f"{seq['bus_overhead_fraction']:>14.1%}"
-    )
+    print(f"{'mode':<16}{'wall s':>10}{'samples/s':>12}{'bus overhead':>14}{'cache hits':>12}")
+    rows = [("multi", multi), ("sequential", seq)] + ([("multi, cached", cached)] if cached else [])
+    for name, m in rows:
+        print(
+            f"{name:<16}{m['wall_s']:>10.2f}{m['samples_per_s']:>12.1f}"
+            f"{m['bus_overhead_fraction']:>14.1%}{m['cache_hit_rate']:>12.1%}"
+        )
     print(
         f"speedup {result['speedup']:.2f}x; trainer-loop overhead (multi) "
         f"{multi['round_overhead_fraction']:.1%}"
     )
+    if cached is not None:
+        result["cache_speedup"] = cached["samples_per_s"] / multi["samples_per_s"]
+        result["cache_hit_rate"] = cached["cache_hit_rate"]
+        result["cached_multi_samples_per_s"] = cached["samples_per_s"]
+        print(
+            f"cache_speedup {result['cache_speedup']:.2f}x (multi-tenant, cached vs uncached), "
+            f"cache_hit_rate {cached['cache_hit_rate']:.1%}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

@@ -34,6 +34,11 @@ class TrainerConfig(BusConfig):
         "or a JSON file (read; measured and written if missing; "
         "a 'bench grouping --json' result works too).",
     )
+    feature_cache_mb: float = Field(
+        0.0,
+        ge=0,
+        description="Per-sample backbone features kept for reuse (0: off; see vla.featurecache).",
+    )
     limit: InputLimits = Field(
         default_factory=InputLimits, description="Input bounds (--limit-*, JOYNEXUS_LIMIT_*)."
     )

@@ -62,6 +62,7 @@ from services.trainer.slots import Slots
 from services.trainer.steps import Stepper
 from vla import costmodel
 from vla.backbone import Backbone
+from vla.featurecache import CachedEncoder, FeatureCache
 
 log = logging.getLogger(__name__)
 #: At stop, applied work is committed (so it is acked) only within this long.
@@ -367,6 +368,14 @@ async def run(config: TrainerConfig) -> None:
         trainer = Trainer(rt, config, backbone)
         if costs is not None:
             trainer.stepper.encoder = costmodel.SplitEncoder(backbone, costs)
+        if config.feature_cache_mb > 0:
+            trainer.stepper.cache = FeatureCache(int(config.feature_cache_mb * 2**20))
+            trainer.stepper.encoder = CachedEncoder(
+                trainer.stepper.encoder,
+                trainer.stepper.cache,
+                backbone.backbone_id,
+                backbone.feature_layer,
+            )
         rt.gauges = trainer.gauges
         async with placed(rt, backbone):
             await trainer.run()

@@ -23,6 +23,7 @@ from services.trainer.jobs import JobSlot
 from services.trainer.ledger import Verdict, episode_verdict
 from services.trainer.sft import build_request
 from vla.backbone import Backbone
+from vla.featurecache import FeatureCache
 from vla.grouping import FeatureEncoder, TrainRequest, group_train_step
 from vla.slot import NonFiniteLossError, StepResult
 
@@ -41,6 +42,8 @@ class Stepper:
         #: What the grouped step encodes with: the backbone, or a vla.costmodel.SplitEncoder
         #: over it where a cost table says smaller forwards are faster (set by the service).
         self.encoder: FeatureEncoder = backbone
+        #: The feature cache in front of the encoder (None: off; set by the service).
+        self.cache: FeatureCache | None = None
         self.compute_s = 0.0
         self.round_s = 0.0
         self.samples = 0
@@ -255,4 +258,5 @@ class Stepper:
             "samples": float(self.samples),
             "compute_s": self.compute_s,
             "round_s": self.round_s,
+            **(self.cache.stats() if self.cache is not None else {}),
         }

@@ -1,0 +1,113 @@
+"""The feature cache for a frozen backbone (:mod:`vla.featurecache`): two tenants training
+on the same samples for several epochs get bit for bit the losses and parameters they get
+without it, while the backbone runs once per distinct sample; entries never cross backbone
+ids, feature layers or compatibility keys; the byte budget holds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from schemas.model import HeadConfig, OptimizerConfig
+from vla.backbone import Backbone
+from vla.feature import CompatKey
+from vla.featurecache import CachedEncoder, FeatureCache, sample_digests
+from vla.grouping import FeatureEncoder, TrainRequest, group_train_step
+from vla.normalize import Normaliser
+from vla.slot import TenantSlot
+
+HEADS = {
+    "a": HeadConfig(kind="oft", action_dim=2, chunk_len=4, proprio_dim=4),
+    "b": HeadConfig(kind="flow", action_dim=2, chunk_len=4, proprio_dim=4),
+}
+EPOCHS, BATCHES, SIZE = 3, 3, 4
+
+
+@pytest.fixture(scope="module")
+def backbone() -> Backbone:
+    return Backbone.load("tiny")
+
+
+def dataset() -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    return [
+        (
+            rng.integers(0, 255, (SIZE, 1, 32, 32, 3), dtype=np.uint8),
+            rng.standard_normal((SIZE, 4)).astype(np.float32),
+            rng.uniform(-1, 1, (SIZE, 4, 2)).astype(np.float32),
+        )
+        for _ in range(BATCHES)
+    ]
+
+
+def train(
+    backbone: Backbone, encoder: FeatureEncoder
+) -> tuple[dict[str, list[float]], dict[str, TenantSlot]]:
+    """Both tenants, every epoch over the same batches, grouped in one step per batch."""
+    normaliser = Normaliser(backbone, 1, 16)
+    slots = {
+        t: TenantSlot(t, h, OptimizerConfig(), backbone.hidden_size, seed=i)
+        for i, (t, h) in enumerate(HEADS.items())
+    }
+    losses: dict[str, list[float]] = {t: [] for t in HEADS}
+    for _ in range(EPOCHS):
+        for images, proprio, actions in dataset():
+            inputs = normaliser.normalise_arrays(images, ["reach the red dot"] * SIZE, proprio)
+            requests = [
+                TrainRequest(t, slots[t], inputs, torch.from_numpy(actions.copy())) for t in HEADS
+            ]
+            for t, result in group_train_step(encoder, requests).items():
+                assert not isinstance(result, Exception), result
+                losses[t].append(result.loss)
+    return losses, slots
+
+
+def test_cached_training_is_bit_for_bit_the_uncached_one(backbone: Backbone) -> None:
+    plain_losses, plain_slots = train(backbone, backbone)
+    cache = FeatureCache(64 << 20)
+    encoder = CachedEncoder(backbone, cache, backbone.backbone_id, backbone.feature_layer)
+    cached_losses, cached_slots = train(backbone, encoder)
+    assert cached_losses == plain_losses
+    for t in HEADS:
+        for p, q in zip(
+            plain_slots[t].module.parameters(), cached_slots[t].module.parameters(), strict=True
+        ):
+            assert torch.equal(p, q)
+    # Each distinct sample was encoded once: the first epoch's forwards only.
+    assert encoder.forwards == BATCHES
+    assert cache.misses == BATCHES * SIZE * len(HEADS)  # both tenants' rows in the group
+    assert len(cache) == BATCHES * SIZE
+    assert cache.hit_rate == pytest.approx(1 - 1 / EPOCHS)
+
+
+def test_entries_never_cross_backbones_layers_or_keys(backbone: Backbone) -> None:
+    normaliser = Normaliser(backbone, 1, 16)
+    images, proprio, _ = dataset()[0]
+    inputs = normaliser.normalise_arrays(images, ["reach"] * SIZE, proprio)
+    cache = FeatureCache(64 << 20)
+    CachedEncoder(backbone, cache, backbone.backbone_id, backbone.feature_layer).encode(inputs)
+    assert cache.misses == SIZE
+    for bid, layer in (("other", backbone.feature_layer), (backbone.backbone_id, 0)):
+        CachedEncoder(backbone, cache, bid, layer).encode(inputs)
+    assert cache.hits == 0 and len(cache) == 3 * SIZE
+    # Another normalisation of the same pixels is another sample.
+    longer = Normaliser(backbone, 1, 24).normalise_arrays(images, ["reach"] * SIZE, proprio)
+    assert longer.key != inputs.key and isinstance(longer.key, CompatKey)
+    assert set(sample_digests(longer)).isdisjoint(sample_digests(inputs))
+
+
+def test_the_byte_budget_evicts_least_recently_used(backbone: Backbone) -> None:
+    normaliser = Normaliser(backbone, 1, 16)
+    images, proprio, _ = dataset()[0]
+    inputs = normaliser.normalise_arrays(images, ["reach"] * SIZE, proprio)
+    probe = FeatureCache(64 << 20)
+    CachedEncoder(backbone, probe, backbone.backbone_id, 1).encode(inputs)
+    per_sample = probe.bytes // SIZE
+    cache = FeatureCache(2 * per_sample)
+    encoder = CachedEncoder(backbone, cache, backbone.backbone_id, 1)
+    feature = encoder.encode(inputs)
+    assert len(cache) == 2 and cache.bytes <= 2 * per_sample and cache.evictions == SIZE - 2
+    again = encoder.encode(inputs)  # the two kept rows hit; the rest are encoded again
+    assert cache.hits == 2
+    assert torch.equal(again.prefix_B_T_D, feature.prefix_B_T_D)
