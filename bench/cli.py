@@ -125,6 +125,48 @@ async def _served(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _cache(args: argparse.Namespace) -> int:
+    """Every trainer's feature cache of the backbone (``stats``), or clear them (``clear``)."""
+    from bus.codec import DecodeError, decode, encode
+    from schemas import subjects
+    from schemas.cachectl import CACHE_STATS_DECODER, CacheQuery, CacheStats
+
+    client = await _client(args)
+    answers: list[CacheStats] = []
+    try:
+        nc = client.nc
+        inbox = nc.new_inbox()
+
+        async def collect(msg: object) -> None:
+            try:
+                answers.append(decode(CACHE_STATS_DECODER, msg.data))  # type: ignore[attr-defined]
+            except DecodeError:
+                pass
+
+        sub = await nc.subscribe(inbox, cb=collect)
+        await nc.publish(
+            subjects.cache_ctl(args.backbone), encode(CacheQuery(args.cache_op)), reply=inbox
+        )
+        await asyncio.sleep(args.wait)  # every trainer of the backbone answers
+        await sub.unsubscribe()
+    finally:
+        await client.close()
+    if not answers:
+        print(f"no trainer of backbone {args.backbone!r} answered within {args.wait:g}s")
+        return 1
+    print(
+        f"{'trainer':<28} {'cache':>6} {'entries':>8} {'MiB':>8} {'budget MiB':>10} "
+        f"{'hits':>8} {'misses':>8} {'hit rate':>8}"
+    )
+    for a in sorted(answers, key=lambda a: a.instance):
+        print(
+            f"{a.instance:<28} {('on' if a.enabled else 'off'):>6} {a.entries:>8} "
+            f"{a.bytes / 2**20:>8.1f} {a.budget_bytes / 2**20:>10.1f} {a.hits:>8} "
+            f"{a.misses:>8} {a.hit_rate:>8.1%}" + ("  (cleared)" if a.cleared else "")
+        )
+    return 0
+
+
 def _scale(args: argparse.Namespace) -> int:
     from services import launcher
 
@@ -256,6 +298,17 @@ def add_operator_commands(sub: Subcommands) -> None:
         bus=True,
         help="list the served backbones (id, architecture, parameters, image size, tokens)",
     )
+
+    cache = sub.add_parser("cache", help="operator: the trainers' backbone feature caches")
+    csub = cache.add_subparsers(dest="cache_cmd", required=True, metavar="command")
+    for op, summary in (
+        ("stats", "entries, bytes, hit rate of each trainer's feature cache"),
+        ("clear", "drop every cached feature (the next epochs encode again)"),
+    ):
+        cp = add_command(csub, op, lambda a: asyncio.run(_cache(a)), bus=True, help=summary)
+        cp.set_defaults(cache_op=op)
+        cp.add_argument("--backbone", default="tiny", help="backbone id (default: tiny)")
+        cp.add_argument("--wait", type=float, default=1.0, help="seconds to collect answers")
 
     tn = sub.add_parser("tenant", help="operator: tenants' identities and limits")
     tsub = tn.add_subparsers(dest="tenant_cmd", required=True, metavar="command")

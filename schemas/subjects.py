@@ -155,6 +155,12 @@ def tenant_ctl_all(tenant: str | None = None) -> str:
     return f"{PREFIX}.ctl.tenant.{validate_id(tenant, 'tenant')}.*"
 
 
+def cache_ctl(backbone: str) -> str:
+    """``nexus.ctl.cache.<backbone>``: an operator's question to that backbone's trainers
+    about their feature caches (:mod:`schemas.cachectl`)."""
+    return f"{PREFIX}.ctl.cache.{validate_id(backbone, 'backbone')}"
+
+
 def feature_bucket(backbone: str) -> str:
     """The object store bucket of one backbone's feature records too big for a message."""
     return f"features-{validate_id(backbone, 'backbone')}"

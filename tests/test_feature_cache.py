@@ -5,11 +5,21 @@ ids, feature layers or compatibility keys; the byte budget holds."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
+from bus.connect import connect
+from bus.declare import declare
+from bus.server import EmbeddedServer
+from clients.lowlevel import ServiceClient, VLABatch
 from schemas.model import HeadConfig, OptimizerConfig
+from tests.conftest import Procs
+from tests.helpers import service_env, start_service, uid
 from vla.backbone import Backbone
 from vla.feature import CompatKey
 from vla.featurecache import CachedEncoder, FeatureCache, sample_digests
@@ -22,6 +32,7 @@ HEADS = {
     "b": HeadConfig(kind="flow", action_dim=2, chunk_len=4, proprio_dim=4),
 }
 EPOCHS, BATCHES, SIZE = 3, 3, 4
+HEAD_SPEC = {"kind": "oft", "action_dim": 2, "chunk_len": 4, "proprio_dim": 4}
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +122,51 @@ def test_the_byte_budget_evicts_least_recently_used(backbone: Backbone) -> None:
     again = encoder.encode(inputs)  # the two kept rows hit; the rest are encoded again
     assert cache.hits == 2
     assert torch.equal(again.prefix_B_T_D, feature.prefix_B_T_D)
+
+
+@pytest.mark.timeout(120)
+async def test_a_trainers_cache_serves_repeats_and_the_operator_reads_and_clears_it(
+    fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
+) -> None:
+    """A trainer with ``--feature-cache-mb``: a session's repeated batch is a cache hit with
+    the same loss; ``joynexus cache stats`` reports it and ``cache clear`` empties it."""
+    nc = await connect(fresh_server.url)
+    await declare(nc.jetstream())
+    await nc.close()
+    procs.add(start_service("master", fresh_server.url, tmp_path / "master.log"))
+    procs.add(
+        start_service(
+            "trainer", fresh_server.url, tmp_path / "trainer.log", "--feature-cache-mb", "16"
+        )
+    )
+    service = await ServiceClient.connect(fresh_server.url, tenant=uid("cache"))
+    try:
+        training = await service.create_training_client(head=HEAD_SPEC)
+        rng = np.random.default_rng(0)
+        batch = VLABatch(
+            rng.integers(0, 255, (4, 1, 32, 32, 3), dtype=np.uint8),
+            ["reach the red dot"] * 4,
+            rng.standard_normal((4, 4)).astype(np.float32),
+            rng.uniform(-1, 1, (4, 4, 2)).astype(np.float32),
+        )
+        first, again = await training.forward(batch), await training.forward(batch)
+        assert first.loss == again.loss
+        await training.close()
+    finally:
+        await service.close()
+
+    def joynexus(*args: str) -> str:
+        done = subprocess.run(
+            [str(Path(sys.executable).parent / "joynexus"), "cache", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=service_env(fresh_server.url),
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    stats = joynexus("stats", "--url", fresh_server.url).splitlines()[-1].split()
+    assert stats[1:3] == ["on", "4"] and stats[-3:-1] == ["4", "4"], stats  # 4 hits, 4 misses
+    assert "(cleared)" in joynexus("clear", "--url", fresh_server.url)
+    assert joynexus("stats", "--url", fresh_server.url).splitlines()[-1].split()[2] == "0"

@@ -31,6 +31,8 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js.kv import KeyValue
 
+from bus.auth import reply_allowed
+from bus.codec import DecodeError, decode, encode
 from bus.consume import ConsumerSpec
 from bus.durables import DurableSet
 from bus.errors import HandlerError, PoisonError
@@ -38,6 +40,7 @@ from bus.placement import placed
 from bus.service import Runtime, serve
 from bus.watch import follow_kv
 from schemas import subjects
+from schemas.cachectl import CACHE_QUERY_DECODER, CacheQuery, CacheStats
 from schemas.train import (
     SESSION_CALL_TYPES,
     CloseSlot,
@@ -119,6 +122,7 @@ class Trainer:
     async def run(self) -> None:
         await self.registry.connect()
         doorbell = await self.rt.nc.subscribe(subjects.train_wake(self.bid), cb=self._ring)
+        cache_ctl = await self.rt.nc.subscribe(subjects.cache_ctl(self.bid), cb=self._cache_ctl)
         self.rt.spawn(
             follow_kv(self.registry.jobs_kv, self.rt.stop, self.observe_job),
             "job status follower",
@@ -152,8 +156,9 @@ class Trainer:
                     # Nothing to fetch from: new tenants' messages show up at discovery.
                     await self.idle(0.05)
         finally:
-            with contextlib.suppress(NatsError):
-                await doorbell.unsubscribe()
+            for sub in (doorbell, cache_ctl):
+                with contextlib.suppress(NatsError):
+                    await sub.unsubscribe()
             await self.committer.commit_applied(self.registry.jobs.values(), STOP_COMMIT_S)
 
     def observe_job(self, entry: KeyValue.Entry) -> None:
@@ -162,6 +167,36 @@ class Trainer:
 
     async def _ring(self, _msg: Msg) -> None:
         self.rung.set()
+
+    async def _cache_ctl(self, msg: Msg) -> None:
+        """An operator's ``joynexus cache stats|clear`` (answered only on an inbox)."""
+        if not msg.reply or not reply_allowed(msg.reply):
+            return
+        try:
+            query = decode(CACHE_QUERY_DECODER, msg.data) if msg.data else CacheQuery()
+        except DecodeError:
+            return  # nothing to answer with: the requester times out
+        cache = self.stepper.cache
+        if cache is None:
+            stats = CacheStats(self.rt.instance, self.bid, False)
+        else:
+            if query.op == "clear":
+                cache.clear()
+            stats = CacheStats(
+                self.rt.instance,
+                self.bid,
+                True,
+                cache.budget_bytes,
+                len(cache),
+                cache.bytes,
+                cache.hits,
+                cache.misses,
+                cache.hit_rate,
+                cache.evictions,
+                cleared=query.op == "clear",
+            )
+        with contextlib.suppress(NatsError):
+            await msg.respond(encode(stats))
 
     def sessions_open(self) -> bool:
         return any(j.spec.session and j.live for j in self.registry.jobs.values())
