@@ -28,7 +28,7 @@ from schemas import subjects
 from schemas.health import HEARTBEAT_DECODER
 from services.envs.datasets import record
 from services.envs.sims import REACH2D_ID, REACH_GRASP_ID
-from services.launcher import LocalStack, wait_healthy
+from services.launcher import LocalStack, backbone_of, wait_healthy
 
 HEADS: list[dict[str, Any]] = [
     {"kind": "oft", "action_dim": 2, "chunk_len": 4, "proprio_dim": 4},
@@ -141,14 +141,13 @@ def run_stack(
         roles={"master": 1, "envs": 1, "trainer": 1},
         role_args={
             "trainer": [
-                "--backbone",
-                args.backbone,
                 "--torch-threads",
                 str(args.torch_threads),
                 "--feature-cache-mb",
                 str(cache_mb),
             ]
         },
+        backbones=[backbone_of(args.backbone)],
     )
     try:
         info = stack.start_server()
@@ -156,7 +155,7 @@ def run_stack(
         _, missing = asyncio.run(wait_healthy(info, ["master", "envs", "trainer"], 120))
         if missing:
             raise SystemExit(f"roles did not come up: {missing}; see {home}/logs")
-        backbone_id = args.backbone if "/" not in args.backbone else Path(args.backbone).name
+        backbone_id = backbone_of(args.backbone).backbone_id
 
         def specs(prefix: str, tenants: int, steps: int) -> list[dict[str, Any]]:
             return job_specs(
