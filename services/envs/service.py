@@ -62,6 +62,12 @@ class EnvsConfig(BusConfig):
 
     concurrency: int = Field(8, ge=1, description="Tasks (streams, sessions) run at once.")
     max_deliver: int = Field(5, ge=1, description="Deliveries before a task is dead.")
+    ack_wait_s: float = Field(
+        30.0,
+        gt=1,
+        description="Task ack wait: how soon a dead worker's tasks go to another "
+        "(running ones get in-progress acks every third of it).",
+    )
     backbones: str = Field("tiny", description="Backbone ids whose inferencers to ask (a,b).")
     dataset_cache: str = Field(
         "", description="Where pushed datasets are materialised (default: a temp dir)."
@@ -367,7 +373,7 @@ async def run(config: EnvsConfig) -> None:
                 subjects.STREAM_ENV,
                 DURABLE,
                 f"{subjects.PREFIX}.env.>",
-                ack_wait_s=30.0,
+                ack_wait_s=config.ack_wait_s,
                 max_deliver=config.max_deliver,
             ),
             on_dead=worker.on_dead,
