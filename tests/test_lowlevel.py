@@ -421,3 +421,37 @@ def test_accumulated_gradients_survive_a_checkpoint_and_an_eviction() -> None:
     back = manager.get("a")
     for name, p in back.module.named_parameters():
         assert torch.equal(p.grad, grads[name]) if name in grads else p.grad is None, name
+
+
+@pytest.mark.timeout(240)
+async def test_a_session_goes_on_across_a_master_sigkill(
+    fresh_server: EmbeddedServer, bus: JetStreamContext, procs: Procs, tmp_path: Path
+) -> None:
+    """The master queues calls, keeps leases and pages events: SIGKILLed with calls in
+    flight, the client's calls are asked again (the same call numbers: no duplicate), the
+    restarted master adopts the open session's lease, and the session's result is exactly
+    the in-process one."""
+    roles = start_roles(fresh_server.url, tmp_path, procs, "master", "trainer")
+    tenant = uid("ll")
+    service = await ServiceClient.connect(fresh_server.url, tenant=tenant)
+    try:
+        plan = Plan(iterations=8, seed=11)
+        training = await service.create_training_client(
+            head=HEAD, seed=plan.seed, token_budget=TOKEN_BUDGET, lease_s=30.0
+        )
+        futures = plan.send(training)
+        await asyncio.wait_for(asyncio.gather(*futures[:4]), 120)
+        assert not all(f.done() for f in futures), "the session ended before the kill"
+        roles["master"].send_signal(signal.SIGKILL)
+        roles["master"].wait(10)
+        procs.add(start_service("master", fresh_server.url, tmp_path / "master2.log"))
+        outputs = await asyncio.wait_for(asyncio.gather(*futures), 120)
+        await training.save_state("end")
+        ref_losses, ref_slot = reference(plan)
+        assert [o.loss for o in outputs if o.op == "forward_backward"] == ref_losses
+        assert_same_slot(await saved_slot(bus, tenant, training.session_id), ref_slot)
+        record = await service.client.status(tenant, training.session_id)
+        assert record is not None and record.status == "running"  # the lease was adopted
+        await training.close()
+    finally:
+        await service.close()
