@@ -44,7 +44,8 @@ HEAD: dict[str, Any] = {"kind": "oft", "action_dim": 2, "chunk_len": 4, "proprio
 TOKEN_BUDGET = 16
 
 
-def make_batch(seed: int, size: int) -> VLABatch:
+def make_batch(seed: int, size: int = 4) -> VLABatch:
+    """A batch of random VLA samples for the tiny head (``HEAD``), reproducible by seed."""
     rng = np.random.default_rng(seed)
     return VLABatch(
         rng.integers(0, 255, (size, 1, 32, 32, 3), dtype=np.uint8),

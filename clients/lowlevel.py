@@ -32,10 +32,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +41,15 @@ import numpy as np
 from nats.errors import Error as NatsError
 
 from bus.codec import decode, encode
+from clients.calls import AdamParams, CallError, CallOutput, SessionClosed, VLABatch
 from clients.errors import RequestError
 from clients.follow import EventFollower
+from clients.sampling import SampleOutput, SamplingClient
 from clients.sdk import Client
 from schemas.events import EVENT_DECODER, CallResult, Rejected, StateChanged
 from schemas.jobs import TERMINAL_STATUSES
-from schemas.model import Observation
 from schemas.specs import HeadSpec, OptimizerSpec, SessionSpec
-from schemas.tenantctl import CallSession, Leased, RenewLease, Sampled, SamplePolicy
+from schemas.tenantctl import CallSession, Leased, RenewLease
 from schemas.tensor import Tensor
 from schemas.train import (
     ForwardBackward,
@@ -84,97 +83,6 @@ MAX_UNANSWERED = 64
 SEND_DEADLINE_S = 60.0
 #: How long opening a session may take (the trainer commits its first version first).
 OPEN_TIMEOUT_S = 60.0
-
-
-class CallError(RuntimeError):
-    """A call the trainer did not apply (``call`` is its number), or one that could not be
-    sent; ``retryable`` whether the same work sent again may succeed."""
-
-    def __init__(self, message: str, *, call: int, retryable: bool) -> None:
-        super().__init__(message)
-        self.call = call
-        self.retryable = retryable
-
-
-class SessionClosed(CallError):
-    """The session ended (closed, cancelled, its lease expired, or it failed) before the
-    call was answered."""
-
-
-@dataclass(frozen=True)
-class AdamParams:
-    """One ``optim_step``'s AdamW hyper-parameters (Tinker's names)."""
-
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    #: Max global norm of the accumulated gradients; 0 disables clipping.
-    grad_clip: float = 0.0
-
-
-@dataclass(frozen=True)
-class VLABatch:
-    """A batch of VLA samples for ``forward`` / ``forward_backward``.
-
-    ``images`` uint8 (B, V, H, W, 3); ``instructions`` B strings; ``proprio`` float32 (B, P)
-    (P = the head's ``proprio_dim``); ``actions`` float32 (B, C, A) targets (C = chunk_len,
-    A = action_dim; for a policy-gradient loss, the actions taken). ``advantages`` and
-    ``old_log_probs`` float32 (B,) for ``loss_fn="ppo"``."""
-
-    images: np.ndarray
-    instructions: Sequence[str]
-    proprio: np.ndarray
-    actions: np.ndarray
-    advantages: np.ndarray | None = None
-    old_log_probs: np.ndarray | None = None
-
-    def __post_init__(self) -> None:
-        if self.images.ndim != 5 or self.images.dtype != np.uint8:
-            raise ValueError(
-                f"images: expected uint8 (B, V, H, W, 3), got {self.images.dtype} "
-                f"{self.images.shape}"
-            )
-        batch = self.images.shape[0]
-        if len(self.instructions) != batch:
-            raise ValueError(f"instructions: {len(self.instructions)} for {batch} samples")
-        for name in ("proprio", "actions"):
-            value = getattr(self, name)
-            if value.shape[0] != batch:
-                raise ValueError(f"{name}: {value.shape[0]} rows for {batch} samples")
-
-    @property
-    def size(self) -> int:
-        return int(self.images.shape[0])
-
-
-@dataclass(frozen=True)
-class CallOutput:
-    """A call's answer: ``loss`` (forward calls; NaN otherwise), its ``metrics`` and the
-    policy ``version`` a save committed or a load restored (0 otherwise)."""
-
-    call: int
-    op: str
-    metrics: dict[str, float]
-    version: int = 0
-
-    @property
-    def loss(self) -> float:
-        return self.metrics.get("loss", math.nan)
-
-
-@dataclass(frozen=True)
-class SampleOutput:
-    """Actions for B observations: ``actions`` (B, C, A), ``log_probs`` (B,), ``values`` (B,)
-    or None without a value head, from policy ``version``; ``group_size``: act requests
-    that shared the inferencer's backbone forward."""
-
-    actions: np.ndarray
-    log_probs: np.ndarray
-    values: np.ndarray | None
-    version: int
-    group_size: int
 
 
 def _tensor(a: np.ndarray, dtype: type[np.generic]) -> Tensor:
@@ -557,53 +465,3 @@ class TrainingClient:
             future.set_result(
                 CallOutput(result.call, result.op, dict(result.metrics), result.version)
             )
-
-
-@dataclass
-class SamplingClient:
-    """Actions from a committed policy version of the tenant (a session's or a job's),
-    served by the inferencers with the same grouped forwards as rollouts."""
-
-    service: ServiceClient
-    policy: str
-    version: int = 0
-    timeout_s: float = 10.0
-    _seeds: int = field(default=0, repr=False)
-
-    async def act(
-        self,
-        observations: Sequence[Observation],
-        *,
-        deterministic: bool = False,
-        seed: int = -1,
-    ) -> SampleOutput:
-        """One action chunk per observation (``seed`` >= 0: reproducible samples)."""
-        client = self.service.client
-        tenant = self.service.tenant
-        request = SamplePolicy(
-            tenant,
-            self.policy,
-            list(observations),
-            self.version,
-            deterministic,
-            seed,
-            self.timeout_s,
-        )
-        reply = await client.request(tenant, request, timeout=self.timeout_s + 5.0)
-        assert isinstance(reply, Sampled)
-        act = reply.reply
-        if act.actions is None or act.log_probs is None:
-            raise RequestError(f"act: empty reply ({act.error})", code="invalid", retryable=False)
-        return SampleOutput(
-            act.actions.to_numpy(),
-            act.log_probs.to_numpy(),
-            None if act.values is None else act.values.to_numpy(),
-            act.policy_version,
-            act.group_size,
-        )
-
-    async def sample(self, observation: Observation, n: int, *, seed: int = -1) -> SampleOutput:
-        """``n`` samples for one observation, with their log-probs (and values)."""
-        if n < 1:
-            raise ValueError(f"n: {n} must be >= 1")
-        return await self.act([observation] * n, seed=seed)

@@ -28,6 +28,7 @@ import pytest_asyncio
 import torch
 from nats.js import JetStreamContext
 
+from bench.lowlevel import make_batch
 from bus.codec import decode
 from bus.connect import connect
 from bus.datasets import register_path
@@ -65,16 +66,6 @@ from vla.slot import SlotManager, TenantSlot
 
 HEAD = {"kind": "oft", "action_dim": 2, "chunk_len": 4, "proprio_dim": 4}
 TOKEN_BUDGET = 48  # the SFT spec's default: a session and an SFT job then share a group key
-
-
-def make_batch(seed: int, size: int = 4) -> VLABatch:
-    rng = np.random.default_rng(seed)
-    return VLABatch(
-        rng.integers(0, 255, (size, 1, 32, 32, 3), dtype=np.uint8),
-        ["reach the red dot"] * size,
-        rng.standard_normal((size, 4)).astype(np.float32),
-        rng.uniform(-1, 1, (size, 4, 2)).astype(np.float32),
-    )
 
 
 @dataclass(frozen=True)

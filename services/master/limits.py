@@ -70,30 +70,16 @@ def check_spec_bounds(spec: JobSpec, limits: InputLimits, prefix: str = "") -> N
             for i, stage in enumerate(spec.stages):
                 check_spec_bounds(stage, limits, f"{prefix}stages.{i}.")
         case SFTJobSpec():
-            _head(prefix, spec.head, limits)
+            _slot(prefix, spec, limits)
             _at_most(f"{prefix}steps", spec.steps, "max_steps", limits.max_steps)
             _at_most(
                 f"{prefix}batch_size", spec.batch_size, "max_batch_size", limits.max_batch_size
             )
-            _at_most(f"{prefix}num_views", spec.num_views, "max_views", limits.max_views)
-            _at_most(
-                f"{prefix}token_budget",
-                spec.token_budget,
-                "max_token_budget",
-                limits.max_token_budget,
-            )
         case SessionSpec():
-            _head(prefix, spec.head, limits)
+            _slot(prefix, spec, limits)
             _at_most(f"{prefix}max_calls", spec.max_calls, "max_steps", limits.max_steps)
-            _at_most(f"{prefix}num_views", spec.num_views, "max_views", limits.max_views)
-            _at_most(
-                f"{prefix}token_budget",
-                spec.token_budget,
-                "max_token_budget",
-                limits.max_token_budget,
-            )
         case RLJobSpec():
-            _head(prefix, spec.head, limits)
+            _slot(prefix, spec, limits)
             _at_most(
                 f"{prefix}iterations", spec.iterations, "max_iterations", limits.max_iterations
             )
@@ -104,16 +90,18 @@ def check_spec_bounds(spec: JobSpec, limits: InputLimits, prefix: str = "") -> N
                 limits.max_episodes,
             )
             _rollouts(prefix, spec.parallel_envs, spec.max_episode_steps, spec.image_size, limits)
-            _at_most(f"{prefix}num_views", spec.num_views, "max_views", limits.max_views)
-            _at_most(
-                f"{prefix}token_budget",
-                spec.token_budget,
-                "max_token_budget",
-                limits.max_token_budget,
-            )
         case EvalJobSpec():
             _at_most(f"{prefix}episodes", spec.episodes, "max_episodes", limits.max_episodes)
             _rollouts(prefix, spec.parallel_envs, spec.max_episode_steps, spec.image_size, limits)
+
+
+def _slot(prefix: str, spec: SFTJobSpec | RLJobSpec | SessionSpec, limits: InputLimits) -> None:
+    """What every training spec asks of a trainer slot: its head, views and token budget."""
+    _head(prefix, spec.head, limits)
+    _at_most(f"{prefix}num_views", spec.num_views, "max_views", limits.max_views)
+    _at_most(
+        f"{prefix}token_budget", spec.token_budget, "max_token_budget", limits.max_token_budget
+    )
 
 
 def _rollouts(prefix: str, envs: int, steps: int, image_size: int, limits: InputLimits) -> None:
