@@ -18,7 +18,12 @@ class TrainerConfig(BusConfig):
     deterministic: bool = Field(False, description="torch deterministic algorithms.")
     memory_budget_mb: float = Field(1024.0, gt=0, description="Resident slot budget.")
     prefetch: int = Field(4, ge=1, description="Messages fetched ahead per tenant.")
-    quantum: int = Field(8, ge=1, description="DRR quantum in samples per round.")
+    quantum: int = Field(
+        1,
+        ge=1,
+        description="DRR credit per round, in samples per unit of priority; rounds that would "
+        "serve nobody run at once, so a small quantum costs nothing and keeps shares exact.",
+    )
     commit_every_s: float = Field(10.0, gt=0, description="Commit at least this often.")
     keep_versions: int = Field(3, ge=1, description="Checkpoints kept per job.")
     ack_wait_s: float = Field(
