@@ -83,6 +83,22 @@ def _actions(
     return chunk, dim
 
 
+def _samples(
+    batch: SFTBatch | ForwardBackward, limits: InputLimits, finite: bool
+) -> tuple[int, int]:
+    """A supervised batch's images, instructions, proprio and action targets well-formed,
+    consistent and within ``limits``; returns (batch size, chunk length)."""
+    n = _images(batch.images, limits)[0]
+    _at_most("images", "batch size", n, "max_batch_size", limits.max_batch_size)
+    if len(batch.instructions) != n:
+        raise PoisonError(f"instructions: {len(batch.instructions)} for {n} images")
+    for i, text in enumerate(batch.instructions):
+        _instruction(text, f"instructions[{i}]", limits)
+    _vector_rows(batch.proprio, "proprio", n, limits, finite=finite)
+    chunk, _ = _actions(batch.actions, n, limits, finite=finite)
+    return n, chunk
+
+
 def check_sft(batch: SFTBatch, limits: InputLimits) -> None:
     """Every tensor of an SFT micro-batch well-formed, consistent and within ``limits``.
     Finiteness is not checked here (:func:`sft_non_finite`): a batch with NaN values is
@@ -93,14 +109,7 @@ def check_sft(batch: SFTBatch, limits: InputLimits) -> None:
             f"step/epoch/batch_index must be >= 0, got {batch.step}/{batch.epoch}/"
             f"{batch.batch_index}"
         )
-    n = _images(batch.images, limits)[0]
-    _at_most("images", "batch size", n, "max_batch_size", limits.max_batch_size)
-    if len(batch.instructions) != n:
-        raise PoisonError(f"instructions: {len(batch.instructions)} for {n} images")
-    for i, text in enumerate(batch.instructions):
-        _instruction(text, f"instructions[{i}]", limits)
-    _vector_rows(batch.proprio, "proprio", n, limits, finite=False)
-    chunk, _ = _actions(batch.actions, n, limits, finite=False)
+    n, chunk = _samples(batch, limits, finite=False)
     pad = _tensor(batch.action_pad, "action_pad", "bool", 2)
     if pad != (n, chunk):
         raise PoisonError(f"action_pad: expected bool {(n, chunk)}, got {pad}")
@@ -111,14 +120,7 @@ def check_call(call: ForwardBackward, limits: InputLimits) -> None:
     ``limits`` (the SFT bounds). Checked when the call's turn comes, so that a bad one is
     answered and counted like any call (a dead letter alone would leave its number unused,
     and every later call of the session waiting for it)."""
-    n = _images(call.images, limits)[0]
-    _at_most("images", "batch size", n, "max_batch_size", limits.max_batch_size)
-    if len(call.instructions) != n:
-        raise PoisonError(f"instructions: {len(call.instructions)} for {n} images")
-    for i, text in enumerate(call.instructions):
-        _instruction(text, f"instructions[{i}]", limits)
-    _vector_rows(call.proprio, "proprio", n, limits)
-    _actions(call.actions, n, limits)
+    n, _ = _samples(call, limits, finite=True)
     for name in ("advantages", "old_log_probs"):
         value = getattr(call, name)
         if value is not None and _tensor(value, name, "float32", 1) != (n,):

@@ -25,15 +25,12 @@ import math
 import re
 import time
 
-import numpy as np
-import torch
-
 from bus import checkpoints as ckpt
 from schemas.events import CallResult
-from schemas.tensor import TensorError
 from schemas.train import ForwardBackward, LoadState, OptimStep, SaveState, SessionCall
 from services.trainer.jobs import JobSlot
 from services.trainer.registry import JobRegistry
+from services.trainer.sft import build_request
 from services.trainer.slots import Slots
 from vla.batched import AdamParams, PolicyGradient, optim_steps
 from vla.grouping import TrainRequest
@@ -65,59 +62,20 @@ def result(
     )
 
 
-def _array(name: str, value: object) -> np.ndarray:
-    try:
-        return value.to_numpy()  # type: ignore[attr-defined]
-    except TensorError as exc:
-        raise ValueError(f"{name}: {exc}") from exc
-
-
 def build_call_request(job: JobSlot, call: ForwardBackward) -> TrainRequest:
-    """The call as model inputs for the session's slot; :class:`ValueError` names a field
-    whose shape or dtype does not fit the session's head."""
-    images = _array("images", call.images)
-    proprio = _array("proprio", call.proprio)
-    actions = _array("actions", call.actions)
-    if images.ndim != 5 or images.dtype != np.uint8:
-        raise ValueError(
-            f"images: expected uint8 (B, V, H, W, 3), got {images.dtype} {images.shape}"
-        )
-    batch = images.shape[0]
-    if len(call.instructions) != batch:
-        raise ValueError(f"instructions: {len(call.instructions)} for {batch} samples")
-    head = job.spec.head
-    want = (batch, head.chunk_len, head.action_dim)
-    if actions.shape != want or actions.dtype != np.float32:
-        raise ValueError(f"actions: expected float32 {want}, got {actions.dtype} {actions.shape}")
-    if proprio.shape != (batch, head.proprio_dim):
-        raise ValueError(f"proprio: expected {(batch, head.proprio_dim)}, got {proprio.shape}")
-    objective = None
+    """The call (already checked: :func:`services.trainer.checks.check_call`) as model inputs
+    for the session's slot, stopping after the backward (or the loss, for a forward);
+    :class:`ValueError` names a field that does not fit the session's head or loss."""
+    request = build_request(job, call)
+    request.mode = "accumulate" if call.backward else "forward"
     if call.loss_fn == "ppo":
         if call.advantages is None:
             raise ValueError("advantages: loss_fn 'ppo' needs per-sample advantages (B,)")
-        advantages = _array("advantages", call.advantages)
-        old = None if call.old_log_probs is None else _array("old_log_probs", call.old_log_probs)
-        for name, arr in (("advantages", advantages), ("old_log_probs", old)):
-            if arr is not None and (arr.shape != (batch,) or not np.isfinite(arr).all()):
-                raise ValueError(f"{name}: expected {batch} finite values, got {arr.shape}")
-        if not 0.0 < call.clip <= 1.0:
-            raise ValueError(f"clip: {call.clip} is not in (0, 1]")
-        objective = PolicyGradient(
-            torch.from_numpy(advantages.astype(np.float32)),
-            None if old is None else torch.from_numpy(old.astype(np.float32)),
-            call.clip,
+        old = call.old_log_probs
+        request.objective = PolicyGradient(
+            call.advantages.to_torch(), None if old is None else old.to_torch(), call.clip
         )
-    if not (np.isfinite(proprio).all() and np.isfinite(actions).all()):
-        raise ValueError("proprio / actions: non-finite values")
-    inputs = job.normaliser.normalise_arrays(images, call.instructions, proprio.astype(np.float32))
-    return TrainRequest(
-        job.key,
-        job.slot,
-        inputs,
-        torch.from_numpy(actions.copy()),
-        mode="accumulate" if call.backward else "forward",
-        objective=objective,
-    )
+    return request
 
 
 def forward_result(

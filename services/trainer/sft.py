@@ -7,14 +7,15 @@ import numpy as np
 import torch
 
 from schemas.tensor import TensorError
-from schemas.train import SFTBatch
+from schemas.train import ForwardBackward, SFTBatch
 from services.trainer.jobs import JobSlot
 from vla.grouping import TrainRequest
 
 
-def build_request(job: JobSlot, batch: SFTBatch) -> TrainRequest:
-    """The batch as model inputs for ``job``'s slot; :class:`ValueError` names a field whose
-    shape or dtype does not fit the job's head."""
+def build_request(job: JobSlot, batch: SFTBatch | ForwardBackward) -> TrainRequest:
+    """The batch (an SFT step's, or a session's forward) as model inputs for ``job``'s slot,
+    for a whole step; :class:`ValueError` names a field whose shape or dtype does not fit the
+    job's head."""
     try:
         images = batch.images.to_numpy()
         proprio = batch.proprio.to_numpy()
