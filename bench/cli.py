@@ -35,9 +35,16 @@ def _up(args: argparse.Namespace) -> int:
         print(f"joynexus up: two --backbone values share an id: {ids}", file=sys.stderr)
         return 2
     auth = not args.no_auth
+    split = args.backbone_service
     if args.check:
-        return int(launcher.check_stack(home_of(args), args.timeout, backbones, auth=auth))
-    return int(launcher.run_stack(home_of(args), backbones=backbones, auth=auth))
+        return int(
+            launcher.check_stack(
+                home_of(args), args.timeout, backbones, auth=auth, backbone_service=split
+            )
+        )
+    return int(
+        launcher.run_stack(home_of(args), backbones=backbones, auth=auth, backbone_service=split)
+    )
 
 
 def _tenant(args: argparse.Namespace) -> int:
@@ -279,6 +286,12 @@ def add_operator_commands(sub: Subcommands) -> None:
     )
     up.add_argument("--check", action="store_true", help="start, wait for 5 healthy roles, stop")
     up.add_argument("--timeout", type=float, default=90.0, help="--check's bound in seconds")
+    up.add_argument(
+        "--backbone-service",
+        action="store_true",
+        help="run the frozen backbone in its own role (services.backbone); trainers and "
+        "inferencers then hold only heads and take features from it",
+    )
     up.add_argument(
         "--no-auth",
         action="store_true",

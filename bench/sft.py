@@ -131,14 +131,21 @@ async def measure(
 
 
 def run_stack(
-    args: argparse.Namespace, home: Path, data: dict[int, Path], cache_mb: float, sequential: bool
+    args: argparse.Namespace,
+    home: Path,
+    data: dict[int, Path],
+    cache_mb: float,
+    sequential: bool,
+    backbone_service: bool = False,
 ) -> tuple[dict[str, float], dict[str, float] | None]:
-    """One stack (its trainer's feature cache ``cache_mb``, 0 = off): the multi-tenant
+    """One stack (its trainer's feature cache ``cache_mb``, 0 = off; ``backbone_service``:
+    the backbone in its own role, the trainer holding only heads): the multi-tenant
     measurement, and the sequential one if asked."""
     stack = LocalStack(
         home,
         tenants=(),
         roles={"master": 1, "envs": 1, "trainer": 1},
+        backbone_service=backbone_service,
         role_args={
             "trainer": [
                 "--torch-threads",
@@ -152,7 +159,8 @@ def run_stack(
     try:
         info = stack.start_server()
         stack.start_roles()
-        _, missing = asyncio.run(wait_healthy(info, ["master", "envs", "trainer"], 120))
+        roles = ["master", "envs", "trainer", *(["backbone"] if backbone_service else [])]
+        _, missing = asyncio.run(wait_healthy(info, roles, 120))
         if missing:
             raise SystemExit(f"roles did not come up: {missing}; see {home}/logs")
         backbone_id = backbone_of(args.backbone).backbone_id
@@ -200,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip the second stack whose trainer caches features (cache_speedup)",
     )
+    p.add_argument(
+        "--split",
+        action="store_true",
+        help="also run a stack with the backbone in its own role and a head-only trainer "
+        "(split_ratio: its samples/s over the in-process one's)",
+    )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
@@ -213,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         cached = None
         if not args.no_cache_compare:
             cached, _ = run_stack(args, home / "cached", data, args.feature_cache_mb, False)
+        split = None
+        if args.split:
+            split, _ = run_stack(args, home / "split", data, 0.0, False, backbone_service=True)
     result: dict[str, Any] = {
         "tenants": args.tenants,
         "steps_per_job": None if args.epochs else args.steps,
@@ -231,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"{'mode':<16}{'wall s':>10}{'samples/s':>12}{'bus overhead':>14}{'cache hits':>12}")
     rows = [("multi", multi), ("sequential", seq)] + ([("multi, cached", cached)] if cached else [])
+    rows += [("multi, split", split)] if split else []
     for name, m in rows:
         print(
             f"{name:<16}{m['wall_s']:>10.2f}{m['samples_per_s']:>12.1f}"
@@ -247,6 +265,13 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"cache_speedup {result['cache_speedup']:.2f}x (multi-tenant, cached vs uncached), "
             f"cache_hit_rate {cached['cache_hit_rate']:.1%}"
+        )
+    if split is not None:
+        result["split_samples_per_s"] = split["samples_per_s"]
+        result["split_ratio"] = split["samples_per_s"] / multi["samples_per_s"]
+        print(
+            f"split_ratio {result['split_ratio']:.2f}x (backbone role + head-only trainer vs "
+            "the backbone in the trainer)"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -7,13 +7,21 @@ the other fields of the message it rides in take :data:`HEADROOM`), else a
 (:func:`schemas.subjects.feature_bucket`) under its content digest: storing the same record
 twice stores one object. :func:`unpack` is the inverse, fetching and checking the digest of a
 referenced record.
+
+:func:`pack_transient` / :func:`take_blob` do the same for a message read once (an encode
+request, its answer): stored under a fresh name as a :class:`~schemas.feature.BlobRef`, and
+deleted by its reader, so the bucket holds only messages in flight.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
+import uuid
 
+import msgspec
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import ObjectStoreConfig
 from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundError
@@ -21,7 +29,13 @@ from nats.js.object_store import ObjectStore
 
 from bus.codec import DecodeError, decode, encode
 from schemas import subjects
-from schemas.feature import FEATURE_DECODER, FEATURE_RECORD_DECODER, FeatureRecord, FeatureRef
+from schemas.feature import (
+    FEATURE_DECODER,
+    FEATURE_RECORD_DECODER,
+    BlobRef,
+    FeatureRecord,
+    FeatureRef,
+)
 
 #: Bytes of a message left for headers and the fields around a record.
 HEADROOM = 16 * 1024
@@ -106,3 +120,46 @@ async def unpack(js: JetStreamContext, data: bytes) -> FeatureRecord:
             f"feature object {message.object_name} holds other samples than its reference"
         )
     return record
+
+
+async def pack_transient(
+    js: JetStreamContext, message: msgspec.Struct, backbone: str, max_payload: int
+) -> bytes:
+    """``message``'s bytes, or those of a :class:`BlobRef` to them in ``backbone``'s feature
+    bucket when they do not fit one message (the reader deletes the object)."""
+    data = encode(message)
+    if len(data) + HEADROOM <= max_payload:
+        return data
+    store = await feature_store(js, backbone)
+    name = f"transient/{uuid.uuid4().hex}"
+    await store.put(name, data)
+    bucket = subjects.feature_bucket(backbone)
+    return encode(BlobRef(bucket, name, len(data), hashlib.sha256(data).hexdigest()))
+
+
+async def take_blob(js: JetStreamContext, ref: BlobRef, backbone: str) -> bytes:
+    """The bytes ``ref`` names (checked against its size and digest), deleting the object.
+    Raises :class:`FeatureTransportError` for a reference outside ``backbone``'s bucket or one
+    that cannot be honoured."""
+    if ref.bucket != subjects.feature_bucket(backbone) or not ref.object_name.startswith(
+        "transient/"
+    ):
+        raise FeatureTransportError(
+            f"bucket: {ref.bucket}/{ref.object_name} is not a transient object of backbone "
+            f"{backbone!r}'s feature bucket"
+        )
+    buffer = io.BytesIO()
+    try:
+        store = await js.object_store(ref.bucket)
+        await store.get(ref.object_name, writeinto=buffer)
+    except (BucketNotFoundError, ObjectNotFoundError, NotFoundError) as exc:
+        raise FeatureTransportError(f"object {ref.bucket}/{ref.object_name} is gone") from exc
+    with contextlib.suppress(NatsError, ObjectNotFoundError, NotFoundError):
+        await store.delete(ref.object_name)
+    data = buffer.getvalue()
+    if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
+        raise FeatureTransportError(
+            f"object {ref.object_name}: {len(data)} bytes that do not match the reference's "
+            f"size {ref.size} and digest"
+        )
+    return data

@@ -57,6 +57,51 @@ class FeatureRef(msgspec.Struct, frozen=True, tag="feature_ref"):
     sha256: str
 
 
+class EncodeRequest(msgspec.Struct, frozen=True, tag="encode"):
+    """Asks the backbone role (:data:`schemas.subjects.features_encode`) for the features of
+    ``B`` normalised samples; answered with a :class:`FeatureRecord` (or its
+    :class:`FeatureRef`) in the same order, or an :class:`EncodeError`.
+
+    The fields before ``tensors`` say what the requester expects to get back (a backbone
+    that is another id, layer or preprocessing refuses it). ``tensors`` are the backbone's
+    forward inputs, batch first (``input_ids``, ``attention_mask``, ``pixel_values``, ...: a
+    :class:`vla.feature.ModelInputs`' tensors). The tenant's proprio does not travel: the
+    backbone does not read it."""
+
+    backbone_id: str
+    feature_layer: int
+    image_size: int
+    num_views: int
+    token_budget: int
+    sample_ids: list[str]
+    tensors: dict[str, Tensor]
+
+
+class BlobRef(msgspec.Struct, frozen=True, tag="blob_ref"):
+    """A message too big for the bus, stored as object ``object_name`` of ``bucket`` (its
+    msgpack encoding, ``size`` bytes with SHA-256 ``sha256``); the reader deletes it."""
+
+    bucket: str
+    object_name: str
+    size: int
+    sha256: str
+
+
+class EncodeError(msgspec.Struct, frozen=True, tag="encode_error"):
+    """An :class:`EncodeRequest` the backbone did not encode. ``retryable``: the same request
+    may succeed later (the backbone was busy or stopping); else it never will (a bad tensor,
+    another backbone), and ``message`` names the field."""
+
+    message: str
+    retryable: bool
+
+
 FeatureMessage = FeatureRecord | FeatureRef
 FEATURE_DECODER = msgspec.msgpack.Decoder(FeatureMessage)
 FEATURE_RECORD_DECODER = msgspec.msgpack.Decoder(FeatureRecord)
+#: What the backbone role receives: a request, inline or stored.
+ENCODE_REQUEST_DECODER = msgspec.msgpack.Decoder(EncodeRequest | BlobRef)
+#: The request itself, once fetched from its blob.
+ENCODE_REQUEST_ONLY_DECODER = msgspec.msgpack.Decoder(EncodeRequest)
+#: What the requester gets back.
+ENCODE_REPLY_DECODER = msgspec.msgpack.Decoder(FeatureRecord | FeatureRef | BlobRef | EncodeError)

@@ -6,8 +6,11 @@ from typing import Literal
 
 import msgspec
 
-Role = Literal["master", "trainer", "inferencer", "envs", "health"]
+Role = Literal["master", "trainer", "inferencer", "envs", "health", "backbone"]
+#: The roles every stack runs (a health report names the missing ones).
 ROLES: tuple[str, ...] = ("master", "trainer", "inferencer", "envs", "health")
+#: Roles a stack runs only when asked: ``backbone`` with ``joynexus up --backbone-service``.
+OPTIONAL_ROLES: tuple[str, ...] = ("backbone",)
 
 
 class Heartbeat(msgspec.Struct, frozen=True):

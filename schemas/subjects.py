@@ -161,6 +161,18 @@ def cache_ctl(backbone: str) -> str:
     return f"{PREFIX}.ctl.cache.{validate_id(backbone, 'backbone')}"
 
 
+def features_encode(backbone: str) -> str:
+    """``nexus.features.<backbone>.encode`` — core NATS request-reply to the backbone role
+    (:class:`schemas.feature.EncodeRequest`), answered by one instance of the queue group
+    :func:`features_queue`. Services only: no tenant identity may publish it."""
+    return f"{PREFIX}.features.{validate_id(backbone, 'backbone')}.encode"
+
+
+def features_queue(backbone: str) -> str:
+    """Queue group of the backbone role instances serving ``backbone``."""
+    return f"backbone-{validate_id(backbone, 'backbone')}"
+
+
 def feature_bucket(backbone: str) -> str:
     """The object store bucket of one backbone's feature records too big for a message."""
     return f"features-{validate_id(backbone, 'backbone')}"

@@ -41,8 +41,11 @@ from schemas.ids import validate_id
 
 log = logging.getLogger("joynexus.up")
 
-#: Roles that run once per served backbone (each process holds one resident backbone).
-PER_BACKBONE = ("trainer", "inferencer")
+#: Roles that run once per served backbone (each process holds one resident backbone, or
+#: with ``--backbone-service`` the backbone role holds it and the others only heads).
+PER_BACKBONE = ("trainer", "inferencer", "backbone")
+#: Roles that take their features from the backbone role with ``--backbone-service``.
+HEAD_ONLY = ("trainer", "inferencer")
 #: Tiny names :meth:`vla.backbone.Backbone.load` builds in-process (no checkpoint directory).
 TINY_PREFIX = "tiny"
 #: Tenants whose identities ``joynexus up`` creates (if missing): the demo's.
@@ -111,6 +114,17 @@ class LocalStack:
     auth: bool = True
     #: Tenants given identities at start (existing ones are kept).
     tenants: tuple[str, ...] = DEMO_TENANTS
+    #: Run the backbone role (one per backbone) and trainers/inferencers holding only heads.
+    backbone_service: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backbone_service and "backbone" not in self.roles:
+            self.roles = {**self.roles, "backbone": 1}
+
+    @property
+    def expected_roles(self) -> list[str]:
+        """The roles a healthy stack runs."""
+        return [*ROLES, *(["backbone"] if self.backbone_service else [])]
 
     def start_server(self) -> StackInfo:
         self.home.mkdir(parents=True, exist_ok=True)
@@ -178,6 +192,8 @@ class LocalStack:
         """A child's flags: the role's own, then what it serves (the backbone it loads, or the
         ids of every served backbone for the master and env workers)."""
         args = list(self.role_args.get(role, []))
+        if self.backbone_service and role in HEAD_ONLY:
+            args.append("--backbone-service")
         if backbone is not None:
             return [*args, "--backbone", backbone.source, "--backbone-id", backbone.backbone_id]
         if role in ("master", "envs"):
@@ -343,19 +359,21 @@ def check_stack(
     timeout: float = 60.0,
     backbones: list[ServedBackbone] | None = None,
     auth: bool = True,
+    backbone_service: bool = False,
 ) -> int:
-    """Start the stack, wait for five heartbeating roles, print them and a JSON summary line,
-    stop everything; exit code 0 only if all are healthy."""
-    stack = LocalStack(home, auth=auth)
+    """Start the stack, wait for its roles to heartbeat (five, six with the backbone role),
+    print them and a JSON summary line, stop everything; exit code 0 only if all are healthy."""
+    stack = LocalStack(home, auth=auth, backbone_service=backbone_service)
     stack.backbones = backbones or stack.backbones
+    roles = stack.expected_roles
     try:
         info = stack.start_server()
         print(f"bus: {info.url}", flush=True)
         stack.start_roles()
-        seen, missing = asyncio.run(wait_healthy(info, list(ROLES), timeout))
-        for role in ROLES:
+        seen, missing = asyncio.run(wait_healthy(info, roles, timeout))
+        for role in roles:
             print(f"{role:<11} {'healthy  ' + seen[role] if role in seen else 'MISSING'}")
-        print(json.dumps({"healthy": [r for r in ROLES if r in seen], "missing": missing}))
+        print(json.dumps({"healthy": [r for r in roles if r in seen], "missing": missing}))
     finally:
         codes = stack.stop()
     bad_exits = {n: c for n, c in codes.items() if c not in (0, None)}
@@ -369,11 +387,15 @@ def run_stack(
     roles: dict[str, int] | None = None,
     backbones: list[ServedBackbone] | None = None,
     auth: bool = True,
+    backbone_service: bool = False,
 ) -> int:
     """Run the stack until Ctrl-C / SIGTERM; supervise children meanwhile. ``backbones``
     (default: the tiny one) each get their own trainer and inferencer; ``auth`` False runs
-    the open mode (one generated password, every client is everyone)."""
-    stack = LocalStack(home, roles=roles or {r: 1 for r in ROLES}, auth=auth)
+    the open mode (one generated password, every client is everyone); ``backbone_service``
+    runs the backbone role, the trainers and inferencers then holding only heads."""
+    stack = LocalStack(
+        home, roles=roles or {r: 1 for r in ROLES}, auth=auth, backbone_service=backbone_service
+    )
     stack.backbones = backbones or stack.backbones
     stopping = False
 

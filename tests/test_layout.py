@@ -25,7 +25,7 @@ ALLOWED = {
     "clients": {"bus", "schemas"},
     "bench": {"clients", "services", "vla", "bus", "schemas"},
 }
-ROLES = ("master", "trainer", "inferencer", "envs", "health")
+ROLES = ("master", "trainer", "inferencer", "envs", "health", "backbone")
 
 
 def imports_of(path: Path) -> Iterator[tuple[int, str]]:

@@ -18,7 +18,7 @@ from bus.server import EmbeddedServer
 from tests.conftest import Procs
 from tests.helpers import catches_sigterm, start_service
 
-ROLES = ("master", "trainer", "inferencer", "envs", "health")
+ROLES = ("master", "trainer", "inferencer", "envs", "health", "backbone")
 #: What the issue asks of a stop, measured from the signal to the exit.
 STOP_BOUND_S = 5.0
 

@@ -113,6 +113,7 @@ class Backbone:
         self.feature_layer, self._hook = _stop_at_feature_layer(layers, feature_layer)
         model.requires_grad_(False)
         model.eval()
+        self._released = False
 
         self.hidden_size = int(text_config.hidden_size)
         self.num_params = sum(p.numel() for p in model.parameters())
@@ -190,6 +191,19 @@ class Backbone:
             model, processor, backbone_id=backbone_id or default_id, feature_layer=feature_layer
         )
 
+    @property
+    def holds_weights(self) -> bool:
+        """False after :meth:`release_weights`: the backbone only normalises, never encodes."""
+        return not self._released
+
+    def release_weights(self) -> None:
+        """Free the model's weights and keep what normalising samples needs (processor,
+        layout, pixel spec, ids, hidden size): for a process whose features come from the
+        backbone role (``--backbone-service``), which must not hold a second copy. The model's
+        tensors move to the meta device (no storage); :meth:`encode` refuses from then on."""
+        self.model.to("meta")  # type: ignore[arg-type]
+        self._released = True
+
     def model_kwargs(self, inputs: ModelInputs) -> dict[str, torch.Tensor]:
         """The base model's forward kwargs for ``inputs``, on this backbone's device and dtype."""
         key = inputs.key
@@ -231,6 +245,11 @@ class Backbone:
         ordinary tensor (not an inference tensor), so trainable heads can use it in autograd.
         ``mask_B_T`` is the attention mask; ``proprio_B_P`` is passed through (moved to device).
         """
+        if self._released:
+            raise RuntimeError(
+                f"backbone {self.backbone_id!r} released its weights: its features come from "
+                "the backbone role"
+            )
         kwargs = self.model_kwargs(inputs)
         with torch.inference_mode():
             if self._hook is None:

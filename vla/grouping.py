@@ -108,22 +108,28 @@ def encode_group(backbone: FeatureEncoder, parts: Sequence[ModelInputs]) -> list
     return grouped.split(sizes, [p.proprio_B_P.to(device) for p in parts])
 
 
+def encode_each(
+    backbone: FeatureEncoder, parts: Sequence[ModelInputs]
+) -> list[VLAFeature | Exception]:
+    """Grouped features for same-key ``parts``; if the grouped forward fails, one forward per
+    part so that only the part whose input is at fault gets the error."""
+    try:
+        return list(encode_group(backbone, parts))
+    except Exception:  # noqa: BLE001 - retried per part below; each failure is reported there
+        pass
+    out: list[VLAFeature | Exception] = []
+    for part in parts:
+        try:
+            out.append(backbone.encode(part))
+        except Exception as e:  # noqa: BLE001 - a per-part failure is that part's result
+            out.append(e)
+    return out
+
+
 def _encode_isolated(
     backbone: FeatureEncoder, group: Sequence[_Request]
 ) -> list[VLAFeature | Exception]:
-    """Grouped features for ``group``; if the grouped forward fails, one forward per tenant
-    so that only the tenant whose input is at fault gets the error."""
-    try:
-        return list(encode_group(backbone, [r.inputs for r in group]))
-    except Exception:  # noqa: BLE001 - retried per tenant below; each failure is reported there
-        pass
-    out: list[VLAFeature | Exception] = []
-    for r in group:
-        try:
-            out.append(backbone.encode(r.inputs))
-        except Exception as e:  # noqa: BLE001 - a per-tenant failure is that tenant's result
-            out.append(e)
-    return out
+    return encode_each(backbone, [r.inputs for r in group])
 
 
 def _run_grouped(

@@ -9,14 +9,18 @@ another backbone, layer or preprocessing are never mixed in), and finiteness of 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from schemas.feature import FEATURE_DTYPES, FeatureRecord
+from schemas.feature import FEATURE_DTYPES, EncodeRequest, FeatureRecord
 from schemas.tensor import Tensor, TensorError, check_finite
-from vla.feature import CompatKey, VLAFeature
+from vla.feature import CompatKey, ModelInputs, VLAFeature
+
+#: The backbone inputs every request carries (the architecture's own ones may follow).
+REQUIRED_INPUTS = ("input_ids", "attention_mask", "pixel_values")
 
 
 class FeatureRecordError(ValueError):
@@ -108,3 +112,84 @@ def from_record(
         record.mask.to_torch().to(device),
         record.proprio.to_torch().to(device),
     )
+
+
+def to_encode_request(
+    inputs: ModelInputs, feature_layer: int, sample_ids: Sequence[str]
+) -> EncodeRequest:
+    """Ask for ``inputs``' features (their backbone tensors; proprio stays with the caller)."""
+    if len(sample_ids) != inputs.batch_size:
+        raise FeatureRecordError(
+            f"sample_ids: {len(sample_ids)} for a batch of {inputs.batch_size}"
+        )
+    key = inputs.key
+    return EncodeRequest(
+        backbone_id=key.backbone_id,
+        feature_layer=feature_layer,
+        image_size=key.image_size,
+        num_views=key.num_views,
+        token_budget=key.token_budget,
+        sample_ids=list(sample_ids),
+        tensors={name: Tensor.from_torch(t) for name, t in inputs.tensors.items()},
+    )
+
+
+def from_encode_request(request: EncodeRequest, expect_layer: int) -> tuple[ModelInputs, int]:
+    """The request's :class:`ModelInputs` (an empty proprio) and feature layer, checked: it
+    must ask for ``expect_layer`` (the serving backbone's), carry the required inputs with
+    one batch size that matches its sample ids. Raises :class:`FeatureRecordError` naming the
+    field; the backbone itself checks the key (:meth:`vla.backbone.Backbone.model_kwargs`)."""
+    if request.feature_layer != expect_layer:
+        raise FeatureRecordError(
+            f"feature_layer: {request.feature_layer} asked of a backbone serving layer "
+            f"{expect_layer}"
+        )
+    missing = [n for n in REQUIRED_INPUTS if n not in request.tensors]
+    if missing:
+        raise FeatureRecordError(f"tensors: missing {missing}")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in request.tensors.items():
+        try:
+            tensor.validate()
+        except TensorError as exc:
+            raise FeatureRecordError(f"tensors[{name!r}]: {exc}") from exc
+        if not tensor.shape or tensor.shape[0] != len(request.sample_ids):
+            raise FeatureRecordError(
+                f"tensors[{name!r}]: shape {tensor.shape} for {len(request.sample_ids)} samples"
+            )
+        tensors[name] = tensor.to_torch()
+    key = CompatKey(
+        request.backbone_id, request.image_size, request.num_views, request.token_budget
+    )
+    empty_proprio_B_0 = torch.zeros(len(request.sample_ids), 0)
+    return ModelInputs(key, tensors, empty_proprio_B_0), request.feature_layer
+
+
+class WireEncoder:
+    """A feature encoder whose forward runs elsewhere: ``send`` takes an
+    :class:`~schemas.feature.EncodeRequest` and returns the backbone's record (e.g.
+    :meth:`bus.encoding.FeatureClient.request_sync`; its errors propagate). The record is
+    checked against the backbone, layer and preprocessing asked for; proprio, which the
+    backbone never reads, is attached here."""
+
+    def __init__(
+        self,
+        send: Callable[[EncodeRequest], FeatureRecord],
+        feature_layer: int,
+        device: str = "cpu",
+    ) -> None:
+        self.send = send
+        self.feature_layer = feature_layer
+        self.device = device
+        self._numbers = itertools.count(1)
+
+    def encode(self, inputs: ModelInputs) -> VLAFeature:
+        number = next(self._numbers)
+        ids = [f"{number}:{i}" for i in range(inputs.batch_size)]
+        record = self.send(to_encode_request(inputs, self.feature_layer, ids))
+        feature = from_record(record, FeatureOrigin(inputs.key, self.feature_layer), self.device)
+        if record.sample_ids != ids:
+            raise FeatureRecordError("sample_ids: the answer covers other samples than asked for")
+        return VLAFeature(
+            feature.prefix_B_T_D, feature.mask_B_T, inputs.proprio_B_P.to(self.device)
+        )

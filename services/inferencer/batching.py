@@ -27,7 +27,7 @@ from services.inferencer.policies import ServedPolicy
 from vla.backbone import Backbone
 from vla.costmodel import CostTable
 from vla.feature import CompatKey, ModelInputs, VLAFeature
-from vla.grouping import encode_group
+from vla.grouping import FeatureEncoder, encode_each
 from vla.heads import ActOutput
 from vla.normalize import Normaliser
 
@@ -105,11 +105,19 @@ class BatchRunner:
     one worker thread at a time (normalisers cache tokenisations without locks).
 
     ``costs``: the backbone's cost table; a compatible group is split where it says so
-    (None: one forward per compatibility key)."""
+    (None: one forward per compatibility key). ``encoder``: what runs the forwards (default
+    the backbone; the backbone role's :class:`vla.wire.WireEncoder` with
+    ``--backbone-service``, the backbone then only normalising)."""
 
-    def __init__(self, backbone: Backbone, costs: CostTable | None = None) -> None:
+    def __init__(
+        self,
+        backbone: Backbone,
+        costs: CostTable | None = None,
+        encoder: FeatureEncoder | None = None,
+    ) -> None:
         self.backbone = backbone
         self.costs = costs
+        self.encoder: FeatureEncoder = encoder or backbone
         self._normalisers: dict[tuple[int, int], Normaliser] = {}
 
     def normaliser(self, num_views: int, token_budget: int) -> Normaliser:
@@ -170,17 +178,7 @@ class BatchRunner:
     ) -> list[VLAFeature | Exception]:
         """One grouped forward; if it fails, one forward per request so the failure lands
         only on the request at fault."""
-        try:
-            return list(encode_group(self.backbone, [inputs[i] for i in members]))
-        except Exception:  # noqa: BLE001 - isolated per request below, where it is reported
-            pass
-        out: list[VLAFeature | Exception] = []
-        for i in members:
-            try:
-                out.append(self.backbone.encode(inputs[i]))
-            except Exception as exc:  # noqa: BLE001 - this request's result
-                out.append(exc)
-        return out
+        return encode_each(self.encoder, [inputs[i] for i in members])
 
     def _act_sets(
         self, batch: Sequence[Work], features: dict[int, VLAFeature]

@@ -45,6 +45,7 @@ from bus import tracing
 from bus.codec import DecodeError, decode, encode
 from bus.config import BusConfig
 from bus.consume import HOLD, ConsumerSpec, Durable, Fate, Hold
+from bus.encoding import FeatureClient
 from bus.errors import Interrupted, PoisonError
 from bus.placement import placed
 from bus.publish import msg_id, publish
@@ -60,6 +61,7 @@ from services.inferencer.policies import STOP_POLL_S, PolicyCache
 from vla import costmodel
 from vla.backbone import Backbone
 from vla.costmodel import CostTable
+from vla.wire import WireEncoder
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -109,6 +111,14 @@ class InferencerConfig(BusConfig):
         "'measure' (a few forwards at start-up) or a JSON file (read; measured and written if "
         "missing; a 'bench grouping --json' result works too).",
     )
+    backbone_service: bool = Field(
+        False,
+        description="Take features from the backbone role (services.backbone): the backbone "
+        "is loaded only to normalise observations, then its weights are freed.",
+    )
+    encode_timeout_s: float = Field(
+        10.0, gt=0, description="With --backbone-service: wait this long for an encode answer."
+    )
     limit: InputLimits = Field(
         default_factory=InputLimits, description="Input bounds (--limit-*, JOYNEXUS_LIMIT_*)."
     )
@@ -145,9 +155,11 @@ class Inferencer:
         config: InferencerConfig,
         backbone: Backbone,
         costs: CostTable | None = None,
+        remote: FeatureClient | None = None,
     ) -> None:
         self.rt = rt
         self.config = config
+        self.remote = remote
         self.bid = backbone.backbone_id
         self.spec = ConsumerSpec(
             subjects.STREAM_INFER,
@@ -158,7 +170,12 @@ class Inferencer:
             max_ack_pending=10_000,
         )
         self.policies = PolicyCache(rt.js, config.device, config.max_versions_per_job, rt.stop)
-        self.runner = BatchRunner(backbone, costs)
+        wire = (
+            None
+            if remote is None
+            else WireEncoder(remote.request_sync, backbone.feature_layer, config.device)
+        )
+        self.runner = BatchRunner(backbone, costs, wire)
         self.pending: deque[Pending] = deque()
         self.pending_obs = 0
         self.admitting: set[asyncio.Task[Fate]] = set()
@@ -428,6 +445,7 @@ class Inferencer:
             "target_batch": float(self.config.target_batch),
             "max_wait_ms": float(self.config.max_wait_ms),
             **self.policies.gauges(),
+            **(self.remote.gauges() if self.remote is not None else {}),
         }
 
 
@@ -443,18 +461,40 @@ def load_backbone(config: InferencerConfig) -> Backbone:
     inputs = norm.normalise_arrays(
         np.zeros((1, 1, size, size, 3), np.uint8), ["warm up"], np.zeros((1, 0), np.float32)
     )
-    backbone.encode(inputs)
+    if config.backbone_service:
+        backbone.release_weights()  # the backbone role encodes; this process holds heads
+    else:
+        backbone.encode(inputs)
     return backbone
 
 
 async def serve_inferencer(rt: Runtime, config: InferencerConfig) -> None:
     """The service body: load the model (a stop meanwhile ends it at once), then serve."""
     backbone = await rt.slow(load_backbone, config)
-    # Batches hold up to B observations: the table need not go further.
-    costs = await rt.slow(
-        costmodel.table_for, backbone, config.cost_table, max_samples=max(2, config.target_batch)
-    )
-    inferencer = Inferencer(rt, config, backbone, costs)
+    remote: FeatureClient | None = None
+    costs: CostTable | None = None
+    if config.backbone_service:
+        if config.cost_table != costmodel.OFF:
+            raise ValueError(
+                "--cost-table splits a resident backbone's forwards; with "
+                "--backbone-service the backbone role runs them"
+            )
+        remote = FeatureClient(
+            rt.nc,
+            rt.js,
+            asyncio.get_running_loop(),
+            backbone.backbone_id,
+            timeout_s=config.encode_timeout_s,
+        )
+    else:
+        # Batches hold up to B observations: the table need not go further.
+        costs = await rt.slow(
+            costmodel.table_for,
+            backbone,
+            config.cost_table,
+            max_samples=max(2, config.target_batch),
+        )
+    inferencer = Inferencer(rt, config, backbone, costs, remote)
     await inferencer.open()
     rt.gauges = inferencer.gauges
     log.info(

@@ -44,6 +44,15 @@ class TrainerConfig(BusConfig):
         ge=0,
         description="Per-sample backbone features kept for reuse (0: off; see vla.featurecache).",
     )
+    backbone_service: bool = Field(
+        False,
+        description="Take features from the backbone role (services.backbone) instead of a "
+        "resident backbone: this process loads the backbone only to normalise samples, then "
+        "frees its weights and holds only heads.",
+    )
+    encode_timeout_s: float = Field(
+        30.0, gt=0, description="With --backbone-service: wait this long for an encode answer."
+    )
     limit: InputLimits = Field(
         default_factory=InputLimits, description="Input bounds (--limit-*, JOYNEXUS_LIMIT_*)."
     )

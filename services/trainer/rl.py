@@ -15,9 +15,8 @@ import numpy as np
 import torch
 
 from schemas.train import PPOConfig, RolloutBatch
-from vla.backbone import Backbone
 from vla.feature import ModelInputs
-from vla.grouping import encode_group
+from vla.grouping import FeatureEncoder, encode_group
 from vla.normalize import Normaliser
 from vla.rl import Episode, RolloutData, build_rollout_data, ppo_update
 from vla.slot import TenantSlot
@@ -73,9 +72,11 @@ def behaviour_gap(slot: TenantSlot, data: RolloutData) -> float:
 
 
 def update_iterations(
-    backbone: Backbone, iterations: list[Iteration]
+    encoder: FeatureEncoder, iterations: list[Iteration]
 ) -> dict[str, dict[str, float] | Exception]:
-    """Grouped features, then one PPO update per job. A job's failure is its own result."""
+    """Grouped features (``encoder``: the backbone, or the backbone role's
+    :class:`vla.wire.WireEncoder`), then one PPO update per job. A job's failure is its
+    own result."""
     results: dict[str, dict[str, float] | Exception] = {}
     prepared: dict[str, ModelInputs] = {}
     for it in iterations:
@@ -88,7 +89,12 @@ def update_iterations(
         if it.key in prepared:
             by_key[prepared[it.key].key].append(it)
     for group in by_key.values():
-        features = encode_group(backbone, [prepared[it.key] for it in group])
+        try:
+            features = encode_group(encoder, [prepared[it.key] for it in group])
+        except Exception as exc:  # noqa: BLE001 - the group's jobs' result; steps decides
+            for it in group:
+                results[it.key] = exc
+            continue
         for it, feature in zip(group, features, strict=True):
             try:
                 episodes = [Episode.from_rollout(e) for e in it.episodes]

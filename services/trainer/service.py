@@ -35,6 +35,7 @@ from bus.auth import reply_allowed
 from bus.codec import DecodeError, decode, encode
 from bus.consume import ConsumerSpec
 from bus.durables import DurableSet
+from bus.encoding import FeatureClient
 from bus.errors import HandlerError, PoisonError
 from bus.placement import placed
 from bus.service import Runtime, serve
@@ -66,6 +67,7 @@ from services.trainer.steps import Stepper
 from vla import costmodel
 from vla.backbone import Backbone
 from vla.featurecache import CachedEncoder, FeatureCache
+from vla.wire import WireEncoder
 
 log = logging.getLogger(__name__)
 #: At stop, applied work is committed (so it is acked) only within this long.
@@ -87,6 +89,8 @@ class Trainer:
         self.announcer = Announcer(rt.js)
         self.emit = self.announcer.emit
         self.stepper = Stepper(self, backbone)
+        #: The backbone role's encoder, with ``--backbone-service`` (set by :func:`run`).
+        self.remote: FeatureClient | None = None
         self.committer = Committer(
             self.registry, rt.consumer, self.emit, config.keep_versions, config.crash_after_commits
         )
@@ -382,6 +386,7 @@ class Trainer:
             "commits": float(self.committer.commits),
             "commit_blocking_s": self.committer.blocking_s,
             **self.stepper.gauges(),
+            **(self.remote.gauges() if self.remote is not None else {}),
         }
 
 
@@ -399,10 +404,28 @@ async def run(config: TrainerConfig) -> None:
             device=config.device,
             backbone_id=config.backbone_id,
         )
-        costs = await rt.slow(costmodel.table_for, backbone, config.cost_table)
         trainer = Trainer(rt, config, backbone)
-        if costs is not None:
-            trainer.stepper.encoder = costmodel.SplitEncoder(backbone, costs)
+        if config.backbone_service:
+            if config.cost_table != "off":
+                raise ValueError(
+                    "--cost-table splits a resident backbone's forwards; with "
+                    "--backbone-service the backbone role runs them"
+                )
+            backbone.release_weights()
+            remote = FeatureClient(
+                rt.nc,
+                rt.js,
+                asyncio.get_running_loop(),
+                backbone.backbone_id,
+                timeout_s=config.encode_timeout_s,
+            )
+            wire = WireEncoder(remote.request_sync, backbone.feature_layer, config.device)
+            trainer.stepper.encoder = trainer.stepper.rl_encoder = wire
+            trainer.remote = remote
+        else:
+            costs = await rt.slow(costmodel.table_for, backbone, config.cost_table)
+            if costs is not None:
+                trainer.stepper.encoder = costmodel.SplitEncoder(backbone, costs)
         if config.feature_cache_mb > 0:
             trainer.stepper.cache = FeatureCache(int(config.feature_cache_mb * 2**20))
             trainer.stepper.encoder = CachedEncoder(

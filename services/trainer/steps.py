@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
 
-from bus.errors import PoisonError
+from bus.errors import PoisonError, RetryableError
 from schemas.events import Progress
 from schemas.train import ForwardBackward, RolloutBatch, SFTBatch
 from services.trainer import rl, session
@@ -33,6 +33,14 @@ if TYPE_CHECKING:
     from services.trainer.service import Trainer
 
 
+def backing_off(error: RetryableError, msg: Msg) -> RetryableError:
+    """``error`` with a nak delay doubling per delivery (2 s, 4 s, ... 30 s): ten deliveries
+    then span about three minutes, the time a backbone role has to come back before the
+    message is dead-lettered."""
+    delay = min(30.0, 2.0**msg.metadata.num_delivered)
+    return RetryableError(str(error), delay_s=delay)
+
+
 class Stepper:
     """Runs the trainer's compute (in a worker thread) and books its results."""
 
@@ -42,6 +50,9 @@ class Stepper:
         #: What the grouped step encodes with: the backbone, or a vla.costmodel.SplitEncoder
         #: over it where a cost table says smaller forwards are faster (set by the service).
         self.encoder: FeatureEncoder = backbone
+        #: What RL updates encode with (no cache: every observation is new): the backbone, or
+        #: the backbone role's encoder (set by the service).
+        self.rl_encoder: FeatureEncoder = backbone
         #: The feature cache in front of the encoder (None: off; set by the service).
         self.cache: FeatureCache | None = None
         self.compute_s = 0.0
@@ -106,6 +117,12 @@ class Stepper:
         events: list[Progress] = []
         for (msg, batch, job), request in zip(accepted, requests, strict=True):
             result = results[job.key]
+            if isinstance(result, RetryableError):
+                # The features did not come (the backbone role is away or stopping): nothing
+                # was applied, and the batch goes back to be retried; the job goes on.
+                log.warning("step of %s handed back: %s", job.key, result)
+                await consumer.settle(msg, backing_off(result, msg))
+                continue
             if isinstance(batch, ForwardBackward):
                 self.book_call(msg, batch, job, result, sharing[request.inputs.key])
                 calls.append((msg, batch, job))
@@ -215,7 +232,7 @@ class Stepper:
                 )
             )
         t0 = time.perf_counter()
-        results = await asyncio.to_thread(rl.update_iterations, self.backbone, iterations)
+        results = await asyncio.to_thread(rl.update_iterations, self.rl_encoder, iterations)
         self.compute_s += time.perf_counter() - t0
         events = []
         for job in ready:
@@ -223,6 +240,13 @@ class Stepper:
             iteration = job.batches_done
             msgs = [m for m, _ in job.rollouts.values()]
             job.rollouts.clear()
+            if isinstance(result, RetryableError):
+                # The features did not come: nothing was applied; the episodes go back and are
+                # collected again when redelivered.
+                log.warning("RL update of %s handed back: %s", job.key, result)
+                for m in msgs:
+                    await trainer.consumer.settle(m, backing_off(result, m))
+                continue
             if isinstance(result, NonFiniteLossError):
                 # Skipped with the slot untouched: the iteration still counts, so the job
                 # gets a new version and its next rollouts.
