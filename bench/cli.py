@@ -183,7 +183,7 @@ def _scale(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from bench import demo
 
-    return int(demo.main(home_of(args)))
+    return int(demo.run(demo.config_of(args, home_of(args))))
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -362,7 +362,16 @@ def add_operator_commands(sub: Subcommands) -> None:
     sc.add_argument("role", choices=["envs", "inferencer"])
     sc.add_argument("count", type=int)
 
-    add_command(sub, "demo", _demo, home=True, help="run the multi-tenant demo on a local stack")
+    from bench.scenario import add_arguments as demo_arguments
+
+    demo = add_command(
+        sub,
+        "demo",
+        _demo,
+        home=True,
+        help="the paper's scenario on a local stack: 3 RL + 1 SFT tenants, isolated vs shared",
+    )
+    demo_arguments(demo)
     sim = add_command(
         sub,
         "simulate",

@@ -1,22 +1,32 @@
 """``joynexus simulate``: a discrete-event model of JoyNexus's services and queues.
 
-The same shape as the real stack, at the level of whole operations: env workers pull episode
-tasks from ENV (FIFO over tenants); every env step sends an act request to INFER, whose
-scheduler batches requests of all tenants (target batch ``B`` or max wait ``T``, whichever
-first) into one forward; a finished iteration's rollouts go to TRAIN, where the trainer's
-round takes one work item of every tenant that has one (deficit round robin with equal
-quanta) into one grouped step, then commits a policy version; an RL tenant's next iteration
-waits for that version (staleness bound ``max_policy_lag`` = 0, as in the demo).
+The same shape as the real stack, operation by operation:
 
-Costs are per operation and linear in the group size (``fixed + per_sample * n``), measured
-by ``joynexus demo`` (its costs file) or supplied by a user. Two modes, as in the paper:
-*isolated* (each tenant alone, one after another, on its own held set of services) and
-*shared* (all tenants at once on one set). For both it reports aggregate held time (the sum
-over services of time held), per-service utilisation (busy / held) and per-tenant completion,
-and names the first bottleneck (the most utilised service type) at each scale.
+* **RL** (as :mod:`services.envs.rollouts` runs it): an iteration's episodes are split into
+  rollout tasks of ``parallel_envs`` sessions; an env worker takes a task (the one with
+  fewest tasks in hand), resets its sessions, then steps them in lockstep: per step one act
+  request with every live session's observation goes to INFER, and on the answer each
+  session executes its action chunk. The rollouts go to TRAIN; once all episodes of the
+  iteration are in, the trainer's next round runs the update, the new version is committed,
+  and the next iteration's tasks go out (staleness bound ``max_policy_lag`` = 0).
+* **Inference**: the (B, T) scheduler groups the requests of all tenants, a batch when its
+  observations reach ``max_batch`` or its oldest request has waited ``max_wait_s``; one
+  forward per batch, any free inferencer.
+* **Training**: a trainer's round takes one batch of every running SFT tenant placed on it
+  (the dataset stream runs ahead) into one grouped step, then the RL updates that are
+  ready; SFT commits are written in the background. Tenants are placed on the least loaded
+  trainer.
+
+Costs are per operation, linear in the work where the work varies (``fixed + per_unit * n``),
+measured by ``joynexus demo`` (its costs file holds each phase's) or supplied by a user. Two
+modes, as in the paper: *isolated* (each tenant alone, one after another, holding its own set
+of services) and *shared* (all at once on one set). For both it reports aggregate held time
+(the sum over services of time held), per-service utilisation (busy / held) and per-tenant
+completion, and names the first bottleneck (the most utilised service) at each scale.
 
 ```
-joynexus simulate --costs costs.json --train 2 --infer 2 --env 4 --tenants 10,100,1000
+joynexus simulate --costs .joynexus/demo/costs.json --train 2 --infer 2 --env 4 \\
+    --tenants 10,100,1000
 ```
 """
 
@@ -26,34 +36,51 @@ import argparse
 import heapq
 import itertools
 import json
+import math
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 
 SERVICES = ("train", "infer", "env")
+#: Rollout and evaluation tasks an env worker runs at once (services.envs' concurrency).
+ENV_WORKER_TASKS = 8
 
 
 class Costs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Seconds per operation. A trainer round over samples of ``k`` tenants costs
-    ``train_round_s + train_per_sample_s * samples + train_per_tenant_s * k``."""
+    """Seconds per operation."""
 
-    train_round_s: float = 0.002
-    #: Grouped backbone forward + head forward/backward, per sample.
-    train_per_sample_s: float = 0.002
-    #: Per tenant in a round: its head's optimizer step and bookkeeping.
-    train_per_tenant_s: float = 0.004
-    #: Committing one policy version (checkpoint + KV), trainer busy.
+    #: A grouped SFT step's compute: fixed, and per sample of the round's batches.
+    sft_step_s: float = 0.01
+    sft_per_sample_s: float = 0.002
+    #: Per round with SFT batches: fetching, decoding, normalising, settling (the trainer
+    #: is occupied, not computing).
+    sft_round_overhead_s: float = 0.003
+    #: An RL update's compute: fixed, and per episode step of the iteration.
+    rl_update_s: float = 0.02
+    rl_per_sample_s: float = 0.002
+    #: Committing a policy version (checkpoint, KV, event). Off the trainer's critical path;
+    #: an RL tenant's next iteration waits for it.
     commit_s: float = 0.02
-    act_batch_s: float = 0.004
-    act_per_sample_s: float = 0.001
-    env_step_s: float = 0.002
-    #: One message hop (publish → delivered); time in flight, nobody busy.
-    hop_s: float = 0.001
+    #: An inference batch's forward: fixed, and per observation.
+    act_batch_s: float = 0.006
+    act_per_sample_s: float = 0.0015
+    #: A simulator step and reset (a tenant's own measured values take precedence).
+    env_step_s: float = 0.02
+    reset_s: float = 0.02
+    #: Per lockstep step of a rollout task, what is neither simulating nor waiting for the
+    #: act answer: observations to messages, the records at the end (worker occupied).
+    env_step_overhead_s: float = 0.005
+    #: One message hop (publish → delivered): in flight, nobody busy.
+    hop_s: float = 0.002
+    #: Submit → the initial version committed; final version → the job's end.
+    job_start_s: float = 0.05
+    job_end_s: float = 0.01
 
 
 class TenantLoad(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -61,24 +88,34 @@ class TenantLoad(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     name: str
     kind: Literal["rl", "sft"]
-    #: RL: updates (= policy versions); SFT: optimizer steps.
+    #: RL: updates (= policy versions after the initial one); SFT: optimizer steps.
     iterations: int
-    #: SFT: samples per step. RL: unused.
+    #: SFT: samples per step.
     batch_size: int = 8
-    episodes_per_iteration: int = 4
-    episode_steps: int = 20
-    #: RL: passes over an iteration's samples in its update.
-    update_epochs: int = 1
-    #: SFT: a version every this many steps (and at the last).
     checkpoint_every: int = 10
+    #: RL: episodes per iteration, run as tasks of ``parallel_envs`` sessions in lockstep.
+    episodes_per_iteration: int = 4
+    parallel_envs: int = 4
+    #: RL: env steps per episode (the mean measured, or the limit).
+    episode_steps: float = 20.0
+    #: Env steps per act request (the head's action chunk, executed open-loop).
+    chunk_len: int = 1
+    #: This tenant's env costs (None: the costs' defaults).
+    env_step_s: float | None = None
+    reset_s: float | None = None
+    env_step_overhead_s: float | None = None
 
     @property
-    def samples(self) -> int:
-        """Samples the trainer steps over for the whole job."""
+    def lockstep_steps(self) -> int:
+        """Act requests per rollout task: one per chunk of env steps."""
+        return max(1, math.ceil(self.episode_steps / self.chunk_len))
+
+    @property
+    def samples(self) -> float:
+        """Samples the trainer steps over for the whole job (RL: one per act)."""
         if self.kind == "sft":
-            return self.iterations * self.batch_size
-        per_iteration = self.episodes_per_iteration * self.episode_steps * self.update_epochs
-        return self.iterations * per_iteration
+            return float(self.iterations * self.batch_size)
+        return float(self.iterations * self.episodes_per_iteration * self.lockstep_steps)
 
 
 class Topology(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -87,9 +124,7 @@ class Topology(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     train: int = 1
     infer: int = 1
     env: int = 1
-    #: Episodes an env worker runs at once (their env steps share its one core).
-    env_sessions: int = 4
-    #: Inference scheduler: target batch and max wait (seconds).
+    #: Inference scheduler: target batch (observations) and max wait (seconds).
     max_batch: int = 16
     max_wait_s: float = 0.005
 
@@ -127,8 +162,43 @@ class _Event:
     action: Callable[[], None] = field(compare=False)
 
 
+@dataclass
+class _Union:
+    """Busy time of one instance whose work can overlap (an env worker's threads): the
+    union of its intervals."""
+
+    active: int = 0
+    since: float = 0.0
+    total: float = 0.0
+
+    def start(self, now: float) -> None:
+        if self.active == 0:
+            self.since = now
+        self.active += 1
+
+    def stop(self, now: float) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self.total += now - self.since
+
+
+@dataclass
+class _Request:
+    at: float
+    observations: int
+    reply: Callable[[], None]
+
+
+@dataclass
+class _Trainer:
+    tenants: list[str] = field(default_factory=list)
+    busy: bool = False
+    #: RL updates ready: (samples, then).
+    updates: deque[tuple[float, Callable[[], None]]] = field(default_factory=deque)
+
+
 class Simulation:
-    """One run: ``tenants`` start at time 0 on ``topology``."""
+    """One run: ``tenants`` all submitted at time 0 on ``topology``."""
 
     def __init__(
         self,
@@ -136,7 +206,7 @@ class Simulation:
         topology: Topology,
         tenants: Sequence[TenantLoad],
         *,
-        max_events: int = 20_000_000,
+        max_events: int = 50_000_000,
     ) -> None:
         self.costs = costs
         self.topo = topology
@@ -145,23 +215,21 @@ class Simulation:
         self.now = 0.0
         self._heap: list[_Event] = []
         self._seq = itertools.count()
+        self.events = 0
         self.stats = {s: ServiceStats() for s in SERVICES}
         self.completion: dict[str, float] = {}
-        self.free = {s: topology.count(s) for s in SERVICES}
-        self.env_queue: deque[tuple[TenantLoad, int]] = deque()
-        self.free_sessions = topology.env * topology.env_sessions
-        self.env_steps: deque[Callable[[], None]] = deque()
-        self.infer_queue: deque[tuple[float, Callable[[], None]]] = deque()
-        self.infer_timer_armed = False
-        #: Per tenant, the work items the trainer may take, in order.
-        self.train_queues: dict[str, deque[_TrainItem]] = {}
-        #: Placement: tenant ``i`` is served by trainer ``i % train`` (its slot lives there),
-        #: each trainer running rounds over its own tenants.
-        self.train_order: list[deque[str]] = [deque() for _ in range(topology.train)]
+        self.infer_free = topology.infer
+        self.infer_queue: deque[_Request] = deque()
+        self.infer_obs = 0
+        self.infer_timer_at = -1.0
+        self.env_tasks = [0] * topology.env
+        self.env_union = [_Union() for _ in range(topology.env)]
+        self.env_waiting: deque[Callable[[int], None]] = deque()
+        self.trainers = [_Trainer() for _ in range(topology.train)]
         self.trainer_of: dict[str, int] = {}
-        self.trainer_busy = [False] * topology.train
-        self.episodes_left: dict[str, int] = {}
-        self.events = 0
+        #: SFT tenants' steps still to take, by tenant name.
+        self.sft_left: dict[str, int] = {}
+        self.sft_loads: dict[str, TenantLoad] = {}
 
     # -- the event loop ------------------------------------------------------------------
 
@@ -171,16 +239,15 @@ class Simulation:
     def run(self) -> RunResult:
         load = [0.0] * self.topo.train
         for tenant in sorted(self.tenants, key=lambda t: -t.samples):
-            trainer = load.index(min(load))  # the least loaded: placement balances work
+            trainer = load.index(min(load))  # placement balances the work
             load[trainer] += tenant.samples
-            self.train_queues[tenant.name] = deque()
             self.trainer_of[tenant.name] = trainer
-            self.train_order[trainer].append(tenant.name)
+            self.trainers[trainer].tenants.append(tenant.name)
         for tenant in self.tenants:
             if tenant.kind == "rl":
-                self.start_iteration(tenant, 0)
+                self.at(self.costs.job_start_s, partial(self.start_iteration, tenant, 0))
             else:
-                self.sft_step(tenant, 0)
+                self.at(self.costs.job_start_s, partial(self.start_sft, tenant))
         while self._heap:
             self.events += 1
             if self.events > self.max_events:
@@ -189,163 +256,177 @@ class Simulation:
             self.now = event.at
             event.action()
         makespan = self.now
+        self.stats["env"].busy_s = sum(u.total for u in self.env_union)
         for service, stats in self.stats.items():
             stats.held_s = makespan * self.topo.count(service)
         return RunResult(makespan, self.stats, self.completion, self.events)
 
-    def busy(self, service: str, seconds: float, then: Callable[[], None]) -> None:
-        """Occupy one free instance of ``service`` for ``seconds``, then call ``then``."""
-        self.free[service] -= 1
-        assert self.free[service] >= 0
-        self.stats[service].busy_s += seconds
-        self.stats[service].ops += 1
+    def finish(self, tenant: TenantLoad) -> None:
+        self.at(self.costs.job_end_s, lambda: self.completion.__setitem__(tenant.name, self.now))
+
+    # -- RL: iterations of rollout tasks ---------------------------------------------------
+
+    def start_iteration(self, tenant: TenantLoad, iteration: int) -> None:
+        tasks = math.ceil(tenant.episodes_per_iteration / tenant.parallel_envs)
+        left = [tasks]
+
+        def task_done() -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                self.at(self.costs.hop_s, lambda: self.rollouts_in(tenant, iteration))
+
+        for first in range(0, tenant.episodes_per_iteration, tenant.parallel_envs):
+            sessions = min(tenant.parallel_envs, tenant.episodes_per_iteration - first)
+            start = partial(self.run_task, tenant, sessions=sessions, done=task_done)
+            self.at(self.costs.hop_s, partial(self.take_task, start))
+
+    def take_task(self, start: Callable[[int], None]) -> None:
+        """The env worker with fewest tasks in hand takes it (or it waits for one)."""
+        worker = min(range(self.topo.env), key=lambda w: (self.env_tasks[w], w))
+        if self.env_tasks[worker] >= ENV_WORKER_TASKS:
+            self.env_waiting.append(start)
+            return
+        self.env_tasks[worker] += 1
+        start(worker)
+
+    def simulate(self, worker: int, seconds: float, then: Callable[[], None]) -> None:
+        """A simulator call on ``worker`` (its own thread: calls of its tasks overlap)."""
+        self.env_union[worker].start(self.now)
+        self.stats["env"].ops += 1
 
         def done() -> None:
-            self.free[service] += 1
+            self.env_union[worker].stop(self.now)
             then()
-            self.dispatch()
 
         self.at(seconds, done)
 
-    def dispatch(self) -> None:
-        """Give free instances work, as the real consumers pull it."""
-        while self.free_sessions and self.env_queue:
-            tenant, iteration = self.env_queue.popleft()
-            self.free_sessions -= 1
-            self.run_episode(tenant, iteration, step=0)
-        while self.free["env"] and self.env_steps:
-            self.busy("env", self.costs.env_step_s, self.env_steps.popleft())
-        self.dispatch_infer()
-        for trainer, order in enumerate(self.train_order):
-            if not self.trainer_busy[trainer] and any(self.train_queues[n] for n in order):
-                self.train_round(trainer)
+    def run_task(
+        self, tenant: TenantLoad, worker: int, *, sessions: int, done: Callable[[], None]
+    ) -> None:
+        c = self.costs
+        step_s = c.env_step_s if tenant.env_step_s is None else tenant.env_step_s
+        reset_s = c.reset_s if tenant.reset_s is None else tenant.reset_s
+        overhead_s = (
+            c.env_step_overhead_s
+            if tenant.env_step_overhead_s is None
+            else tenant.env_step_overhead_s
+        )
+        steps = tenant.lockstep_steps
+        chunk_s = sessions * tenant.chunk_len * step_s
 
-    # -- RL: iterations of episodes, act requests, updates -----------------------------
+        def lockstep(k: int) -> None:
+            if k == steps:
+                self.env_tasks[worker] -= 1
+                if self.env_waiting:
+                    self.take_task(self.env_waiting.popleft())
+                done()
+                return
 
-    def start_iteration(self, tenant: TenantLoad, iteration: int) -> None:
-        self.episodes_left[tenant.name] = tenant.episodes_per_iteration
-        for _ in range(tenant.episodes_per_iteration):
-            self.env_queue.append((tenant, iteration))
-        self.at(self.costs.hop_s, self.dispatch)
+            def answered() -> None:
+                self.simulate(worker, chunk_s, lambda: lockstep(k + 1))
 
-    def run_episode(self, tenant: TenantLoad, iteration: int, step: int) -> None:
-        """One session (already taken) steps its episode: act request, then env step."""
-        if step == tenant.episode_steps:
-            self.free_sessions += 1
-            self.episode_done(tenant, iteration)
-            self.dispatch()
-            return
+            self.at(overhead_s + c.hop_s, lambda: self.request_act(sessions, answered))
 
-        def acted() -> None:
-            self.env_steps.append(lambda: self.run_episode(tenant, iteration, step + 1))
-            self.dispatch()
+        self.simulate(worker, sessions * reset_s, lambda: lockstep(0))
 
-        self.at(self.costs.hop_s, lambda: self.request_act(acted))
+    def rollouts_in(self, tenant: TenantLoad, iteration: int) -> None:
+        samples = tenant.episodes_per_iteration * tenant.lockstep_steps
 
-    def request_act(self, reply: Callable[[], None]) -> None:
-        self.infer_queue.append((self.now, reply))
+        def updated() -> None:
+            def committed() -> None:
+                if iteration + 1 == tenant.iterations:
+                    self.finish(tenant)
+                else:
+                    self.start_iteration(tenant, iteration + 1)
+
+            self.at(self.costs.commit_s + self.costs.hop_s, committed)
+
+        trainer = self.trainers[self.trainer_of[tenant.name]]
+        trainer.updates.append((samples, updated))
+        self.train_round(self.trainer_of[tenant.name])
+
+    # -- inference: the (B, T) scheduler -------------------------------------------------
+
+    def request_act(self, observations: int, answered: Callable[[], None]) -> None:
+        self.infer_queue.append(_Request(self.now, observations, answered))
+        self.infer_obs += observations
         self.dispatch_infer()
 
     def dispatch_infer(self) -> None:
-        """The B/T scheduler: a full batch goes at once; a partial one when its oldest
-        request has waited ``max_wait_s``."""
-        while self.free["infer"] and self.infer_queue:
-            oldest = self.infer_queue[0][0]
-            if len(self.infer_queue) < self.topo.max_batch and (
-                self.now - oldest < self.topo.max_wait_s - 1e-12
-            ):
-                if not self.infer_timer_armed:
-                    self.infer_timer_armed = True
-                    self.at(oldest + self.topo.max_wait_s - self.now, self._infer_timer)
+        while self.infer_free and self.infer_queue:
+            oldest = self.infer_queue[0].at
+            waited = self.now - oldest
+            if self.infer_obs < self.topo.max_batch and waited < self.topo.max_wait_s - 1e-12:
+                due = oldest + self.topo.max_wait_s
+                if self.infer_timer_at < self.now or due < self.infer_timer_at:
+                    self.infer_timer_at = due
+                    self.at(due - self.now, self.dispatch_infer)
                 return
-            n = min(len(self.infer_queue), self.topo.max_batch)
-            batch = [self.infer_queue.popleft()[1] for _ in range(n)]
-            cost = self.costs.act_batch_s + self.costs.act_per_sample_s * n
+            batch = [self.infer_queue.popleft()]
+            obs = batch[0].observations
+            while (
+                self.infer_queue and obs + self.infer_queue[0].observations <= self.topo.max_batch
+            ):
+                obs += self.infer_queue[0].observations
+                batch.append(self.infer_queue.popleft())
+            self.infer_obs -= obs
+            cost = self.costs.act_batch_s + self.costs.act_per_sample_s * obs
+            self.infer_free -= 1
+            self.stats["infer"].busy_s += cost
+            self.stats["infer"].ops += 1
 
-            def answered(batch: list[Callable[[], None]] = batch) -> None:
-                for reply in batch:
-                    self.at(self.costs.hop_s, reply)
+            def forwarded(batch: list[_Request] = batch) -> None:
+                self.infer_free += 1
+                for request in batch:
+                    self.at(self.costs.hop_s, request.reply)
+                self.dispatch_infer()
 
-            self.busy("infer", cost, answered)
+            self.at(cost, forwarded)
 
-    def _infer_timer(self) -> None:
-        self.infer_timer_armed = False
-        self.dispatch_infer()
+    # -- SFT: steps in the trainer's rounds ----------------------------------------------
 
-    def episode_done(self, tenant: TenantLoad, iteration: int) -> None:
-        self.episodes_left[tenant.name] -= 1
-        if self.episodes_left[tenant.name]:
+    def start_sft(self, tenant: TenantLoad) -> None:
+        self.sft_left[tenant.name] = tenant.iterations
+        self.sft_loads[tenant.name] = tenant
+        self.train_round(self.trainer_of[tenant.name])
+
+    # -- the trainer's rounds ------------------------------------------------------------
+
+    def train_round(self, index: int) -> None:
+        """A round: one batch of every running SFT tenant on this trainer (one grouped step),
+        then the RL updates that are ready."""
+        trainer = self.trainers[index]
+        if trainer.busy:
             return
-        samples = tenant.episodes_per_iteration * tenant.episode_steps * tenant.update_epochs
-
-        def updated() -> None:
-            if iteration + 1 == tenant.iterations:
-                self.completion[tenant.name] = self.now
-            else:
-                self.at(self.costs.hop_s, lambda: self.start_iteration(tenant, iteration + 1))
-
-        self.at(self.costs.hop_s, lambda: self.enqueue_train(tenant, samples, True, updated))
-
-    # -- SFT: a stream of batches ------------------------------------------------------
-
-    def sft_step(self, tenant: TenantLoad, step: int) -> None:
-        last = step + 1 == tenant.iterations
-        commit = last or (step + 1) % tenant.checkpoint_every == 0
-
-        def stepped() -> None:
-            if last:
-                self.completion[tenant.name] = self.now
-            else:
-                self.sft_step(tenant, step + 1)
-
-        # The dataset stream runs ahead of the trainer, so the next batch is already queued.
-        self.enqueue_train(tenant, tenant.batch_size, commit, stepped)
-
-    # -- the trainer: DRR rounds over tenants with work ----------------------------------
-
-    def enqueue_train(
-        self, tenant: TenantLoad, samples: int, commit: bool, then: Callable[[], None]
-    ) -> None:
-        self.train_queues[tenant.name].append(_TrainItem(samples, commit, then))
-        self.dispatch()
-
-    def train_round(self, trainer: int) -> None:
-        """One round: an item of every tenant with work, one grouped step, then the commits
-        of those that end a version (inside the round, as the trainer commits before it
-        acks)."""
-        items = []
-        order = self.train_order[trainer]
-        for _ in range(len(order)):
-            name = order[0]
-            order.rotate(-1)
-            if self.train_queues[name]:
-                items.append(self.train_queues[name].popleft())
+        sft = [n for n in trainer.tenants if self.sft_left.get(n, 0) > 0]
+        updates = list(trainer.updates)
+        trainer.updates.clear()
+        if not sft and not updates:
+            return
         c = self.costs
-        cost = (
-            c.train_round_s
-            + c.train_per_sample_s * sum(item.samples for item in items)
-            + c.train_per_tenant_s * len(items)
-            + c.commit_s * sum(item.commit for item in items)
-        )
-
-        self.trainer_busy[trainer] = True
-        self.stats["train"].busy_s += cost
+        busy = 0.0
+        occupied = 0.0
+        if sft:
+            batch = sum(self.sft_loads[n].batch_size for n in sft)
+            busy += c.sft_step_s + c.sft_per_sample_s * batch
+            occupied += c.sft_round_overhead_s
+        for samples, _ in updates:
+            busy += c.rl_update_s + c.rl_per_sample_s * samples
+        trainer.busy = True
+        self.stats["train"].busy_s += busy
         self.stats["train"].ops += 1
 
         def done() -> None:
-            self.trainer_busy[trainer] = False
-            for item in items:
-                item.then()
-            self.dispatch()
+            trainer.busy = False
+            for name in sft:
+                self.sft_left[name] -= 1
+                if self.sft_left[name] == 0:  # its final version, then its end
+                    self.at(c.commit_s, partial(self.finish, self.sft_loads[name]))
+            for _, then in updates:
+                then()
+            self.train_round(index)
 
-        self.at(cost, done)
-
-
-@dataclass(frozen=True)
-class _TrainItem:
-    samples: int
-    commit: bool
-    then: Callable[[], None]
+        self.at(busy + occupied, done)
 
 
 # -- the two modes and the report ------------------------------------------------------
@@ -370,9 +451,8 @@ class Comparison:
         return max(SERVICES, key=lambda s: self.shared.services[s].utilisation)
 
 
-def compare(costs: Costs, topology: Topology, tenants: Sequence[TenantLoad]) -> Comparison:
-    """Each tenant alone, one after another, on ``topology`` (held for its whole run), and
-    all of them at once on one ``topology``."""
+def isolated(costs: Costs, topology: Topology, tenants: Sequence[TenantLoad]) -> RunResult:
+    """Each tenant alone, one after another, on ``topology`` (held for its whole run)."""
     services = {s: ServiceStats() for s in SERVICES}
     completion: dict[str, float] = {}
     total = 0.0
@@ -386,15 +466,20 @@ def compare(costs: Costs, topology: Topology, tenants: Sequence[TenantLoad]) -> 
         completion[tenant.name] = alone.completion_s[tenant.name]
         total += alone.makespan_s
         events += alone.events
-    isolated = RunResult(total, services, completion, events)
+    return RunResult(total, services, completion, events)
+
+
+def compare(costs: Costs, topology: Topology, tenants: Sequence[TenantLoad]) -> Comparison:
+    """The isolated and the shared mode of ``tenants`` on ``topology``."""
+    alone = isolated(costs, topology, tenants)
     # "Completion" in isolated mode counts the wait for the tenants before it, as a
     # tenant queued behind others experiences it.
-    isolated_completion, elapsed = {}, 0.0
+    queued, elapsed = {}, 0.0
     for tenant in tenants:
-        elapsed += completion[tenant.name]
-        isolated_completion[tenant.name] = elapsed
+        elapsed += alone.completion_s[tenant.name]
+        queued[tenant.name] = elapsed
     shared = Simulation(costs, topology, tenants).run()
-    return Comparison(isolated, shared, isolated_completion)
+    return Comparison(alone, shared, queued)
 
 
 def summary(cmp: Comparison) -> dict[str, float | str]:
@@ -413,29 +498,51 @@ def summary(cmp: Comparison) -> dict[str, float | str]:
     }
 
 
-def paper_mix(count: int, rl_iterations: int = 3, sft_steps: int = 30) -> list[TenantLoad]:
-    """``count`` tenants in the demo's proportions: three RL tenants to one SFT tenant."""
-    tenants = []
-    for i in range(count):
-        if i % 4 == 3:
-            tenants.append(TenantLoad(f"t{i}", "sft", sft_steps, batch_size=8))
-        else:
-            tenants.append(TenantLoad(f"t{i}", "rl", rl_iterations))
-    return tenants
+def paper_mix(count: int, scenario: Sequence[TenantLoad] = ()) -> list[TenantLoad]:
+    """``count`` tenants in the demo's proportions (three RL tenants to one SFT tenant):
+    copies of ``scenario``'s tenants in turn (default: a generic 3 + 1 mix)."""
+    base = list(scenario) or [
+        TenantLoad("rl-a", "rl", 3),
+        TenantLoad("rl-b", "rl", 3),
+        TenantLoad("rl-c", "rl", 3),
+        TenantLoad("sft", "sft", 30, batch_size=8),
+    ]
+    return [
+        msgspec.structs.replace(base[i % len(base)], name=f"t{i}-{base[i % len(base)].name}")
+        for i in range(count)
+    ]
 
 
 class CostsFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What ``joynexus demo`` writes for the simulator: measured costs and its workload."""
+    """Measured (or supplied) costs, the topology they were measured on and the workload."""
 
     costs: Costs
     topology: Topology = Topology()
     tenants: list[TenantLoad] = []
 
 
+class DemoCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What ``joynexus demo`` writes: the costs of each of its phases. The isolated phase's
+    are each service's own (one tenant's work at a time); the shared phase's include the
+    contention of all tenants' work for this machine's cores."""
+
+    isolated: CostsFile
+    shared: CostsFile
+
+
 def load_costs(path: Path) -> CostsFile:
+    """A costs file: the demo's (its isolated phase's costs) or a user's :class:`CostsFile`."""
     try:
-        return msgspec.json.decode(path.read_bytes(), type=CostsFile)
-    except (OSError, msgspec.ValidationError, msgspec.DecodeError) as exc:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise SystemExit(f"simulate: {path}: {exc}") from exc
+    try:
+        return msgspec.json.decode(data, type=DemoCosts).isolated
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        pass
+    try:
+        return msgspec.json.decode(data, type=CostsFile)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise SystemExit(f"simulate: {path}: {exc}") from exc
 
 
@@ -451,20 +558,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the projections here")
     args = p.parse_args(argv)
     loaded = load_costs(args.costs) if args.costs else CostsFile(Costs())
-    base = loaded.topology
-    topology = msgspec.structs.replace(base, train=args.train, infer=args.infer, env=args.env)
+    topology = msgspec.structs.replace(
+        loaded.topology, train=args.train, infer=args.infer, env=args.env
+    )
     rows = []
     print(
         f"{'tenants':>8}{'agg. reduction':>16}{'train util':>20}{'infer util':>20}"
-        f"{'bottleneck':>12}"
+        f"{'env util':>20}{'bottleneck':>12}"
     )
     for count in (int(c) for c in args.tenants.split(",")):
-        cmp = compare(loaded.costs, topology, paper_mix(count))
-        row = {"tenants": count, **summary(cmp)}
-        rows.append(row)
+        cmp = compare(loaded.costs, topology, paper_mix(count, loaded.tenants))
+        rows.append({"tenants": count, **summary(cmp)})
         utils = "".join(
             f"{cmp.utilisation('isolated', s):>10.1%} →{cmp.utilisation('shared', s):>7.1%}"
-            for s in ("train", "infer")
+            for s in SERVICES
         )
         print(f"{count:>8}{cmp.aggregate_time_reduction:>16.1%}{utils}{cmp.bottleneck():>12}")
     if args.json:

@@ -307,3 +307,49 @@ def test_concurrent_first_imports_of_maniskill_all_see_its_tasks() -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[True, True, True, True, True]"
+
+
+def _grasping_episode(adapter: ManiSkillAdapter, seed: int, noise_seed: int) -> list[StepObs]:
+    """16 steps that drive the gripper onto the cube and close it (contacts: what a plain
+    reset does not clear), with some noise."""
+    rng = np.random.default_rng(noise_seed)
+    observations = [adapter.reset(seed)]
+    task = adapter.env.unwrapped
+    for t in range(16):
+        cube = task.cube.pose.p[0].cpu().numpy()  # type: ignore[attr-defined]
+        tcp = task.agent.tcp.pose.p[0].cpu().numpy()  # type: ignore[attr-defined]
+        action_A = rng.uniform(-1, 1, 4)
+        action_A[:3] = np.clip((cube - tcp) * 10, -1, 1) + 0.3 * action_A[:3]
+        action_A[3] = 1.0 if t < 8 else -1.0
+        obs, *_ = adapter.step(action_A)
+        observations.append(obs)
+    return observations
+
+
+@pytest.mark.maniskill
+def test_a_pick_cube_episode_depends_on_its_seed_not_on_what_the_env_ran_before(
+    maniskill_home: Path,
+) -> None:
+    """Env workers reuse their envs across tasks and tenants; a re-run task (or the same job
+    alone and shared) must see the same episodes. A plain reset leaves PickCube's physics
+    state behind, so the env rebuilds its scene at every reset."""
+    fresh = make_adapter("PickCube-v1", image_size=64, max_episode_steps=16)
+    used = make_adapter("PickCube-v1", image_size=64, max_episode_steps=16)
+    assert isinstance(fresh, ManiSkillAdapter) and isinstance(used, ManiSkillAdapter)
+    try:
+        assert used.rebuild_on_reset
+        references = [_grasping_episode(fresh, 500 + k, k) for k in range(3)]
+        differed: dict[bool, int] = {}
+        for rebuild in (False, True):
+            used.rebuild_on_reset = rebuild
+            differed[rebuild] = 0
+            for k, reference in enumerate(references):
+                for h in range(1):  # another grasp first: the history a plain reset keeps
+                    _grasping_episode(used, 900 + 3 * k + h, 100 + k + h)
+                differed[rebuild] += not _same(reference, _grasping_episode(used, 500 + k, k))
+        assert differed[True] == 0, "episodes differ after other episodes ran in their env"
+        # The control: without the rebuild these histories do change episodes.
+        assert differed[False] > 0
+    finally:
+        fresh.close()
+        used.close()

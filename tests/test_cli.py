@@ -28,15 +28,6 @@ def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.timeout(300)
-def test_demo_runs_three_tenants_to_success(tmp_path: Path) -> None:
-    out = run("--home", str(tmp_path / "home"), "demo")
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "demo succeeded" in out.stdout
-    for tenant in ("acme-arm", "beta-gripper", "gamma-flow"):
-        assert f"{tenant}" in out.stdout and "succeeded" in out.stdout
-
-
 def test_model_init_data_record_and_inspect(tmp_path: Path) -> None:
     out = run("model", "init", "tiny", "--out", str(tmp_path / "tiny"))
     assert out.returncode == 0, out.stderr

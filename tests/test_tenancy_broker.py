@@ -245,6 +245,8 @@ async def test_bob_reaches_nothing_of_alice(secured: Secured, master: Queries) -
         await bob.attempt(s.tenant_ctl("alice", "jobs"))
         await bob.attempt(s.tenant_ctl("alice", "cancel"), encode(CancelJob("alice", job)))
         await bob.attempt(s.tenant_ctl("alice", "events"), encode(ReadEvents("alice", job)))
+        # the operators' controls of the services: an env worker's sessions
+        await bob.attempt(s.ENVS_PREWARM, b"")
         # on his own subject, claiming alice: the master refuses it by name
         claim = await _ask(bob, s.tenant_ctl("bob", "cancel"), encode(CancelJob("alice", job)))
         assert isinstance(claim, CtlError) and claim.code == "tenant_mismatch"

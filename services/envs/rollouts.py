@@ -10,16 +10,20 @@ per (task, step), so a re-run task reproduces its episodes under the same policy
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 import zlib
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import numpy as np
 
 from bus.inference import PolicyClient
+from bus.metering import BusyMeter
 from schemas.env import EvalTask, RolloutTask
 from schemas.model import Observation
 from schemas.tensor import Tensor
@@ -27,6 +31,54 @@ from schemas.train import RolloutBatch
 from services.envs.adapters import EnvAdapter, StepObs, make_adapter, proprio_for_head
 
 EPISODE_SEED_STRIDE = 100_003
+R = TypeVar("R")
+
+
+@dataclass
+class EnvStats:
+    """One env id's work on this worker: counts and seconds, summed over its calls."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    resets: int = 0
+    reset_s: float = 0.0
+    act_requests: int = 0
+    act_observations: int = 0
+    act_wait_s: float = 0.0
+    episodes: int = 0
+    tasks: int = 0
+    #: Rollout and evaluation tasks from start to their records published.
+    task_s: float = 0.0
+
+
+@dataclass
+class EnvMeter:
+    """What an env worker measures of its simulators (heartbeat gauges). ``busy_s`` is the
+    time any simulator call (reset, step) runs, counted once however many run at once; each
+    env id's :class:`EnvStats` sum the calls' own durations, so under contention they add up
+    to more than ``busy_s``."""
+
+    sim: BusyMeter = field(default_factory=BusyMeter)
+    envs: dict[str, EnvStats] = field(default_factory=dict)
+
+    def of(self, env_id: str) -> EnvStats:
+        return self.envs.setdefault(env_id, EnvStats())
+
+    async def simulate(self, call: Callable[[], R]) -> tuple[R, float]:
+        """Run a blocking simulator call in a worker thread, metered; with its seconds."""
+        t0 = time.perf_counter()
+        with self.sim.busy():
+            result = await asyncio.to_thread(call)
+        return result, time.perf_counter() - t0
+
+    def gauges(self) -> dict[str, float]:
+        """``busy_s``, the totals over env ids, and each env id's as ``env.<id>.<name>``."""
+        gauges = {"busy_s": self.sim.busy_s}
+        for env_id, stats in self.envs.items():
+            for name, value in dataclasses.asdict(stats).items():
+                gauges[name] = gauges.get(name, 0.0) + float(value)
+                gauges[f"env.{env_id}.{name}"] = float(value)
+        return gauges
 
 
 class AdapterPool:
@@ -35,6 +87,41 @@ class AdapterPool:
 
     def __init__(self) -> None:
         self.idle: dict[tuple[object, ...], list[EnvAdapter]] = defaultdict(list)
+        #: Sessions built so far, by env id (none is ever dropped before close).
+        self.built: dict[str, int] = defaultdict(int)
+
+    @staticmethod
+    def key(
+        env_id: str, image_size: int, max_steps: int, env_kwargs: dict[str, Any] | None
+    ) -> tuple[object, ...]:
+        return (env_id, image_size, max_steps, tuple(sorted((env_kwargs or {}).items())))
+
+    async def prewarm(
+        self,
+        env_id: str,
+        image_size: int,
+        max_steps: int,
+        n: int,
+        env_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[int, int]:
+        """Build sessions (in a thread, one at a time) until ``n`` of this kind are idle;
+        returns (idle now, built)."""
+        free = self.idle[self.key(env_id, image_size, max_steps, env_kwargs)]
+        built = 0
+        while len(free) < n:
+            adapter = await asyncio.to_thread(
+                partial(
+                    make_adapter,
+                    env_id,
+                    image_size=image_size,
+                    max_episode_steps=max_steps,
+                    **(env_kwargs or {}),
+                )
+            )
+            free.append(adapter)
+            self.built[env_id] += 1
+            built += 1
+        return len(free), built
 
     @contextmanager
     def sessions(
@@ -46,8 +133,7 @@ class AdapterPool:
         env_kwargs: dict[str, Any] | None = None,
     ) -> Iterator[list[EnvAdapter]]:
         kwargs = dict(env_kwargs or {})
-        key = (env_id, image_size, max_steps, tuple(sorted(kwargs.items())))
-        free = self.idle[key]
+        free = self.idle[self.key(env_id, image_size, max_steps, kwargs)]
         taken = [free.pop() for _ in range(min(n, len(free)))]
         try:
             while len(taken) < n:
@@ -56,9 +142,14 @@ class AdapterPool:
                         env_id, image_size=image_size, max_episode_steps=max_steps, **kwargs
                     )
                 )
+                self.built[env_id] += 1
             yield taken
         finally:
             free.extend(taken)
+
+    def gauges(self) -> dict[str, float]:
+        """Sessions built per env id, as ``env.<id>.sessions``."""
+        return {f"env.{env_id}.sessions": float(n) for env_id, n in self.built.items()}
 
     def close(self) -> None:
         for adapters in self.idle.values():
@@ -115,14 +206,19 @@ async def run_sessions(
     token_budget: int,
     proprio_dim: int,
     noise_seed: int,
+    meter: EnvMeter,
+    stats: EnvStats,
 ) -> list[Session]:
     """Run ``episodes`` ((index, reset seed) pairs, at most one per adapter) to the end."""
-    sessions = [
-        Session(index, adapter, await asyncio.to_thread(adapter.reset, seed))
-        for (index, seed), adapter in zip(episodes, adapters, strict=False)
-    ]
+    sessions = []
+    for (index, seed), adapter in zip(episodes, adapters, strict=False):
+        obs, seconds = await meter.simulate(partial(adapter.reset, seed))
+        stats.resets += 1
+        stats.reset_s += seconds
+        sessions.append(Session(index, adapter, obs))
     t = 0
     while live := [s for s in sessions if not s.done]:
+        asked = time.perf_counter()
         reply = await client.act(
             tenant,
             job_id,
@@ -134,6 +230,9 @@ async def run_sessions(
             token_budget=token_budget,
             timeout=60.0,
         )
+        stats.act_wait_s += time.perf_counter() - asked
+        stats.act_requests += 1
+        stats.act_observations += len(live)
         assert reply.actions is not None and reply.log_probs is not None
         actions_B_C_A = reply.actions.to_numpy()
         log_probs_B = reply.log_probs.to_numpy()
@@ -144,16 +243,22 @@ async def run_sessions(
             session.actions.append(actions_B_C_A[b])
             session.log_probs.append(float(log_probs_B[b]))
             session.values.append(float(values_B[b]) if values_B is not None else 0.0)
-        await asyncio.to_thread(_execute_chunks, live, actions_B_C_A)
+        steps, seconds = await meter.simulate(partial(_execute_chunks, live, actions_B_C_A))
+        stats.steps += steps
+        stats.step_s += seconds
         t += 1
+    stats.episodes += len(sessions)
     return sessions
 
 
-def _execute_chunks(live: list[Session], actions_B_C_A: np.ndarray) -> None:
+def _execute_chunks(live: list[Session], actions_B_C_A: np.ndarray) -> int:
+    """Each live session steps through its action chunk; returns the env steps taken."""
+    steps = 0
     for b, session in enumerate(live):
         total = 0.0
         for action_A in actions_B_C_A[b]:
             obs, reward, terminated, truncated, info = session.adapter.step(action_A)
+            steps += 1
             total += float(reward)
             session.obs = obs
             session.success = session.success or bool(info.get("is_success", False))
@@ -161,6 +266,7 @@ def _execute_chunks(live: list[Session], actions_B_C_A: np.ndarray) -> None:
                 session.terminated, session.truncated = bool(terminated), bool(truncated)
                 break
         session.rewards.append(total)
+    return steps
 
 
 def rollout_record(task: RolloutTask, session: Session, bootstrap_value: float) -> RolloutBatch:
@@ -184,7 +290,9 @@ def rollout_record(task: RolloutTask, session: Session, bootstrap_value: float) 
     )
 
 
-async def collect(client: PolicyClient, pool: AdapterPool, task: RolloutTask) -> list[RolloutBatch]:
+async def collect(
+    client: PolicyClient, pool: AdapterPool, task: RolloutTask, meter: EnvMeter
+) -> list[RolloutBatch]:
     """Run the task's episodes and return their rollout records."""
     indices = list(range(task.first_episode, task.first_episode + task.episodes))
     records: list[RolloutBatch] = []
@@ -208,6 +316,8 @@ async def collect(client: PolicyClient, pool: AdapterPool, task: RolloutTask) ->
                 token_budget=task.token_budget,
                 proprio_dim=task.proprio_dim,
                 noise_seed=step_seed(task.seed, task.iteration, chunk[0]),
+                meter=meter,
+                stats=meter.of(task.env_id),
             )
         bootstrap = await bootstrap_values(client, task, sessions)
         records += [rollout_record(task, s, bootstrap.get(s.episode, 0.0)) for s in sessions]
@@ -237,7 +347,9 @@ async def bootstrap_values(
     return {s.episode: float(values[i]) for i, s in enumerate(cut)}
 
 
-async def evaluate_env(client: PolicyClient, pool: AdapterPool, task: EvalTask) -> dict[str, Any]:
+async def evaluate_env(
+    client: PolicyClient, pool: AdapterPool, task: EvalTask, meter: EnvMeter
+) -> dict[str, Any]:
     """Deterministic episodes of a pinned policy version: success rate, return, length."""
     returns, lengths, successes = [], [], []
     width = max(1, task.parallel_envs)
@@ -258,6 +370,8 @@ async def evaluate_env(client: PolicyClient, pool: AdapterPool, task: EvalTask) 
                 token_budget=task.token_budget,
                 proprio_dim=task.proprio_dim,
                 noise_seed=task.seed,
+                meter=meter,
+                stats=meter.of(task.env_id),
             )
         returns += [sum(s.rewards) for s in sessions]
         lengths += [len(s.rewards) for s in sessions]

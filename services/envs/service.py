@@ -15,28 +15,35 @@ and its sizes and its dataset's are within the operator's limits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from pydantic import Field
 
-from bus.codec import DecodeError, decode
+from bus.auth import reply_allowed
+from bus.codec import DecodeError, decode, encode
 from bus.config import BusConfig
 from bus.consume import ConsumerSpec
 from bus.datasets import DatasetStoreError, default_cache_root, resolve
 from bus.errors import Interrupted, PoisonError, RetryableError
 from bus.inference import InferenceError, PolicyClient
+from bus.metering import BusyMeter
 from bus.publish import Outgoing, msg_id, publish, publish_all
 from bus.records import get_job, get_policy
 from bus.service import Runtime, serve
 from schemas import subjects
 from schemas.env import ENV_DECODER, EvalTask, RolloutTask, StreamDataset
+from schemas.envctl import PREWARM_DECODER, EnvPrewarmed, PrewarmEnv
 from schemas.events import ErrorEvent, Metrics
 from schemas.jobs import TERMINAL_STATUSES
 from schemas.limits import InputLimits
@@ -48,7 +55,7 @@ from services.envs.datasets import iter_batches
 from services.envs.describe import Describer
 from services.envs.flow import Flow
 from services.envs.limits import check_dataset, check_task
-from services.envs.rollouts import AdapterPool, collect, evaluate_env
+from services.envs.rollouts import AdapterPool, EnvMeter, collect, evaluate_env
 from vla.data import Dataset, DatasetError, load_dataset, read_meta
 
 log = logging.getLogger(__name__)
@@ -98,6 +105,10 @@ class EnvWorker:
         self.datasets: dict[tuple[str, str, str], Dataset] = {}
         self.pool = AdapterPool()
         self.policies = policies
+        #: Simulator and act-request measurements (heartbeat gauges).
+        self.meter = EnvMeter()
+        #: Time with at least one task in hand.
+        self.active = BusyMeter()
 
     async def handle(self, msg: Msg) -> None:
         try:
@@ -106,13 +117,7 @@ class EnvWorker:
             raise PoisonError(f"malformed env task: {exc}") from exc
         check_task(msg.subject, task, self.limits)
         try:
-            match task:
-                case StreamDataset():
-                    await self.stream(task)
-                case RolloutTask():
-                    await self.rollout(task)
-                case EvalTask():
-                    await self.evaluate(task)
+            await self.run_task(task)
         except EnvUnavailableError as exc:
             raise PoisonError(str(exc)) from exc
         except ProprioMismatchError as exc:
@@ -124,6 +129,28 @@ class EnvWorker:
                 f"inference: {exc}", delay_s=2.0
             ) from exc
 
+    async def run_task(self, task: StreamDataset | RolloutTask | EvalTask) -> None:
+        if isinstance(task, StreamDataset):
+            # A stream spends its life waiting for the trainer (backpressure): work in hand
+            # for the trainer, not for this worker's simulators.
+            await self.stream(task)
+            return
+        t0 = time.perf_counter()
+        with self.active.busy():
+            if isinstance(task, RolloutTask):
+                await self.rollout(task)
+            else:
+                await self.evaluate(task)
+        if task.env_id:  # a dataset evaluation runs no simulator
+            stats = self.meter.of(task.env_id)
+            stats.tasks += 1
+            stats.task_s += time.perf_counter() - t0
+
+    def gauges(self) -> dict[str, float]:
+        """Busy (simulating) and active (a rollout or evaluation in hand) seconds, and the
+        meter's counts."""
+        return {**self.meter.gauges(), **self.pool.gauges(), "active_s": self.active.busy_s}
+
     def client(self, backbone: str) -> PolicyClient:
         if backbone not in self.policies:
             raise RetryableError(f"no policy client for backbone {backbone!r} yet")
@@ -133,7 +160,7 @@ class EnvWorker:
         """Run the task's episodes; publish each as a RolloutBatch (idempotent by identity)."""
         if await self.job_ended(task.tenant, task.job_id):
             return
-        records = await collect(self.client(task.backbone), self.pool, task)
+        records = await collect(self.client(task.backbone), self.pool, task, self.meter)
         subject = subjects.train(task.backbone, task.tenant)
         await publish_all(
             self.js,
@@ -147,7 +174,7 @@ class EnvWorker:
         """Read-only: run the pinned policy and report metrics; nothing reaches TRAIN."""
         client = self.client(task.backbone)
         if task.env_id:
-            metrics = await evaluate_env(client, self.pool, task)
+            metrics = await evaluate_env(client, self.pool, task, self.meter)
         else:
             metrics = await self.evaluate_dataset(client, task)
         await publish(
@@ -332,6 +359,42 @@ class EnvWorker:
             flow.published()
             step += 1
 
+    async def prewarm(self, msg: Msg, instance: str) -> None:
+        """An operator's (or the demo's) :class:`~schemas.envctl.PrewarmEnv`: build the
+        sessions, answer how many are idle. Answered only on an inbox; a request past the
+        limits or for an env that cannot be built gets its reason."""
+        if not msg.reply or not reply_allowed(msg.reply):
+            return
+        try:
+            request = decode(PREWARM_DECODER, msg.data)
+        except DecodeError as exc:
+            await self._respond(msg, EnvPrewarmed(instance, "", error=f"malformed: {exc}"))
+            return
+        answer = EnvPrewarmed(instance, request.env_id[:200])
+        refusal = prewarm_refusal(request, self.limits)
+        if refusal:
+            answer = msgspec.structs.replace(answer, error=refusal)
+        else:
+            try:
+                idle, built = await self.pool.prewarm(
+                    request.env_id,
+                    request.image_size,
+                    request.max_episode_steps,
+                    request.sessions,
+                    dict(request.env_kwargs),
+                )
+                answer = msgspec.structs.replace(answer, idle=idle, built=built)
+            except Exception as exc:  # noqa: BLE001 - any env's constructor may raise anything
+                answer = msgspec.structs.replace(answer, error=f"{type(exc).__name__}: {exc}")
+        await self._respond(msg, answer)
+
+    @staticmethod
+    async def _respond(msg: Msg, answer: EnvPrewarmed) -> None:
+        try:
+            await msg.respond(encode(answer))
+        except NatsError as exc:  # the requester is gone: nothing to tell
+            log.info("prewarm answer not sent: %s", exc)
+
     async def on_dead(self, msg: Msg, reason: str, error: BaseException) -> None:
         """The job of the task's subject (never the one its payload claims) fails, with the
         reason. Only for a payload that is an env task at all: anything else on ENV is not
@@ -351,6 +414,26 @@ class EnvWorker:
         )
 
 
+#: Most sessions of one kind a prewarm may ask a worker to hold.
+MAX_PREWARM_SESSIONS = 64
+
+
+def prewarm_refusal(request: PrewarmEnv, limits: InputLimits) -> str:
+    """Why a prewarm is not even tried ('' if it may be)."""
+    if not 1 <= request.sessions <= MAX_PREWARM_SESSIONS:
+        return f"sessions: {request.sessions} is not within 1..{MAX_PREWARM_SESSIONS}"
+    if not 8 <= request.image_size <= limits.max_image_side:
+        return f"image_size: {request.image_size} is not within 8..{limits.max_image_side}"
+    if not 1 <= request.max_episode_steps <= limits.max_episode_steps:
+        return (
+            f"max_episode_steps: {request.max_episode_steps} is not within "
+            f"1..{limits.max_episode_steps}"
+        )
+    if not 1 <= len(request.env_id) <= 200:
+        return "env_id: must be 1..200 characters"
+    return ""
+
+
 async def run(config: EnvsConfig) -> None:
     """Entry point: serve an env worker until SIGTERM/SIGINT."""
 
@@ -365,6 +448,10 @@ async def run(config: EnvsConfig) -> None:
             rt.stop,
             config.limit,
             Path(config.dataset_cache) if config.dataset_cache else None,
+        )
+        rt.gauges = worker.gauges
+        prewarms = await rt.nc.subscribe(
+            subjects.ENVS_PREWARM, cb=partial(worker.prewarm, instance=rt.instance)
         )
         for backbone in config.backbones.split(","):
             policies[backbone] = await PolicyClient.create(rt.nc, backbone, rt.js)
@@ -381,6 +468,8 @@ async def run(config: EnvsConfig) -> None:
         try:
             await rt.consumer.run(tasks, worker.handle, concurrency=config.concurrency)
         finally:
+            with contextlib.suppress(NatsError):
+                await prewarms.unsubscribe()
             await describer.close()
             for client in policies.values():
                 await client.close()

@@ -47,6 +47,7 @@ from bus.config import BusConfig
 from bus.consume import HOLD, ConsumerSpec, Durable, Fate, Hold
 from bus.encoding import FeatureClient
 from bus.errors import Interrupted, PoisonError
+from bus.metering import BusyMeter, LinearFit
 from bus.placement import placed
 from bus.publish import msg_id, publish
 from bus.service import Runtime, in_daemon_thread, serve
@@ -198,6 +199,12 @@ class Inferencer:
         self.forwards = 0
         self.batches = 0
         self.batch_s = 0.0
+        #: A batch's forward time against its observations (the simulator's act cost).
+        self.batch_fit = LinearFit()
+        #: Time with at least one request admitted and not yet answered or handed back.
+        self.active = BusyMeter()
+        #: Seconds requests spent here, from their pull to their answer (served ones).
+        self.residence_s = 0.0
 
     @property
     def name(self) -> str:
@@ -232,6 +239,7 @@ class Inferencer:
         answers of earlier batches settle and loads end, each wait bounded."""
         await _bounded(self.admitting, ADMIT_GRACE_S, "admissions")
         unstarted = [p.msg for p in self.pending]
+        self._leave(len(self.pending))
         self.pending.clear()
         self.pending_obs = 0
         if unstarted:
@@ -284,6 +292,7 @@ class Inferencer:
             raise Interrupted()
         n = len(request.observations)
         span = trace.get_current_span().get_span_context()
+        self.active.start()  # stopped by _leave() when it is answered or handed back
         self.pending.append(Pending(msg, Work(request, policy), n, arrived, span))
         self.pending_obs += n
         self._wake.set()
@@ -326,6 +335,7 @@ class Inferencer:
         late = [p for p in batch if expired(p.work.request)]
         if late:
             self.expired += len(late)
+            self._leave(len(late))
             batch = [p for p in batch if not expired(p.work.request)]
             await asyncio.gather(*(self.rt.consumer.settle(p.msg, None) for p in late))
             if not batch:
@@ -343,6 +353,7 @@ class Inferencer:
         if not forward.done():
             log.warning("forward of %d requests still running at stop; handing back", len(batch))
             forward.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._leave(len(batch))
             await self.rt.consumer.hand_back(p.msg for p in batch)
             return
         try:
@@ -352,6 +363,7 @@ class Inferencer:
             outcomes, stats = [Outcome(error=exc) for _ in batch], BatchStats()
         else:
             self.batches += 1
+            self.batch_fit.add(stats.observations, stats.seconds)
         self.forwards += stats.forwards
         self.batch_s += stats.seconds
         if self.rt.stop.is_set():
@@ -362,11 +374,19 @@ class Inferencer:
         self.settling.add(task)
         task.add_done_callback(self.settling.discard)
 
+    def _leave(self, requests: int) -> None:
+        """``requests`` admitted requests are done here (answered, failed or handed back)."""
+        for _ in range(requests):
+            self.active.stop()
+
     async def finish(self, batch: list[Pending], outcomes: list[Outcome]) -> None:
-        results = await asyncio.gather(
-            *(self.answer(p, o) for p, o in zip(batch, outcomes, strict=True)),
-            return_exceptions=True,
-        )
+        try:
+            results = await asyncio.gather(
+                *(self.answer(p, o) for p, o in zip(batch, outcomes, strict=True)),
+                return_exceptions=True,
+            )
+        finally:
+            self._leave(len(batch))
         for pending, result in zip(batch, results, strict=True):
             if isinstance(result, Exception):  # e.g. the ack failed: it is redelivered
                 log.warning("settling %s failed: %r", pending.msg.subject, result)
@@ -398,6 +418,7 @@ class Inferencer:
             await self.reply(request.reply_to, reply)
             self.served += 1
             self.observations += pending.observations
+            self.residence_s += asyncio.get_running_loop().time() - pending.arrived
             await self.rt.consumer.settle(msg, None)
 
     async def reply(self, reply_to: str, reply: ActReply) -> None:
@@ -442,6 +463,10 @@ class Inferencer:
             "mean_group_size": self.served / self.forwards if self.forwards else 0.0,
             "mean_batch_ms": 1000.0 * self.batch_s / self.batches if self.batches else 0.0,
             "pending": float(len(self.pending)),
+            "busy_s": self.batch_s,
+            "active_s": self.active.busy_s,
+            "residence_s": self.residence_s,
+            **self.batch_fit.gauges("act_batch"),
             "target_batch": float(self.config.target_batch),
             "max_wait_ms": float(self.config.max_wait_ms),
             **self.policies.gauges(),

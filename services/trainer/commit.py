@@ -29,6 +29,7 @@ from bus import checkpoints as ckpt
 from bus import records
 from bus.consume import Consumer
 from bus.errors import HandlerError
+from bus.metering import BusyMeter
 from schemas.events import CallResult, PolicyPublished
 from schemas.train import OpenSlot, PolicyRecord
 from vla.slot import TenantSlot
@@ -157,6 +158,7 @@ class Committer:
         emit: Callable[..., Awaitable[None]],
         keep_versions: int,
         crash_after_commits: int = 0,
+        active: BusyMeter | None = None,
     ) -> None:
         self.registry = registry
         self.consumer = consumer
@@ -169,6 +171,10 @@ class Committer:
         self.blocking_s = 0.0
         #: In-flight background commits by job key.
         self.in_flight: dict[str, asyncio.Task[None]] = {}
+        #: Seconds commits took (checkpoint, KV, event, settling), summed; and the trainer's
+        #: work-in-hand meter, which counts a commit's time too.
+        self.commit_s = 0.0
+        self.active = active or BusyMeter()
 
     def busy(self, job: JobSlot) -> bool:
         """Whether a commit of ``job`` is in flight."""
@@ -215,6 +221,19 @@ class Committer:
         frozen: Frozen,
         at: _At,
         initial: bool = False,
+    ) -> None:
+        t0 = time.perf_counter()
+        with self.active.busy():
+            await self._commit_metered(job, covered, frozen, at, initial)
+        self.commit_s += time.perf_counter() - t0
+
+    async def _commit_metered(
+        self,
+        job: JobSlot,
+        covered: list[tuple[Msg, HandlerError | None]],
+        frozen: Frozen,
+        at: _At,
+        initial: bool,
     ) -> None:
         try:
             # A session's call results go out before their calls can be acked: after a

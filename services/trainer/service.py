@@ -37,6 +37,7 @@ from bus.consume import ConsumerSpec
 from bus.durables import DurableSet
 from bus.encoding import FeatureClient
 from bus.errors import HandlerError, PoisonError
+from bus.metering import BusyMeter
 from bus.placement import placed
 from bus.service import Runtime, serve
 from bus.watch import follow_kv
@@ -89,10 +90,17 @@ class Trainer:
         self.announcer = Announcer(rt.js)
         self.emit = self.announcer.emit
         self.stepper = Stepper(self, backbone)
+        #: Time with work in hand: a step, an update or a commit (the heartbeat's active_s).
+        self.active = BusyMeter()
         #: The backbone role's encoder, with ``--backbone-service`` (set by :func:`run`).
         self.remote: FeatureClient | None = None
         self.committer = Committer(
-            self.registry, rt.consumer, self.emit, config.keep_versions, config.crash_after_commits
+            self.registry,
+            rt.consumer,
+            self.emit,
+            config.keep_versions,
+            config.crash_after_commits,
+            active=self.active,
         )
         self.tenants = DurableSet(
             rt.consumer,
@@ -247,12 +255,14 @@ class Trainer:
             # nothing else touches them until the next round), so the next round's batches
             # are there when this one ends.
             linger = not self.sessions_open()
-            await self.stepper.step(
-                chosen, during=lambda: self.intake.fill(self.live(), linger=linger)
-            )
+            with self.active.busy():
+                await self.stepper.step(
+                    chosen, during=lambda: self.intake.fill(self.live(), linger=linger)
+                )
         complete = any(j.iteration_complete for j in self.registry.jobs.values())
         if complete:
-            await self.stepper.rl_updates()
+            with self.active.busy():
+                await self.stepper.rl_updates()
         return bool(chosen) or complete or self.inline_calls > inline_before
 
     async def triage(self, tenant: str) -> tuple[Msg, SFTBatch | ForwardBackward, JobSlot] | None:
@@ -385,6 +395,8 @@ class Trainer:
             "resident_slot_bytes": float(self.slots.resident_bytes),
             "commits": float(self.committer.commits),
             "commit_blocking_s": self.committer.blocking_s,
+            "commit_s": self.committer.commit_s,
+            "active_s": self.active.busy_s,
             **self.stepper.gauges(),
             **(self.remote.gauges() if self.remote is not None else {}),
         }

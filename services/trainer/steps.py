@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from nats.aio.msg import Msg
 
 from bus.errors import PoisonError, RetryableError
+from bus.metering import LinearFit
 from schemas.events import Progress
 from schemas.train import ForwardBackward, RolloutBatch, SFTBatch
 from services.trainer import rl, session
@@ -58,6 +59,10 @@ class Stepper:
         self.compute_s = 0.0
         self.round_s = 0.0
         self.samples = 0
+        #: Compute seconds of a grouped SFT step against its samples, and of an RL update
+        #: against its episodes' steps (the simulator's training costs).
+        self.sft_fit = LinearFit()
+        self.rl_fit = LinearFit()
 
     # -- SFT ---------------------------------------------------------------------------------
     async def step(
@@ -110,7 +115,9 @@ class Stepper:
             if isinstance(fetched, BaseException):
                 log.warning("fetch during the step failed: %s", fetched)
         results = await compute
-        self.compute_s += time.perf_counter() - compute_t0
+        compute_s = time.perf_counter() - compute_t0
+        self.compute_s += compute_s
+        self.sft_fit.add(sum(r.actions_B_C_A.shape[0] for r in requests), compute_s)
         # How many of the round's batches each backbone forward took (one per group key).
         sharing = Counter(r.inputs.key for r in requests)
         now = time.time()
@@ -233,7 +240,10 @@ class Stepper:
             )
         t0 = time.perf_counter()
         results = await asyncio.to_thread(rl.update_iterations, self.rl_encoder, iterations)
-        self.compute_s += time.perf_counter() - t0
+        compute_s = time.perf_counter() - t0
+        self.compute_s += compute_s
+        steps = sum(b.rewards.shape[0] for it in iterations for b in it.episodes)
+        self.rl_fit.add(steps, compute_s)
         events = []
         for job in ready:
             result = results[job.key]
@@ -281,6 +291,9 @@ class Stepper:
         return {
             "samples": float(self.samples),
             "compute_s": self.compute_s,
+            "busy_s": self.compute_s,
             "round_s": self.round_s,
+            **self.sft_fit.gauges("sft_step"),
+            **self.rl_fit.gauges("rl_update"),
             **(self.cache.stats() if self.cache is not None else {}),
         }
