@@ -175,6 +175,7 @@ async def test_rl_on_maniskill_pushcube_through_the_vla_then_evaluation(
         assert outcome.metrics["policy_version"] == 3 and outcome.metrics["episodes"] == 2
 
 
+@pytest.mark.slow  # tests/test_demo.py runs three ManiSkill RL tenants and one SFT tenant shared
 @pytest.mark.timeout(600)
 async def test_two_maniskill_rl_tenants_and_one_sft_tenant_share_the_services(
     nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs, tmp_path: Path
