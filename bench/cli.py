@@ -65,14 +65,9 @@ def _tenant(args: argparse.Namespace) -> int:
             tenantadmin.init_home(home)
             print(f"service and operator creds in {tenantadmin.creds_dir(home)}")
             print(f"server authorization config: {tenantadmin.auth_conf(home)}")
+        limit_flags = {k: getattr(args, k, None) for k in tenantadmin.LIMIT_FLAGS}
         if op == "add":
-            defaults = TenantLimits()
-            limits = tenantadmin.check_limits(
-                TenantLimits(
-                    args.max_jobs or defaults.max_concurrent_jobs,
-                    args.max_storage or defaults.max_storage_bytes,
-                )
-            )
+            limits = tenantadmin.limits_with(TenantLimits(), **limit_flags)
             print(f"tenant {args.name}: creds {tenantadmin.add_tenant(home, args.name, limits)}")
         elif op == "rotate":
             print(f"tenant {args.name}: new key in {tenantadmin.rotate_tenant(home, args.name)}")
@@ -89,9 +84,7 @@ def _tenant(args: argparse.Namespace) -> int:
             )
             print(f"per-connection limits: {server}")
         elif op == "set":
-            limits = tenantadmin.set_limits(
-                home, args.name, max_jobs=args.max_jobs, max_storage=args.max_storage
-            )
+            limits = tenantadmin.set_limits(home, args.name, **limit_flags)
             print(f"tenant {args.name}: {limits}")
         info = read_stack_info(home)
         url = args.url or (info.url if info and info.auth else None)
@@ -171,6 +164,43 @@ async def _cache(args: argparse.Namespace) -> int:
             f"{a.bytes / 2**20:>8.1f} {a.budget_bytes / 2**20:>10.1f} {a.hits:>8} "
             f"{a.misses:>8} {a.hit_rate:>8.1%}" + ("  (cleared)" if a.cleared else "")
         )
+    return 0
+
+
+async def _queues(args: argparse.Namespace) -> int:
+    """Each scheduling service's queue per tenant: depth and the oldest item's wait."""
+    from bus.codec import DecodeError, decode
+    from schemas import subjects
+    from schemas.metrics import QUEUE_REPORT_DECODER, QueueReport
+
+    client = await _client(args)
+    latest: dict[tuple[str, str], QueueReport] = {}
+    try:
+
+        async def collect(msg: object) -> None:
+            try:
+                report = decode(QUEUE_REPORT_DECODER, msg.data)  # type: ignore[attr-defined]
+            except DecodeError:
+                return
+            latest[(report.service, report.instance)] = report
+
+        sub = await client.nc.subscribe(f"{subjects.QUEUE_METRICS}.>", cb=collect)
+        await asyncio.sleep(args.wait)  # every service reports every 2 s
+        await sub.unsubscribe()
+    finally:
+        await client.close()
+    if not latest:
+        print(f"no service reported its queue within {args.wait:g}s")
+        return 1
+    print(f"{'service':<28} {'queue':<6} {'tenant':<24} {'depth':>6} {'oldest wait s':>14}")
+    for (_, instance), report in sorted(latest.items()):
+        for t in report.tenants or []:
+            print(
+                f"{instance:<28} {report.queue:<6} {t.tenant:<24} {t.depth:>6} "
+                f"{t.oldest_wait_s:>14.2f}"
+            )
+        if not report.tenants:
+            print(f"{instance:<28} {report.queue:<6} {'(empty)':<24} {0:>6} {0:>14.2f}")
     return 0
 
 
@@ -323,6 +353,15 @@ def add_operator_commands(sub: Subcommands) -> None:
         cp.add_argument("--backbone", default="tiny", help="backbone id (default: tiny)")
         cp.add_argument("--wait", type=float, default=1.0, help="seconds to collect answers")
 
+    qp = add_command(
+        sub,
+        "queues",
+        lambda a: asyncio.run(_queues(a)),
+        bus=True,
+        help="operator: queue depth and wait per tenant (jobs queued, training, inference)",
+    )
+    qp.add_argument("--wait", type=float, default=2.5, help="seconds to collect reports")
+
     tn = sub.add_parser("tenant", help="operator: tenants' identities and limits")
     tsub = tn.add_subparsers(dest="tenant_cmd", required=True, metavar="command")
     for name, summary in (
@@ -349,8 +388,20 @@ def add_operator_commands(sub: Subcommands) -> None:
         if name not in ("list", "init", "server-limits"):
             tp.add_argument("name", help="tenant id")
         if name in ("add", "set"):
-            tp.add_argument("--max-jobs", type=int, help="jobs accepted and not yet finished")
-            tp.add_argument("--max-storage", type=int, help="bytes its bucket may hold")
+            for flag, what in (
+                ("--max-jobs", "top-level jobs running at once (more wait, queued)"),
+                ("--max-slots", "trainer slots at once (SFT, RL and session jobs: one each)"),
+                ("--max-env-sessions", "simulator sessions of its RL/eval jobs at once"),
+                ("--max-inflight-samples", "samples of an SFT job streamed, not committed"),
+                ("--max-job-priority", "the highest priority one of its jobs may ask"),
+                ("--max-storage", "bytes its bucket may hold"),
+            ):
+                tp.add_argument(flag, type=int, help=what)
+            tp.add_argument(
+                "--priority",
+                choices=["low", "normal", "high"],
+                help="priority class: weight 1, 2 or 4 on the trainer and in inference batches",
+            )
 
     sc = add_command(
         sub,

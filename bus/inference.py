@@ -164,6 +164,7 @@ class PolicyClient:
         token_budget: int | None = None,
         request_id: str | None = None,
         timeout: float = 10.0,
+        priority: int = 1,
     ) -> ActReply:
         """Actions for ``observations`` (one per env session) from a job's policy.
 
@@ -182,6 +183,7 @@ class PolicyClient:
                 a fresh uuid). Re-sending an id inside the stream's duplicate window is
                 dropped as a duplicate, so a retry after a timeout needs a new one.
             timeout: seconds to wait for the reply.
+            priority: the job's weight in shared batches (from its task; 1 = fair share).
 
         Raises:
             InferenceError: the inferencer refused the request (``reply.error``: unknown
@@ -208,6 +210,7 @@ class PolicyClient:
             token_budget=token_budget,
             sent_at=time.time(),
             expires_at=time.time() + timeout,
+            priority=max(1, priority),
         )
         if self._sub is None:
             raise InferenceError("client is closed", request_id=rid)

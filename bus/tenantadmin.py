@@ -36,7 +36,7 @@ from bus.connect import connect
 from bus.identity import CREDS_DIR, OPERATOR_NAME, creds_path, new_identity, write_creds
 from bus.server import auth_file, reload_running, running_pid, write_auth_file
 from schemas import subjects as s
-from schemas.tenants import TenantLimits, TenantRecord
+from schemas.tenants import PRIORITY_WEIGHTS, TenantLimits, TenantRecord
 
 #: Where ``joynexus up`` keeps its server's store, config and pid file under the home.
 SERVER_DIR = "nats"
@@ -138,18 +138,30 @@ def revoke_tenant(home: Path, name: str) -> None:
     save_registry(home, registry)
 
 
-def set_limits(
-    home: Path, name: str, *, max_jobs: int | None = None, max_storage: int | None = None
-) -> TenantLimits:
-    """Change tenant ``name``'s limits; return the new ones."""
+#: ``joynexus tenant add/set`` flags and the :class:`TenantLimits` field each sets.
+LIMIT_FLAGS: dict[str, str] = {
+    "max_jobs": "max_concurrent_jobs",
+    "max_storage": "max_storage_bytes",
+    "max_slots": "max_slots",
+    "max_env_sessions": "max_env_sessions",
+    "max_inflight_samples": "max_inflight_samples",
+    "priority": "priority",
+    "max_job_priority": "max_job_priority",
+}
+
+
+def limits_with(limits: TenantLimits, **flags: int | str | None) -> TenantLimits:
+    """``limits`` with the flags given (by :data:`LIMIT_FLAGS` name; None = unchanged),
+    checked."""
+    changes = {LIMIT_FLAGS[k]: v for k, v in flags.items() if v is not None}
+    return check_limits(msgspec.structs.replace(limits, **changes))
+
+
+def set_limits(home: Path, name: str, **flags: int | str | None) -> TenantLimits:
+    """Change tenant ``name``'s limits (:data:`LIMIT_FLAGS`); return the new ones."""
     registry = init_home(home)
     entry = _tenant(registry, name)
-    limits = entry.limits
-    if max_jobs is not None:
-        limits = msgspec.structs.replace(limits, max_concurrent_jobs=max_jobs)
-    if max_storage is not None:
-        limits = msgspec.structs.replace(limits, max_storage_bytes=max_storage)
-    check_limits(limits)
+    limits = limits_with(entry.limits, **flags)
     registry.put(msgspec.structs.replace(entry, limits=limits))
     save_registry(home, registry)
     return limits
@@ -171,11 +183,17 @@ def set_server_limits(home: Path, **values: int | None) -> ServerLimits:
 
 
 def check_limits(limits: TenantLimits) -> TenantLimits:
-    """Raise :class:`TenantAdminError` naming a limit that is not positive."""
-    if limits.max_concurrent_jobs < 1:
-        raise TenantAdminError(f"--max-jobs must be >= 1, got {limits.max_concurrent_jobs}")
-    if limits.max_storage_bytes < 1:
-        raise TenantAdminError(f"--max-storage must be >= 1 byte, got {limits.max_storage_bytes}")
+    """Raise :class:`TenantAdminError` naming a limit that is not positive or a priority
+    class that does not exist."""
+    for flag, name in LIMIT_FLAGS.items():
+        value = getattr(limits, name)
+        if name == "priority":
+            if value not in PRIORITY_WEIGHTS:
+                raise TenantAdminError(
+                    f"--priority must be one of {', '.join(PRIORITY_WEIGHTS)}, got {value!r}"
+                )
+        elif value < 1:
+            raise TenantAdminError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     return limits
 
 
@@ -258,14 +276,19 @@ def auth_conf(home: Path) -> Path:
 
 def describe(registry: Registry) -> list[str]:
     """``joynexus tenant list``'s lines."""
-    lines = [f"{'tenant':<24} {'state':<8} {'max jobs':>8} {'max storage':>12}  key, rotated"]
+    lines = [
+        f"{'tenant':<24} {'state':<8} {'priority':<8} {'jobs':>5} {'slots':>5} {'envs':>5} "
+        f"{'samples':>8} {'storage':>12}  key, rotated"
+    ]
     for t in sorted(registry.tenants(), key=lambda e: e.name):
         rotated = (
             time.strftime("%Y-%m-%d %H:%M", time.gmtime(t.rotated_at)) if t.rotated_at else "-"
         )
+        lim = t.limits
         lines.append(
-            f"{t.name:<24} {'revoked' if t.revoked else 'active':<8} "
-            f"{t.limits.max_concurrent_jobs:>8} {t.limits.max_storage_bytes:>12}  "
+            f"{t.name:<24} {'revoked' if t.revoked else 'active':<8} {lim.priority:<8} "
+            f"{lim.max_concurrent_jobs:>5} {lim.max_slots:>5} {lim.max_env_sessions:>5} "
+            f"{lim.max_inflight_samples:>8} {lim.max_storage_bytes:>12}  "
             f"{t.public_key[:12]}…, {rotated}"
         )
     return lines

@@ -56,6 +56,9 @@ class RolloutTask(msgspec.Struct, frozen=True, tag="rollout_task"):
     #: Every episode of the iteration resets with the same seed (GRPO: the group-relative
     #: baseline compares episodes from one initial state).
     same_reset: bool = False
+    #: The job's weight (its tenant's priority class times its own priority): its act
+    #: requests carry it, and the inferencer shares batches by it.
+    priority: int = 1
 
 
 class EvalTask(msgspec.Struct, frozen=True, tag="eval_task"):

@@ -38,6 +38,10 @@ class ActRequest(msgspec.Struct, frozen=True, tag="act"):
     #: An inferencer that takes the request later drops it unanswered instead of spending a
     #: forward on it (hosts' clocks are assumed to agree to well under the timeout).
     expires_at: float = 0.0
+    #: The job's weight (its tenant's priority class times its own priority, set by the
+    #: master in the job's tasks): when more observations wait than fit a batch, the
+    #: inferencer shares the batch between tenants in proportion to it.
+    priority: int = 1
 
 
 class ActReply(msgspec.Struct, frozen=True):

@@ -10,7 +10,9 @@ from typing import Literal
 
 import msgspec
 
-JobStatus = Literal["accepted", "running", "succeeded", "failed", "cancelled"]
+#: ``queued``: accepted and waiting for its tenant's running jobs to leave room under its
+#: limits (the record's ``reason`` says which).
+JobStatus = Literal["accepted", "queued", "running", "succeeded", "failed", "cancelled"]
 TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
 
 

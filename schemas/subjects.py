@@ -36,6 +36,8 @@ JOB_VERBS: tuple[str, ...] = ("submit", "cancel", "pause", "resume")
 #: Core NATS request-reply (no stream): "describe this env" (:mod:`schemas.envdesc`), answered
 #: by one env worker of the ``envs`` queue group. Outside ``nexus.env.>``, which ENV stores.
 ENV_DESCRIBE = f"{PREFIX}.envinfo.describe"
+#: Queue depth and wait per tenant, published by the scheduling services (:mod:`schemas.metrics`).
+QUEUE_METRICS = f"{PREFIX}.metrics.queues"
 #: Every env worker prepares simulator sessions asked for here (:mod:`schemas.envctl`).
 ENVS_PREWARM = f"{PREFIX}.ctl.envs.prewarm"
 #: Queue group of the env workers answering :data:`ENV_DESCRIBE`.

@@ -14,14 +14,40 @@ import msgspec
 IdentityRole = Literal["tenant", "service", "operator"]
 
 
-class TenantLimits(msgspec.Struct, frozen=True):
-    """What one tenant may hold at once; set by the operator (``joynexus tenant add/set``)."""
+PriorityClass = Literal["low", "normal", "high"]
+#: A priority class's weight: a job's share on the trainer (DRR) and in inference batches is
+#: its tenant's class weight times the job's own ``priority``.
+PRIORITY_WEIGHTS: dict[str, int] = {"low": 1, "normal": 2, "high": 4}
 
-    #: Jobs accepted and not yet terminal; a submit past it is rejected, naming the limit.
+
+class TenantLimits(msgspec.Struct, frozen=True):
+    """What one tenant may hold at once and how it is served; set by the operator
+    (``joynexus tenant add/set``). A job that would take the tenant past a holding limit
+    waits (``queued``, with the reason) until the tenant's running jobs leave room; one
+    that could never fit is rejected, naming the limit."""
+
+    #: Top-level jobs running at once.
     max_concurrent_jobs: int = 4
     #: Bytes the tenant's object store bucket (datasets + exported policies) may hold; the
     #: broker refuses writes past it.
     max_storage_bytes: int = 1 << 30
+    #: Slots on the trainers (SFT, RL and session jobs each hold one) at once.
+    max_slots: int = 4
+    #: Simulator sessions of the tenant's running RL and evaluation jobs at once (an RL
+    #: job holds ``episodes_per_iteration`` x (``max_policy_lag`` + 1), an evaluation
+    #: ``parallel_envs``).
+    max_env_sessions: int = 32
+    #: Samples of one SFT job in flight: streamed into TRAIN and not yet in a committed
+    #: checkpoint (its stream's backpressure).
+    max_inflight_samples: int = 1024
+    #: Priority class: weight 1, 2 or 4 (:data:`PRIORITY_WEIGHTS`).
+    priority: PriorityClass = "normal"
+    #: The highest ``priority`` one of its jobs may ask for (a weight among its own jobs).
+    max_job_priority: int = 4
+
+    @property
+    def weight(self) -> int:
+        return PRIORITY_WEIGHTS[self.priority]
 
 
 class TenantRecord(msgspec.Struct, frozen=True):

@@ -121,6 +121,16 @@ def test_tenant_commands_on_a_stopped_home(tmp_path: Path) -> None:
     key = load_creds(tmp_path / "creds" / "acme.creds").public_key
     listed = run("list")
     assert "acme" in listed.stdout and "active" in listed.stdout and " 5000 " in listed.stdout
+    limits = run("set", "acme", "--priority", "high", "--max-env-sessions", "8", "--max-slots", "3")
+    assert limits.returncode == 0, limits.stderr
+    entry = next(t for t in load_registry(tmp_path).tenants() if t.name == "acme")
+    assert (entry.limits.priority, entry.limits.weight) == ("high", 4)
+    assert (entry.limits.max_env_sessions, entry.limits.max_slots) == (8, 3)
+    assert entry.limits.max_concurrent_jobs == 2  # unchanged
+    assert " high " in run("list").stdout
+    refused = run("set", "acme", "--max-inflight-samples", "0")
+    assert refused.returncode == 2 and "--max-inflight-samples must be >= 1" in refused.stderr
+    assert run("set", "acme", "--priority", "urgent").returncode == 2  # not a class
     assert run("rotate", "acme").returncode == 0
     assert load_creds(tmp_path / "creds" / "acme.creds").public_key != key
     bad = run("add", "operator")

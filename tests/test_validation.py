@@ -28,7 +28,7 @@ from bus.server import EmbeddedServer
 from schemas import headers, subjects
 from schemas.dead import DEAD_LETTER_DECODER, DeadLetter
 from schemas.env import StreamDataset
-from schemas.events import Accepted, ErrorEvent, Rejected
+from schemas.events import Accepted, ErrorEvent, Rejected, StateChanged
 from schemas.infer import ACT_REPLY_DECODER, ActRequest
 from schemas.jobs import JobCancel, JobSubmit
 from schemas.limits import InputLimits
@@ -344,15 +344,17 @@ async def test_a_spec_over_an_operator_bound_is_rejected_and_a_cancel_for_anothe
 async def test_registered_tenants_only_and_their_concurrent_job_limit(
     fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
 ) -> None:
-    """With tenants registered, an unknown or revoked tenant is refused by name, and a
-    tenant's submit past ``max_concurrent_jobs`` is refused naming the limit."""
+    """With tenants registered, an unknown or revoked tenant is refused by name; a tenant's
+    submit past ``max_concurrent_jobs`` waits, queued with the limit as its reason, and one
+    that could never fit its limits is refused naming the limit."""
     nc = await connect(fresh_server.url)
     js = nc.jetstream()
     await declare(js)
     tenants = await js.key_value(subjects.KV_TENANTS)  # declared with the layout
     alice, revoked = uid("alice"), uid("gone")
     now = time.time()
-    await tenants.put(alice, encode(TenantRecord(alice, "U" + "A" * 55, now, TenantLimits(1))))
+    limits = TenantLimits(1, max_env_sessions=4, max_job_priority=2)
+    await tenants.put(alice, encode(TenantRecord(alice, "U" + "A" * 55, now, limits)))
     await tenants.put(revoked, encode(TenantRecord(revoked, "U" + "B" * 55, now, revoked=True)))
     start_master_and_envs(fresh_server.url, tmp_path, procs)
 
@@ -365,10 +367,23 @@ async def test_registered_tenants_only_and_their_concurrent_job_limit(
         assert isinstance(refused, Rejected) and f"unknown tenant {tenant!r}" in refused.reason
     assert isinstance(await outcome(js, alice, "a1"), Accepted)
     await submit(js, rl_spec(alice), "a2")
-    second = await outcome(js, alice, "a2")
-    assert isinstance(second, Rejected)
-    assert "max_concurrent_jobs is 1" in second.reason and "a1" in second.reason
+    assert isinstance(await outcome(js, alice, "a2"), Accepted)
+    queued = await eventually(
+        lambda: queued_state(js, alice, "a2"), timeout=30, what="a2 queued with its reason"
+    )
+    assert "max_concurrent_jobs is 1" in queued.reason and "a1" in queued.reason
+    # Never to fit: more simulator sessions than the limit, a priority over the cap.
+    await submit(js, rl_spec(alice, episodes_per_iteration=8), "big")
+    await submit(js, rl_spec(alice, priority=3), "pushy")
+    big, pushy = await outcome(js, alice, "big"), await outcome(js, alice, "pushy")
+    assert isinstance(big, Rejected) and "exceeds max_env_sessions 4" in big.reason
+    assert isinstance(pushy, Rejected) and "priority: 3 exceeds max_job_priority 2" in pushy.reason
     await nc.close()
+
+
+async def queued_state(js: JetStreamContext, tenant: str, job: str) -> StateChanged | None:
+    evs = await events_of(js, tenant, job)
+    return next((e for e in evs if isinstance(e, StateChanged) and e.status == "queued"), None)
 
 
 # -- env workers -----------------------------------------------------------------------------

@@ -208,6 +208,7 @@ async def run_sessions(
     noise_seed: int,
     meter: EnvMeter,
     stats: EnvStats,
+    priority: int = 1,
 ) -> list[Session]:
     """Run ``episodes`` ((index, reset seed) pairs, at most one per adapter) to the end."""
     sessions = []
@@ -229,6 +230,7 @@ async def run_sessions(
             num_views=num_views,
             token_budget=token_budget,
             timeout=60.0,
+            priority=priority,
         )
         stats.act_wait_s += time.perf_counter() - asked
         stats.act_requests += 1
@@ -318,6 +320,7 @@ async def collect(
                 noise_seed=step_seed(task.seed, task.iteration, chunk[0]),
                 meter=meter,
                 stats=meter.of(task.env_id),
+                priority=task.priority,
             )
         bootstrap = await bootstrap_values(client, task, sessions)
         records += [rollout_record(task, s, bootstrap.get(s.episode, 0.0)) for s in sessions]
@@ -340,6 +343,7 @@ async def bootstrap_values(
         num_views=task.num_views,
         token_budget=task.token_budget,
         timeout=60.0,
+        priority=task.priority,
     )
     if reply.values is None:
         return {}

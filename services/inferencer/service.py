@@ -50,14 +50,17 @@ from bus.errors import Interrupted, PoisonError
 from bus.metering import BusyMeter, LinearFit
 from bus.placement import placed
 from bus.publish import msg_id, publish
+from bus.queues import per_tenant, publish_queues
 from bus.service import Runtime, in_daemon_thread, serve
 from schemas import subjects
 from schemas.events import ErrorEvent
 from schemas.infer import INFER_DECODER, ActReply
 from schemas.limits import InputLimits
+from schemas.metrics import TenantQueue
 from schemas.tensor import Tensor
 from services.inferencer.admission import answerable, envelope, expired, parse, validate
 from services.inferencer.batching import REQUEST_ERRORS, BatchRunner, BatchStats, Outcome, Work
+from services.inferencer.fairness import Waiting, fair_take
 from services.inferencer.policies import STOP_POLL_S, PolicyCache
 from vla import costmodel
 from vla.backbone import Backbone
@@ -179,6 +182,8 @@ class Inferencer:
         self.runner = BatchRunner(backbone, costs, wire)
         self.pending: deque[Pending] = deque()
         self.pending_obs = 0
+        #: Each waiting job's credit in the batches' deficit round robin (fairness.py).
+        self.credit: dict[str, float] = {}
         self.admitting: set[asyncio.Task[Fate]] = set()
         self.settling: set[asyncio.Task[None]] = set()
         #: Served policy version of a request being failed after its forward, for the
@@ -317,14 +322,20 @@ class Inferencer:
                 pass
 
     def take(self, target: int) -> list[Pending]:
-        """The next batch: FIFO, up to ``target`` observations (at least one request)."""
-        batch: list[Pending] = []
-        total = 0
-        while self.pending and (not batch or total + self.pending[0].observations <= target):
-            p = self.pending.popleft()
-            batch.append(p)
-            total += p.observations
-        self.pending_obs -= total
+        """The next batch, up to ``target`` observations (at least one request): all that
+        waits if it fits, else shared between jobs by weight (:func:`fair_take`)."""
+        waiting = [
+            Waiting(
+                f"{p.work.request.tenant}/{p.work.request.job_id}",
+                p.observations,
+                p.work.request.priority,
+            )
+            for p in self.pending
+        ]
+        chosen = set(fair_take(waiting, target, self.credit))
+        batch = [p for i, p in enumerate(self.pending) if i in chosen]
+        self.pending = deque(p for i, p in enumerate(self.pending) if i not in chosen)
+        self.pending_obs -= sum(p.observations for p in batch)
         self._room.set()
         return batch
 
@@ -453,6 +464,11 @@ class Inferencer:
         await publish(self.rt.js, subject, event, message_id=msg_id("ev", "infer-dead", seq))
 
     # -- observability -----------------------------------------------------------------------
+    def queue(self) -> list[TenantQueue]:
+        """Requests admitted and waiting for a batch, per tenant."""
+        now = asyncio.get_running_loop().time()
+        return per_tenant(((p.work.request.tenant, p.arrived) for p in self.pending), now)
+
     def gauges(self) -> dict[str, float]:
         return {
             "requests_served": float(self.served),
@@ -522,6 +538,10 @@ async def serve_inferencer(rt: Runtime, config: InferencerConfig) -> None:
     inferencer = Inferencer(rt, config, backbone, costs, remote)
     await inferencer.open()
     rt.gauges = inferencer.gauges
+    rt.spawn(
+        publish_queues(rt.nc, rt.stop, "inferencer", rt.instance, "infer", inferencer.queue),
+        "queue report",
+    )
     log.info(
         "serving %s (B=%d, T=%.1f ms)", inferencer.name, config.target_batch, config.max_wait_ms
     )

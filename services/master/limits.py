@@ -5,10 +5,18 @@ how many jobs it already runs, and whether its spec stays within the operator's 
   the operator): while the bucket holds no record (open mode: a stack without tenant
   identities, old stacks) every tenant is accepted; once any record exists, work from a
   tenant without one, or a revoked one, is refused with ``unknown tenant 'x'``.
-* **Concurrent jobs**: a submit while the tenant has ``limits.max_concurrent_jobs`` top-level
-  jobs that are not terminal is refused, naming the limit (a pipeline's stages belong to
-  their pipeline and do not count again). No limit in open mode. One master consumes the
-  JOBS stream at a time, so counting and then accepting cannot race another submit.
+* **What a tenant holds at once** (:class:`~schemas.tenants.TenantLimits`): running
+  top-level jobs, trainer slots, simulator sessions (:func:`holding`). A job that would take
+  the tenant past one of them is accepted and waits, ``queued`` with the reason
+  (:meth:`TenantGate.wait_reason`); the master starts it when the tenant's running jobs leave
+  room, oldest first. A job that could never fit (its own holding over a limit, a
+  ``priority`` over ``max_job_priority``, an SFT commit interval over
+  ``max_inflight_samples``) is refused, naming the limit (:func:`check_fits`). No limits in
+  open mode. The master decides admissions one at a time (a lock), so counting and then
+  starting cannot race another admission.
+* **How it is served**: a job's weight on the trainer (DRR) and in inference batches is its
+  tenant's priority class weight times its own ``priority``; an SFT stream keeps at most
+  ``max_inflight_samples`` samples uncommitted (:func:`apply_limits`).
 * **Spec bounds** (:class:`~schemas.limits.InputLimits`): the size of the command and its
   spec, and every field that makes a service allocate or loop (steps, iterations, batch
   size, episodes, envs, image size, views, token budget, head dims) — checked for every stage
@@ -21,6 +29,9 @@ the tenant gets a ``rejected`` event with the reason.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import msgspec
 from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, NotFoundError
 
@@ -29,18 +40,22 @@ from bus.errors import PoisonError
 from bus.kv import kv_keys
 from bus.records import list_jobs
 from schemas import subjects
-from schemas.jobs import TERMINAL_STATUSES
+from schemas.env import StreamDataset
+from schemas.jobs import TERMINAL_STATUSES, JobRecord
 from schemas.limits import InputLimits, exceeds
 from schemas.specs import (
     EvalJobSpec,
     HeadSpec,
     JobSpec,
+    JobSpecError,
     PipelineSpec,
     RLJobSpec,
     SessionSpec,
     SFTJobSpec,
+    parse_job_spec,
 )
-from schemas.tenants import TENANT_RECORD_DECODER, TenantRecord
+from schemas.tenants import TENANT_RECORD_DECODER, TenantLimits, TenantRecord
+from services.master.plans import Plan
 
 
 def check_size(what: str, size: int, limit: str, bound: int) -> None:
@@ -136,19 +151,131 @@ class TenantGate:
             raise PoisonError(f"unknown tenant {tenant!r}")
         return record
 
-    async def admit(self, tenant: str, job_id: str) -> None:
-        """Refuse a new job of an unknown tenant, or past its ``max_concurrent_jobs``."""
-        record = await self.record(tenant)
-        if record is None:
-            return
-        limit = record.limits.max_concurrent_jobs
+    async def wait_reason(
+        self, tenant: str, job_id: str, spec: JobSpec, limits: TenantLimits
+    ) -> str:
+        """Why ``spec`` must wait for the tenant's running jobs ('' if it may start now):
+        the first limit its holding would take the tenant past."""
         running = [
-            r.job_id
+            r
             for r in await list_jobs(self.js, tenant)
-            if r.status not in TERMINAL_STATUSES and not r.parent and r.job_id != job_id
+            if r.status not in TERMINAL_STATUSES and r.status != "queued" and r.job_id != job_id
         ]
-        if len(running) >= limit:
-            raise PoisonError(
-                f"tenant {tenant!r} already has {len(running)} jobs running "
-                f"({', '.join(running[:5])}); its limit max_concurrent_jobs is {limit}"
+        held = Holding(0, 0, 0)
+        for record in running:
+            held = held + holding_of(record)
+        want = holding(spec)
+        jobs = [r.job_id for r in running if not r.parent]
+        if len(jobs) + 1 > limits.max_concurrent_jobs:
+            return (
+                f"tenant {tenant!r} has {len(jobs)} jobs running ({', '.join(jobs[:5])}); "
+                f"its limit max_concurrent_jobs is {limits.max_concurrent_jobs}"
             )
+        if held.slots + want.slots > limits.max_slots:
+            return (
+                f"tenant {tenant!r} holds {held.slots} trainer slots and this job needs "
+                f"{want.slots}; its limit max_slots is {limits.max_slots}"
+            )
+        if held.env_sessions + want.env_sessions > limits.max_env_sessions:
+            return (
+                f"tenant {tenant!r} runs {held.env_sessions} simulator sessions and this job "
+                f"needs {want.env_sessions}; its limit max_env_sessions is "
+                f"{limits.max_env_sessions}"
+            )
+        return ""
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What a running job holds of its tenant's limits."""
+
+    jobs: int
+    slots: int
+    env_sessions: int
+
+    def __add__(self, other: Holding) -> Holding:
+        return Holding(
+            self.jobs + other.jobs,
+            self.slots + other.slots,
+            self.env_sessions + other.env_sessions,
+        )
+
+
+def holding(spec: JobSpec) -> Holding:
+    """A job's holding while it runs: a slot per training job; an RL job's iteration's
+    episodes at once (every iteration that may run ahead with ``max_policy_lag``), an
+    evaluation's ``parallel_envs``; a pipeline what its largest stage holds."""
+    match spec:
+        case PipelineSpec():
+            stages = [holding(stage) for stage in spec.stages]
+            return Holding(1, max(h.slots for h in stages), max(h.env_sessions for h in stages))
+        case RLJobSpec():
+            lag = spec.rl.max_policy_lag
+            return Holding(1, 1, spec.episodes_per_iteration * (lag + 1))
+        case SFTJobSpec() | SessionSpec():
+            return Holding(1, 1, 0)
+        case EvalJobSpec():
+            sessions = min(spec.episodes, spec.parallel_envs) if spec.env else 0
+            return Holding(1, 0, sessions)
+    raise PoisonError(f"kind: {spec.kind!r} has no holding")
+
+
+def holding_of(record: JobRecord) -> Holding:
+    """A running job's holding from its record; a pipeline's stages count as their
+    pipeline (which holds what its largest stage does), so they count nothing of their own."""
+    if record.parent:
+        return Holding(0, 0, 0)
+    try:
+        return holding(parse_job_spec(record.spec_json))
+    except JobSpecError:  # recorded, so once valid: a spec of an older version
+        return Holding(1, 0, 0)
+
+
+def check_fits(spec: JobSpec, limits: TenantLimits, prefix: str = "") -> None:
+    """Refuse (:class:`PoisonError`, naming the limit) a job that could never start under
+    ``limits``, however long it waited."""
+    want = holding(spec)
+    if want.slots > limits.max_slots:
+        raise PoisonError(
+            exceeds(f"{prefix}job", f"{want.slots} slots", "max_slots", limits.max_slots)
+        )
+    if want.env_sessions > limits.max_env_sessions:
+        raise PoisonError(
+            exceeds(
+                f"{prefix}job",
+                f"{want.env_sessions} simulator sessions at once",
+                "max_env_sessions",
+                limits.max_env_sessions,
+            )
+        )
+    match spec:
+        case PipelineSpec():
+            for i, stage in enumerate(spec.stages):
+                check_fits(stage, limits, f"{prefix}stages.{i}.")
+        case SFTJobSpec() | RLJobSpec() | SessionSpec():
+            _at_most(
+                f"{prefix}priority", spec.priority, "max_job_priority", limits.max_job_priority
+            )
+            if isinstance(spec, SFTJobSpec):
+                # A stream must hold a whole commit interval (and one more batch) in flight.
+                _at_most(
+                    f"{prefix}checkpoint_every x batch_size",
+                    (spec.checkpoint_every + 1) * spec.batch_size,
+                    "max_inflight_samples",
+                    limits.max_inflight_samples,
+                )
+
+
+def apply_limits(plan: Plan, limits: TenantLimits | None) -> Plan:
+    """The plan as the tenant's limits serve it: its slot's weight times its class weight,
+    its dataset stream's in-flight batches within ``max_inflight_samples``."""
+    if limits is None or plan.open_slot is None:
+        return plan
+    slot = msgspec.structs.replace(plan.open_slot, priority=plan.open_slot.priority * limits.weight)
+    tasks = []
+    for task in plan.env_tasks:
+        if isinstance(task, StreamDataset):
+            batches = max(1, limits.max_inflight_samples // task.batch_size)
+            task = msgspec.structs.replace(task, max_in_flight=min(task.max_in_flight, batches))
+        tasks.append(task)
+    return Plan(plan.backbone, slot, tasks)

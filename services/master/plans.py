@@ -24,7 +24,6 @@ from bus.datasets import DatasetStoreError, default_cache_root, resolve
 from bus.errors import PoisonError, RetryableError
 from schemas.env import EnvTask, EvalTask, RolloutTask, StreamDataset
 from schemas.limits import InputLimits
-from schemas.model import HeadConfig
 from schemas.specs import EvalJobSpec, RLJobSpec, SessionSpec, SFTJobSpec
 from schemas.train import OpenSlot, PolicyRecord
 from vla.data import DatasetError, DatasetMeta, check_dataset, read_meta
@@ -225,13 +224,13 @@ def compile_session(job_id: str, spec: SessionSpec, init: PolicyRecord | None) -
     return Plan(spec.backbone, open_slot, [])
 
 
-def rollout_tasks(
-    job_id: str, spec: RLJobSpec, version: int, head: HeadConfig
-) -> list[RolloutTask]:
+def rollout_tasks(job_id: str, spec: RLJobSpec, version: int, slot: OpenSlot) -> list[RolloutTask]:
     """Tasks to run once ``version`` is committed. Version 1 is the initial policy and
     version ``v`` follows ``v - 1`` updates, so it runs iteration ``v - 1 + lag`` (all of
     iterations 0..lag at version 1), split into tasks of ``parallel_envs`` episodes.
-    ``head`` is the job's slot's (its dims filled from the env at submit)."""
+    ``slot`` is the job's (its head's dims filled from the env at submit, its weight its
+    tenant's class times its own priority)."""
+    head = slot.head
     lag = spec.rl.max_policy_lag
     iterations = range(0, lag + 1) if version == 1 else [version - 1 + lag]
     tasks = []
@@ -258,6 +257,7 @@ def rollout_tasks(
                     parallel_envs=spec.parallel_envs,
                     env_kwargs=dict(spec.env_kwargs),
                     same_reset=spec.rl.algorithm == "grpo",
+                    priority=slot.priority,
                 )
             )
     return tasks

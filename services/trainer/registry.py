@@ -82,7 +82,7 @@ class JobRegistry:
         record, revision = await records.get_policy(self.policies, tenant, job_id)
         if record is None:
             status = await self.status_of(tenant, job_id)
-            if status in ("accepted", "running"):
+            if status in ("accepted", "queued", "running"):
                 return WAIT
             if status in TERMINAL_STATUSES:
                 return None

@@ -39,10 +39,12 @@ from bus.encoding import FeatureClient
 from bus.errors import HandlerError, PoisonError
 from bus.metering import BusyMeter
 from bus.placement import placed
+from bus.queues import per_tenant, publish_queues
 from bus.service import Runtime, serve
 from bus.watch import follow_kv
 from schemas import subjects
 from schemas.cachectl import CACHE_QUERY_DECODER, CacheQuery, CacheStats
+from schemas.metrics import TenantQueue
 from schemas.train import (
     SESSION_CALL_TYPES,
     CloseSlot,
@@ -388,6 +390,18 @@ class Trainer:
             if job.commit_due(self.config.commit_every_s) and not self.committer.busy(job):
                 self.committer.start(job)
 
+    def queue(self) -> list[TenantQueue]:
+        """Training messages buffered here, per tenant, and how long the oldest waited since
+        it was published."""
+        return per_tenant(
+            (
+                (tenant, msg.metadata.timestamp.timestamp())
+                for tenant, buffered in self.intake.buffers.items()
+                for msg, _ in buffered
+            ),
+            time.time(),
+        )
+
     def gauges(self) -> dict[str, float]:
         return {
             "tenants": float(len(self.tenants.durables)),
@@ -447,6 +461,10 @@ async def run(config: TrainerConfig) -> None:
                 backbone.feature_layer,
             )
         rt.gauges = trainer.gauges
+        rt.spawn(
+            publish_queues(rt.nc, rt.stop, "trainer", rt.instance, "train", trainer.queue),
+            "queue report",
+        )
         async with placed(rt, backbone):
             await trainer.run()
 

@@ -1,0 +1,64 @@
+"""Sharing an inference batch between jobs in proportion to their weights (a pure function,
+so the policy is tested without a bus).
+
+When the requests waiting fit one batch, they all go, in arrival order: nobody waits on
+anybody. When more observations wait than a batch takes, the batch is filled by deficit round
+robin over jobs: each round every job with a request waiting earns ``weight`` observations of
+credit, and the jobs, most owed first, send their oldest requests while their credit covers
+them and the batch has room. Credit carries over to the
+next batch while a job keeps waiting and is dropped once it has nothing waiting, so over many
+batches each busy job gets observations in proportion to its weight (its tenant's priority
+class times its own priority), and a job flooding the queue cannot crowd out the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A request waiting for a batch."""
+
+    job: str
+    observations: int
+    weight: int
+
+
+def fair_take(waiting: Sequence[Waiting], target: int, credit: dict[str, float]) -> list[int]:
+    """Indices (into ``waiting``, oldest first) of the next batch of at most ``target``
+    observations (at least one request). ``credit`` is updated in place."""
+    if not waiting:
+        return []
+    if sum(w.observations for w in waiting) <= target:
+        credit.clear()  # nobody waits behind anybody: nothing is owed
+        return list(range(len(waiting)))
+    queues: dict[str, list[int]] = {}
+    for i, w in enumerate(waiting):
+        queues.setdefault(w.job, []).append(i)
+    for job in list(credit):
+        if job not in queues:
+            del credit[job]  # an idle job banks nothing
+    chosen: list[int] = []
+    total = 0
+    while True:
+        heads = [q[0] for q in queues.values() if q]
+        if not heads or all(total + waiting[i].observations > target for i in heads):
+            break
+        for job, queue in queues.items():
+            if queue:
+                credit[job] = credit.get(job, 0.0) + max(1, waiting[queue[0]].weight)
+        for job in sorted(queues, key=lambda j: -credit.get(j, 0.0)):  # most owed first
+            queue = queues[job]
+            while queue and waiting[queue[0]].observations <= credit[job]:
+                if total + waiting[queue[0]].observations > target:
+                    break
+                i = queue.pop(0)
+                credit[job] -= waiting[i].observations
+                total += waiting[i].observations
+                chosen.append(i)
+    if not chosen:  # a single request larger than the batch: it goes alone
+        chosen = [0]
+        credit[waiting[0].job] = 0.0
+    return sorted(chosen)
