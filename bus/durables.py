@@ -48,6 +48,8 @@ class DurableSet:
     #: The last :meth:`fill` fetched from a key with a backlog (worth fetching again at once;
     #: a key the caller wants nothing of, its buffer full, does not count).
     backlog_fetched: bool = False
+    #: Fetch requests made so far (one per key fetched from): idle keys must not add any.
+    fetches: int = 0
 
     async def discover(self) -> list[str]:
         """Bind durables for new keys; mark keys with unfetched messages active. Returns the
@@ -97,6 +99,7 @@ class DurableSet:
                 self.active.discard(key)
             return msgs
 
+        self.fetches += len(keys)
         results = await asyncio.gather(*(one(k) for k in keys))
         self.backlog_fetched = any(self.backlog.get(k, 0) > 0 for k in keys)
         return dict(zip(keys, results, strict=True))

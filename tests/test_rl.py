@@ -276,6 +276,9 @@ def parse(record: Any) -> dict[str, Any]:
     return dict(json.loads(record.spec_json))
 
 
+# Over the bus with the slow ones; PPO's learning runs in the default suite in process
+# (tests/test_vla_rl.py, the same kernels), RL over the bus in tests/test_demo.py.
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_rl_improves_return_on_the_fast_env(
     nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs, tmp_path: Path

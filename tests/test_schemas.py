@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from bus.codec import DecodeError, decode, encode
 from schemas import subjects
 from schemas.dead import DEAD_LETTER_DECODER
-from schemas.env import ENV_DECODER
+from schemas.env import ENV_DECODER, RolloutTask
 from schemas.events import EVENT_DECODER, Accepted, Rejected, event_kind
 from schemas.feature import FEATURE_DECODER
 from schemas.health import HEARTBEAT_DECODER
@@ -77,6 +77,22 @@ def test_an_act_request_written_before_expires_at_still_decodes_without_a_deadli
     decoded = decode(DECODERS["act_request"], old)
     assert isinstance(decoded, ActRequest) and decoded.expires_at == 0.0
     assert decoded == SAMPLES["act_request"]  # the sample has no deadline either
+
+
+def test_act_requests_and_rollout_tasks_written_before_priorities_decode_at_weight_1() -> None:
+    """Rolling upgrade: an older writer's act request or rollout task (no ``priority``) is
+    served at the fair share's weight."""
+    request = decode(
+        DECODERS["act_request"], (GOLDEN / "act_request_before_priority.msgpack").read_bytes()
+    )
+    assert isinstance(request, ActRequest) and request.priority == 1
+    assert request == SAMPLES["act_request"]
+    task = decode(
+        DECODERS["env_rollout_task"],
+        (GOLDEN / "env_rollout_task_before_priority.msgpack").read_bytes(),
+    )
+    assert isinstance(task, RolloutTask) and task.priority == 1
+    assert task == SAMPLES["env_rollout_task"]
 
 
 def test_records_written_before_sessions_still_decode_as_no_session() -> None:

@@ -77,7 +77,8 @@ def stress(role: str, times: int, url: str, tmp_path: Path, procs: Procs, seed: 
 def test_every_stop_exits_0_within_5_s(
     role: str, nats_server: EmbeddedServer, procs: Procs, tmp_path: Path
 ) -> None:
-    stress(role, 5, nats_server.url, tmp_path, procs, seed=zlib.crc32(role.encode()))
+    # early, started and one random moment (the fifty-stop soak below runs with the slow ones)
+    stress(role, 3, nats_server.url, tmp_path, procs, seed=zlib.crc32(role.encode()))
 
 
 @pytest.mark.slow

@@ -405,6 +405,7 @@ class Trainer:
     def gauges(self) -> dict[str, float]:
         return {
             "tenants": float(len(self.tenants.durables)),
+            "fetches": float(self.tenants.fetches),
             "jobs": float(len(self.registry.jobs)),
             "resident_slot_bytes": float(self.slots.resident_bytes),
             "commits": float(self.committer.commits),
