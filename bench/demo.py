@@ -432,6 +432,30 @@ def breakdown(phase: PhaseRun) -> dict[str, dict[str, float]]:
     return out
 
 
+def waits(phase: PhaseRun) -> dict[str, float]:
+    """Where a unit of work waited, in milliseconds: an SFT batch from its publish to its
+    step (TRAIN and the trainer's buffers); an act request's round trip at the env worker,
+    of it the time inside the inferencer, of that the batch's forward."""
+    train, infer, env = phase.totals["train"], phase.totals["infer"], phase.totals["env"]
+
+    def ms(seconds: float, count: float) -> float:
+        return 1000.0 * seconds / count if count else 0.0
+
+    return {
+        "train_batch_wait_ms": ms(train.get("queue_wait_s", 0.0), train.get("queued", 0.0)),
+        "act_round_trip_ms": ms(env.get("act_wait_s", 0.0), env.get("act_requests", 0.0)),
+        "act_in_inferencer_ms": ms(
+            infer.get("residence_s", 0.0), infer.get("requests_served", 0.0)
+        ),
+        "act_forward_ms": ms(infer.get("busy_s", 0.0), infer.get("act_batch_n", 0.0)),
+        "observations_per_forward": (
+            infer.get("act_batch_units", 0.0) / infer["act_batch_n"]
+            if infer.get("act_batch_n")
+            else 0.0
+        ),
+    }
+
+
 def summarise(config: DemoConfig, phases: dict[str, PhaseRun]) -> dict[str, Any]:
     iso, shared = phases["isolated"], phases["shared"]
     result: dict[str, Any] = {
@@ -484,6 +508,7 @@ def summarise(config: DemoConfig, phases: dict[str, PhaseRun]) -> dict[str, Any]
         )
     result["tenants"] = tenants
     result["time_breakdown"] = {name: breakdown(p) for name, p in phases.items()}
+    result["waits"] = {name: waits(p) for name, p in phases.items()}
     return result
 
 
@@ -534,6 +559,17 @@ def print_table(result: dict[str, Any]) -> None:
                 f"{mode:<10}{service:<8}{b['held_s']:>9.1f}{b['busy_s']:>9.1f}"
                 f"{b['overhead_s']:>10.1f}{b['commit_s']:>15.1f}{b['idle_s']:>9.1f}"
             )
+    print()
+    print(
+        f"{'mode':<10}{'SFT batch wait':>16}{'act round trip':>16}{'in inferencer':>15}"
+        f"{'forward':>9}{'obs/forward':>13}   (ms)"
+    )
+    for mode, w in result["waits"].items():
+        print(
+            f"{mode:<10}{w['train_batch_wait_ms']:>16.1f}{w['act_round_trip_ms']:>16.1f}"
+            f"{w['act_in_inferencer_ms']:>15.1f}{w['act_forward_ms']:>9.1f}"
+            f"{w['observations_per_forward']:>13.1f}"
+        )
 
 
 def write_raw(phases: dict[str, PhaseRun], sampler: Sampler, path: Path) -> None:

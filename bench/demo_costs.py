@@ -11,6 +11,7 @@ isolated phase's.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +76,7 @@ def phase_costs(phase: PhaseRun) -> Costs:
         act_batch_s=act_fixed,
         act_per_sample_s=act_per_obs,
         env_step_s=overall["env_step_s"],
+        env_step_cv=overall["env_step_cv"],
         reset_s=overall["reset_s"],
         env_step_overhead_s=overall["env_step_overhead_s"],
         hop_s=max(0.0, (latency - residence) / 2) if batches else 0.0,
@@ -92,8 +94,11 @@ def env_costs(env: dict[str, float], env_id: str) -> dict[str, float]:
         return env.get(prefix + name, 0.0)
 
     other = g("task_s") - g("reset_s") - g("step_s") - g("act_wait_s")
+    call_s = _ratio(g("step_s"), g("step_calls"))
+    variance = max(0.0, _ratio(g("step_s2"), g("step_calls")) - call_s * call_s)
     return {
         "env_step_s": _ratio(g("step_s"), g("steps")),
+        "env_step_cv": math.sqrt(variance) / call_s if call_s > 0 else 0.0,
         "reset_s": _ratio(g("reset_s"), g("resets")),
         "env_step_overhead_s": max(0.0, _ratio(other, g("act_requests"))),
         "episode_steps": _ratio(g("steps"), g("episodes")),
@@ -128,6 +133,7 @@ def tenant_loads(phase: PhaseRun, budget: Budget) -> list[TenantLoad]:
                 episode_steps=measured["episode_steps"] or float(budget.rl_episode_steps),
                 chunk_len=int(tenant.head.get("chunk_len", 1)),
                 env_step_s=measured["env_step_s"],
+                env_step_cv=measured["env_step_cv"],
                 reset_s=measured["reset_s"],
                 env_step_overhead_s=measured["env_step_overhead_s"],
             )

@@ -28,6 +28,14 @@ if TYPE_CHECKING:
 
 COLOURS = {"train": "#1f77b4", "infer": "#ff7f0e", "env": "#2ca02c"}
 MODE_STYLE = {"isolated": "-", "shared": "--"}
+WAIT_HEADER = [
+    "mode",
+    "SFT batch wait",
+    "act round trip",
+    "in inferencer",
+    "forward",
+    "observations per forward",
+]
 BREAKDOWN_HEADER = [
     "mode",
     "service",
@@ -196,6 +204,17 @@ def write(
         for mode, services in result["time_breakdown"].items()
         for service, b in services.items()
     ]
+    wait_rows = [
+        [
+            mode,
+            f"{w['train_batch_wait_ms']:.1f}",
+            f"{w['act_round_trip_ms']:.1f}",
+            f"{w['act_in_inferencer_ms']:.1f}",
+            f"{w['act_forward_ms']:.1f}",
+            f"{w['observations_per_forward']:.1f}",
+        ]
+        for mode, w in result["waits"].items()
+    ]
     sim = result.get("simulated", {})
     sim_rows = [
         [name, f"{sim['measured'][name]:.3g}", f"{sim['predicted'][name]:.3g}", f"{err:+.1%}"]
@@ -232,6 +251,10 @@ before it (when it finishes if the tenants wait their turn).</p>
 work in hand but not computing (decoding and normalising, waiting for another service's
 answer, batching waits, checkpoint commits). idle: nothing in hand.</p>
 {_table(BREAKDOWN_HEADER, breakdown)}
+<p>Waits, in milliseconds: an SFT batch from its publish to its step; an act request's round
+trip at the env worker, of it the time inside the inferencer (batching wait and forward), and
+a batch's forward.</p>
+{_table(WAIT_HEADER, wait_rows)}
 <h2>The simulator against this run</h2>
 <p><code>joynexus simulate --costs {html.escape(str(result.get("costs", "")))}</code> models
 the same services and queues with the per-operation costs measured here.</p>

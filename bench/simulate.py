@@ -37,6 +37,7 @@ import heapq
 import itertools
 import json
 import math
+import random
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -72,6 +73,9 @@ class Costs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     act_per_sample_s: float = 0.0015
     #: A simulator step and reset (a tenant's own measured values take precedence).
     env_step_s: float = 0.02
+    #: How much a lockstep call's time varies (coefficient of variation): each call's time
+    #: is drawn around its mean with it, so parallel tasks drift apart as real ones do.
+    env_step_cv: float = 0.0
     reset_s: float = 0.02
     #: Per lockstep step of a rollout task, what is neither simulating nor waiting for the
     #: act answer: observations to messages, the records at the end (worker occupied).
@@ -102,6 +106,7 @@ class TenantLoad(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     chunk_len: int = 1
     #: This tenant's env costs (None: the costs' defaults).
     env_step_s: float | None = None
+    env_step_cv: float | None = None
     reset_s: float | None = None
     env_step_overhead_s: float | None = None
 
@@ -207,8 +212,11 @@ class Simulation:
         tenants: Sequence[TenantLoad],
         *,
         max_events: int = 50_000_000,
+        seed: int = 0,
     ) -> None:
         self.costs = costs
+        #: Draws the variation of simulator calls (seeded: a run is reproducible).
+        self.rng = random.Random(seed)
         self.topo = topology
         self.tenants = list(tenants)
         self.max_events = max_events
@@ -313,6 +321,7 @@ class Simulation:
         )
         steps = tenant.lockstep_steps
         chunk_s = sessions * tenant.chunk_len * step_s
+        cv = c.env_step_cv if tenant.env_step_cv is None else tenant.env_step_cv
 
         def lockstep(k: int) -> None:
             if k == steps:
@@ -323,11 +332,18 @@ class Simulation:
                 return
 
             def answered() -> None:
-                self.simulate(worker, chunk_s, lambda: lockstep(k + 1))
+                self.simulate(worker, chunk_s * self.vary(cv), lambda: lockstep(k + 1))
 
             self.at(overhead_s + c.hop_s, lambda: self.request_act(sessions, answered))
 
         self.simulate(worker, sessions * reset_s, lambda: lockstep(0))
+
+    def vary(self, cv: float) -> float:
+        """A factor of mean 1 and coefficient of variation ``cv`` (gamma-distributed)."""
+        if cv <= 0:
+            return 1.0
+        shape = 1.0 / (cv * cv)
+        return self.rng.gammavariate(shape, 1.0 / shape)
 
     def rollouts_in(self, tenant: TenantLoad, iteration: int) -> None:
         samples = tenant.episodes_per_iteration * tenant.lockstep_steps

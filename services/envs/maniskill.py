@@ -82,10 +82,20 @@ _MANISKILL_DEPRECATIONS = (
 )
 
 
+#: One call into ManiSkill at a time in a process. Two envs stepped at the same moment from
+#: two threads change each other's episodes (measured: 7 of 12 PickCube episodes differed
+#: from the same episodes stepped one call at a time; calls of two envs taking turns change
+#: nothing), and the warning filters and stdin swapped below are process-wide. An env worker
+#: steps its tasks' simulators in threads, so the lock costs it nothing the GIL did not
+#: (two threads stepping two envs took as long as one stepping both).
+_call_lock = threading.RLock()
+
+
 @contextlib.contextmanager
 def maniskill_call() -> Iterator[None]:
-    """Around calls into ManiSkill: its known deprecation warnings silenced, stdin at EOF."""
-    with _stdin_closed(), warnings.catch_warnings():
+    """Around calls into ManiSkill: one at a time in the process, its known deprecation
+    warnings silenced, stdin at EOF."""
+    with _call_lock, _stdin_closed(), warnings.catch_warnings():
         for message in _MANISKILL_DEPRECATIONS:
             warnings.filterwarnings("ignore", message, DeprecationWarning)
         yield

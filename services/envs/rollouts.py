@@ -40,6 +40,10 @@ class EnvStats:
 
     steps: int = 0
     step_s: float = 0.0
+    #: Lockstep calls (each steps every live session through its chunk) and the sum of
+    #: their squared seconds: how much a call's time varies.
+    step_calls: int = 0
+    step_s2: float = 0.0
     resets: int = 0
     reset_s: float = 0.0
     act_requests: int = 0
@@ -248,6 +252,8 @@ async def run_sessions(
         steps, seconds = await meter.simulate(partial(_execute_chunks, live, actions_B_C_A))
         stats.steps += steps
         stats.step_s += seconds
+        stats.step_calls += 1
+        stats.step_s2 += seconds * seconds
         t += 1
     stats.episodes += len(sessions)
     return sessions

@@ -63,6 +63,10 @@ class Stepper:
         #: against its episodes' steps (the simulator's training costs).
         self.sft_fit = LinearFit()
         self.rl_fit = LinearFit()
+        #: Seconds the round's batches waited since they were published (queueing in TRAIN
+        #: and in the trainer's buffers), summed, and how many.
+        self.queue_wait_s = 0.0
+        self.queued = 0
 
     # -- SFT ---------------------------------------------------------------------------------
     async def step(
@@ -106,6 +110,10 @@ class Stepper:
             for _, _, job in chosen:
                 await self.trainer.committer.publish_results(job)
             return
+        started = time.time()
+        for msg, _, _ in accepted:
+            self.queue_wait_s += max(0.0, started - msg.metadata.timestamp.timestamp())
+        self.queued += len(accepted)
         compute_t0 = time.perf_counter()
         compute = asyncio.ensure_future(asyncio.to_thread(group_train_step, self.encoder, requests))
         if during is not None:
@@ -293,6 +301,8 @@ class Stepper:
             "compute_s": self.compute_s,
             "busy_s": self.compute_s,
             "round_s": self.round_s,
+            "queue_wait_s": self.queue_wait_s,
+            "queued": float(self.queued),
             **self.sft_fit.gauges("sft_step"),
             **self.rl_fit.gauges("rl_update"),
             **(self.cache.stats() if self.cache is not None else {}),
