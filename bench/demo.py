@@ -26,6 +26,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -482,6 +483,13 @@ def summarise(config: DemoConfig, phases: dict[str, PhaseRun]) -> dict[str, Any]
         result[f"{key}_busy_inflation"] = (
             shared.totals[service].get("busy_s", 0.0) / iso_busy if iso_busy else float("nan")
         )
+    # The work's own compute (what the services measured in the isolated phase, where
+    # nothing contended) per second of each phase: how many cores it kept busy on average.
+    work_s = sum(iso.totals[s].get("busy_s", 0.0) for s in SERVICES)
+    result["cores"] = os.cpu_count() or 1
+    result["work_compute_s"] = work_s
+    result["cores_in_use_isolated"] = work_s / iso.wall_s
+    result["cores_in_use_multi"] = work_s / shared.wall_s
     elapsed = 0.0
     tenants = []
     for tenant in scenario.TENANTS:
@@ -532,6 +540,11 @@ def print_table(result: dict[str, Any]) -> None:
     inflation = ", ".join(f"{s} {result[f'{s}_busy_inflation']:.2f}x" for s in SERVICES)
     print(
         f"busy seconds of the same work, shared / isolated (contention for the cores): {inflation}"
+    )
+    print(
+        f"the work's own compute, {result['work_compute_s']:.0f} core-seconds, kept "
+        f"{result['cores_in_use_isolated']:.2f} of {result['cores']} cores busy on average "
+        f"isolated and {result['cores_in_use_multi']:.2f} shared"
     )
     print()
     print(

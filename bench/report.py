@@ -167,6 +167,16 @@ def headline_rows(result: dict[str, Any]) -> list[list[str]]:
         )
     walls = (result["isolated_wall_s"], result["multi_wall_s"])
     rows.append(["wall time", f"{walls[0]:.1f} s", f"{walls[1]:.1f} s", "", ""])
+    cores = (result["cores_in_use_isolated"], result["cores_in_use_multi"])
+    rows.append(
+        [
+            f"cores the work kept busy (of {result['cores']})",
+            f"{cores[0]:.2f}",
+            f"{cores[1]:.2f}",
+            f"{cores[1] / cores[0]:.2f}x",
+            "",
+        ]
+    )
     return rows
 
 
