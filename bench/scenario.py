@@ -31,11 +31,11 @@ class Budget:
     sft_episodes: int
 
 
-#: ``joynexus demo --quick``: under 5 minutes here, stack start and warm-up included.
+#: ``joynexus demo --quick``: under 2 minutes here, stack start and warm-up included.
 QUICK = Budget(
     rl_iterations=3,
-    rl_episodes=4,
-    rl_parallel_envs=4,
+    rl_episodes=2,
+    rl_parallel_envs=2,
     rl_episode_steps=16,
     rl_epochs=2,
     sft_steps=120,

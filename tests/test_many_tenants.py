@@ -31,7 +31,7 @@ from tests.sft_helpers import OFT_2D, registered, sft_spec, start_stack
 
 TENANTS = 50
 STEPS = 6
-PROBE_STEPS = 40
+PROBE_STEPS = 24
 
 
 def jain(values: list[float]) -> float:

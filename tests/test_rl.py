@@ -144,6 +144,7 @@ def maniskill_rl_spec(tenant: str, env: str, head: dict[str, Any], **kw: Any) ->
 PUSH_CUBE_HEAD = {"kind": "oft", "action_dim": 4, "proprio_dim": 25, "value_head": True}
 
 
+@pytest.mark.slow  # ManiSkill RL through the VLA runs in tests/test_demo.py (three tasks)
 @pytest.mark.timeout(600)
 async def test_rl_on_maniskill_pushcube_through_the_vla_then_evaluation(
     nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs, tmp_path: Path

@@ -35,7 +35,7 @@ async def _progress(client: Client, tenant: str, job_id: str) -> int:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("lives", [6, pytest.param(10, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("lives", [4, pytest.param(10, marks=pytest.mark.slow)])
 async def test_a_trainer_sigkilled_again_and_again_ends_with_the_uninterrupted_parameters(
     lives: int, nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs, tmp_path: Path
 ) -> None:

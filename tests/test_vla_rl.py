@@ -599,6 +599,7 @@ def test_ppo_learns_reach2d_on_the_frozen_tiny_backbone(
     assert after.mean() > 0.0 > before.mean(), (before, after)
 
 
+@pytest.mark.slow  # PPO's learning stays in the default suite: the frozen-backbone test above
 @pytest.mark.timeout(60)
 def test_ppo_learns_to_use_the_target_when_proprio_carries_it(
     backbone: Backbone, normaliser: Normaliser
