@@ -164,6 +164,14 @@ async def _cache(args: argparse.Namespace) -> int:
             f"{a.bytes / 2**20:>8.1f} {a.budget_bytes / 2**20:>10.1f} {a.hits:>8} "
             f"{a.misses:>8} {a.hit_rate:>8.1%}" + ("  (cleared)" if a.cleared else "")
         )
+        if a.store_enabled:
+            looked = a.store_hits + a.store_misses
+            print(
+                f"{'  bucket tier':<28} {'on':>6} {a.store_entries:>8} "
+                f"{a.store_bytes / 2**20:>8.1f} {a.store_budget_bytes / 2**20:>10.1f} "
+                f"{a.store_hits:>8} {a.store_misses:>8} "
+                f"{(a.store_hits / looked if looked else 0.0):>8.1%}"
+            )
     return 0
 
 

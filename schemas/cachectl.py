@@ -30,6 +30,14 @@ class CacheStats(msgspec.Struct, frozen=True, tag="cache_stats"):
     hit_rate: float = 0.0
     evictions: int = 0
     cleared: bool = False
+    #: The bucket tier (``--feature-store-mb``): objects in the backbone's feature-cache
+    #: bucket as this trainer knows them, and its gets that found one or not.
+    store_enabled: bool = False
+    store_budget_bytes: int = 0
+    store_entries: int = 0
+    store_bytes: int = 0
+    store_hits: int = 0
+    store_misses: int = 0
 
 
 CACHE_QUERY_DECODER = msgspec.msgpack.Decoder(CacheQuery)

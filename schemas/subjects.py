@@ -182,6 +182,12 @@ def feature_bucket(backbone: str) -> str:
     return f"features-{validate_id(backbone, 'backbone')}"
 
 
+def feature_cache_bucket(backbone: str) -> str:
+    """The object store bucket of one backbone's feature cache (per-sample features kept
+    across trainers and restarts, under the operator's budget)."""
+    return f"featcache-{validate_id(backbone, 'backbone')}"
+
+
 def tenant_bucket(tenant: str) -> str:
     """The tenant's own object store bucket: its pushed datasets and exported policies."""
     return f"data-{validate_id(tenant, 'tenant')}"

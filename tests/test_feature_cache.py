@@ -128,15 +128,22 @@ def test_the_byte_budget_evicts_least_recently_used(backbone: Backbone) -> None:
 async def test_a_trainers_cache_serves_repeats_and_the_operator_reads_and_clears_it(
     fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
 ) -> None:
-    """A trainer with ``--feature-cache-mb``: a session's repeated batch is a cache hit with
-    the same loss; ``joynexus cache stats`` reports it and ``cache clear`` empties it."""
+    """A trainer with ``--feature-cache-mb`` and its bucket tier: a session's repeated batch is
+    a cache hit with the same loss, the first one's features went into the backbone's
+    bucket; ``joynexus cache stats`` reports both tiers and ``cache clear`` empties them."""
     nc = await connect(fresh_server.url)
     await declare(nc.jetstream())
     await nc.close()
     procs.add(start_service("master", fresh_server.url, tmp_path / "master.log"))
     procs.add(
         start_service(
-            "trainer", fresh_server.url, tmp_path / "trainer.log", "--feature-cache-mb", "16"
+            "trainer",
+            fresh_server.url,
+            tmp_path / "trainer.log",
+            "--feature-cache-mb",
+            "16",
+            "--feature-store-mb",
+            "16",
         )
     )
     service = await ServiceClient.connect(fresh_server.url, tenant=uid("cache"))
@@ -166,7 +173,10 @@ async def test_a_trainers_cache_serves_repeats_and_the_operator_reads_and_clears
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout
 
-    stats = joynexus("stats", "--url", fresh_server.url).splitlines()[-1].split()
+    memory, bucket = joynexus("stats", "--url", fresh_server.url).splitlines()[-2:]
+    stats = memory.split()
     assert stats[1:3] == ["on", "4"] and stats[-3:-1] == ["4", "4"], stats  # 4 hits, 4 misses
+    assert bucket.split()[:4] == ["bucket", "tier", "on", "4"], bucket  # the 4 samples stored
     assert "(cleared)" in joynexus("clear", "--url", fresh_server.url)
-    assert joynexus("stats", "--url", fresh_server.url).splitlines()[-1].split()[2] == "0"
+    memory, bucket = joynexus("stats", "--url", fresh_server.url).splitlines()[-2:]
+    assert memory.split()[2] == "0" and bucket.split()[3] == "0"

@@ -435,6 +435,7 @@ async def sigterm_subprocess_at_random_moments(
     print(f"SIGTERMs per phase {dict(Counter(plan))}, slowest exit {worst} s")
 
 
+@pytest.mark.slow  # the default suite stops every role at random moments (test_stop.py)
 async def test_inferencer_process_exits_0_within_5s_of_sigterm_at_random_moments(
     nats_server: EmbeddedServer, tmp_path: Path, procs: Procs
 ) -> None:

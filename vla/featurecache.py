@@ -8,7 +8,9 @@ wherever a feature encoder is taken (:func:`vla.grouping.group_train_step`): the
 batch found in the :class:`FeatureCache` are taken from it, and only the others go through
 one backbone forward (and are added). The key is the sample's content digest together with
 the backbone id, feature layer and compatibility key: an entry is never used across backbones,
-layers or preprocessing.
+layers or preprocessing. Behind the memory tier a :class:`FeatureStore` may keep what memory
+does not (the trainer's object-store bucket, shared by its trainers and kept across
+restarts: ``services.trainer.featurestore``).
 
 Results are unchanged where the backbone is batch-invariant (a sample's features do not
 depend on the other rows of its forward: the CPU kernels here are, as the grouped-vs-serial
@@ -19,7 +21,9 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -88,6 +92,10 @@ class FeatureCache:
         self.hits += 1
         return entry
 
+    def peek(self, key: CacheKey) -> _Entry | None:
+        """The entry, counting nothing (no hit, no miss, no recency)."""
+        return self._entries.get(key)
+
     def put(self, key: CacheKey, prefix_T_D: torch.Tensor, mask_T: torch.Tensor) -> None:
         entry = _Entry(prefix_T_D.detach().clone(), mask_T.detach().clone())
         if entry.nbytes > self.budget_bytes or key in self._entries:
@@ -114,16 +122,38 @@ class FeatureCache:
         }
 
 
+class FeatureStore(Protocol):
+    """A slower, larger tier behind the memory cache (e.g. an object-store bucket shared by
+    every trainer of the backbone and kept across restarts). Called from the compute
+    thread; a store that cannot answer answers None (the sample is encoded again)."""
+
+    def get_many(self, keys: Sequence[CacheKey]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Each key's ``(prefix_T_D, mask_T)``, or None."""
+        ...
+
+    def put_many(self, items: Sequence[tuple[CacheKey, torch.Tensor, torch.Tensor]]) -> None:
+        """Keep these (in the background: nothing waits for it)."""
+        ...
+
+
 class CachedEncoder:
-    """``encode`` with the cache in front of ``backbone`` (one forward for the misses)."""
+    """``encode`` with the cache in front of ``backbone`` (one forward for the misses): the
+    memory tier first, then ``store`` if given (what it has goes into memory), and what
+    neither has is encoded and kept in both."""
 
     def __init__(
-        self, backbone: FeatureEncoder, cache: FeatureCache, backbone_id: str, feature_layer: int
+        self,
+        backbone: FeatureEncoder,
+        cache: FeatureCache,
+        backbone_id: str,
+        feature_layer: int,
+        store: FeatureStore | None = None,
     ) -> None:
         self.backbone = backbone
         self.cache = cache
         self.backbone_id = backbone_id
         self.feature_layer = feature_layer
+        self.store = store
         self.forwards = 0
 
     def encode(self, inputs: ModelInputs) -> VLAFeature:
@@ -136,6 +166,16 @@ class CachedEncoder:
         for i, entry in enumerate(found):
             if entry is None:
                 first.setdefault(keys[i], i)
+        if self.store is not None and first:
+            stored = self.store.get_many(list(first))
+            for key, hit in zip(list(first), stored, strict=True):
+                if hit is not None:
+                    self.cache.put(key, *hit)
+                    entry = self.cache.peek(key)
+                    for i in range(len(keys)):
+                        if keys[i] == key:
+                            found[i] = entry or _Entry(*hit)
+                    del first[key]
         missing = list(first.values())
         computed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         device: torch.device | None = None
@@ -153,6 +193,8 @@ class CachedEncoder:
                 prefix, mask = feature.prefix_B_T_D[j], feature.mask_B_T[j]
                 computed[i] = (prefix, mask)
                 self.cache.put(keys[i], prefix, mask)
+            if self.store is not None:
+                self.store.put_many([(keys[i], *computed[i]) for i in missing])
         prefixes, masks = [], []
         for i, entry in enumerate(found):
             if entry is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from bus.config import BusConfig
 from schemas.limits import InputLimits
@@ -44,6 +44,13 @@ class TrainerConfig(BusConfig):
         ge=0,
         description="Per-sample backbone features kept for reuse (0: off; see vla.featurecache).",
     )
+    feature_store_mb: float = Field(
+        0.0,
+        ge=0,
+        description="The feature cache's second tier: the backbone's object-store bucket, "
+        "shared by its trainers and kept across restarts, under this budget (0: off; needs "
+        "--feature-cache-mb).",
+    )
     backbone_service: bool = Field(
         False,
         description="Take features from the backbone role (services.backbone) instead of a "
@@ -59,3 +66,12 @@ class TrainerConfig(BusConfig):
     crash_after_commits: int = Field(
         0, ge=0, description="Fault injection: SIGKILL self after this many commits, before acking."
     )
+
+    @model_validator(mode="after")
+    def _store_behind_a_cache(self) -> TrainerConfig:
+        if self.feature_store_mb > 0 and self.feature_cache_mb <= 0:
+            raise ValueError(
+                "feature_store_mb: the feature cache's second tier needs its first: set "
+                "--feature-cache-mb too"
+            )
+        return self

@@ -60,6 +60,7 @@ from services.trainer.announce import Announcer
 from services.trainer.checks import check_call
 from services.trainer.commit import Committer
 from services.trainer.config import TrainerConfig
+from services.trainer.featurestore import BucketFeatureStore
 from services.trainer.intake import Intake, Waiting
 from services.trainer.jobs import JobSlot
 from services.trainer.ledger import Verdict, sft_verdict
@@ -96,6 +97,8 @@ class Trainer:
         self.active = BusyMeter()
         #: The backbone role's encoder, with ``--backbone-service`` (set by :func:`run`).
         self.remote: FeatureClient | None = None
+        #: The feature cache's bucket tier, with ``--feature-store-mb`` (set by :func:`run`).
+        self.store: BucketFeatureStore | None = None
         self.committer = Committer(
             self.registry,
             rt.consumer,
@@ -174,6 +177,8 @@ class Trainer:
                 with contextlib.suppress(NatsError):
                     await sub.unsubscribe()
             await self.committer.commit_applied(self.registry.jobs.values(), STOP_COMMIT_S)
+            if self.store is not None:
+                await self.store.drain(within_s=1.0)  # what is not written is computed again
 
     def observe_job(self, entry: KeyValue.Entry) -> None:
         self.registry.observe_job(entry)
@@ -194,8 +199,14 @@ class Trainer:
         if cache is None:
             stats = CacheStats(self.rt.instance, self.bid, False)
         else:
+            store = self.store
             if query.op == "clear":
                 cache.clear()
+                if store is not None:
+                    try:
+                        await store.clear()
+                    except (NatsError, TimeoutError) as exc:
+                        log.warning("clearing the feature store failed: %s", exc)
             stats = CacheStats(
                 self.rt.instance,
                 self.bid,
@@ -208,6 +219,12 @@ class Trainer:
                 cache.hit_rate,
                 cache.evictions,
                 cleared=query.op == "clear",
+                store_enabled=store is not None,
+                store_budget_bytes=store.budget_bytes if store else 0,
+                store_entries=len(store.index) if store else 0,
+                store_bytes=store.bytes if store else 0,
+                store_hits=store.hits if store else 0,
+                store_misses=store.misses if store else 0,
             )
         with contextlib.suppress(NatsError):
             await msg.respond(encode(stats))
@@ -414,6 +431,7 @@ class Trainer:
             "active_s": self.active.busy_s,
             **self.stepper.gauges(),
             **(self.remote.gauges() if self.remote is not None else {}),
+            **(self.store.stats() if self.store is not None else {}),
         }
 
 
@@ -455,11 +473,20 @@ async def run(config: TrainerConfig) -> None:
                 trainer.stepper.encoder = costmodel.SplitEncoder(backbone, costs)
         if config.feature_cache_mb > 0:
             trainer.stepper.cache = FeatureCache(int(config.feature_cache_mb * 2**20))
+            if config.feature_store_mb > 0:
+                trainer.store = BucketFeatureStore(
+                    rt.js,
+                    asyncio.get_running_loop(),
+                    backbone.backbone_id,
+                    int(config.feature_store_mb * 2**20),
+                )
+                await trainer.store.open()
             trainer.stepper.encoder = CachedEncoder(
                 trainer.stepper.encoder,
                 trainer.stepper.cache,
                 backbone.backbone_id,
                 backbone.feature_layer,
+                trainer.store,
             )
         rt.gauges = trainer.gauges
         rt.spawn(

@@ -1,0 +1,117 @@
+"""The feature cache's bucket tier (services/trainer/featurestore.py) on a real server: a
+restarted trainer (empty memory) gets a stored sample's features from the bucket, bit for bit,
+without a backbone forward; an entry is never served for another backbone, layer or
+preprocessing; the bucket keeps to its budget, least recently used evicted first."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from nats.aio.client import Client as NATS
+
+from services.trainer.featurestore import BucketFeatureStore
+from tests.helpers import uid
+from vla.backbone import Backbone
+from vla.feature import ModelInputs, VLAFeature
+from vla.featurecache import CachedEncoder, FeatureCache
+from vla.normalize import Normaliser
+
+SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def backbone() -> Backbone:
+    return Backbone.load("tiny")
+
+
+def samples(backbone: Backbone, seed: int, budget: int = 16) -> ModelInputs:
+    rng = np.random.default_rng(seed)
+    images = rng.integers(0, 255, (SIZE, 1, 32, 32, 3), dtype=np.uint8)
+    proprio = rng.standard_normal((SIZE, 4)).astype(np.float32)
+    return Normaliser(backbone, 1, budget).normalise_arrays(images, ["reach"] * SIZE, proprio)
+
+
+class Counting:
+    """The backbone, counting the rows it encodes."""
+
+    def __init__(self, backbone: Backbone) -> None:
+        self.backbone = backbone
+        self.rows = 0
+
+    def encode(self, inputs: ModelInputs) -> VLAFeature:
+        self.rows += inputs.batch_size
+        return self.backbone.encode(inputs)
+
+
+async def opened(nc: NATS, bid: str, budget: int) -> BucketFeatureStore:
+    store = BucketFeatureStore(nc.jetstream(), asyncio.get_running_loop(), bid, budget)
+    await store.open()
+    return store
+
+
+async def test_a_restarted_trainer_takes_stored_features_bit_for_bit(
+    nc: NATS, backbone: Backbone
+) -> None:
+    bid, layer = uid("bb"), backbone.feature_layer
+    inputs = samples(backbone, 0)
+    first = await opened(nc, bid, 64 << 20)
+    encoder = CachedEncoder(Counting(backbone), FeatureCache(64 << 20), bid, layer, first)
+    computed = await asyncio.to_thread(encoder.encode, inputs)
+    await first.drain()
+    assert first.puts == SIZE and first.stats()["feature_store_entries"] == SIZE
+
+    # Another process (a restart, another trainer of the backbone): nothing in memory.
+    second = await opened(nc, bid, 64 << 20)
+    counting = Counting(backbone)
+    again = CachedEncoder(counting, FeatureCache(64 << 20), bid, layer, second)
+    served = await asyncio.to_thread(again.encode, inputs)
+    assert counting.rows == 0 and second.hits == SIZE
+    assert torch.equal(served.prefix_B_T_D, computed.prefix_B_T_D)
+    assert torch.equal(served.mask_B_T, computed.mask_B_T)
+    assert again.cache.hits == 0 and len(again.cache) == SIZE  # now in memory too
+    await asyncio.to_thread(again.encode, inputs)
+    assert second.hits == SIZE and again.cache.hits == SIZE  # memory first
+
+    # Never across layers or preprocessing: the same pixels are other samples there.
+    for other in (
+        CachedEncoder(counting, FeatureCache(64 << 20), bid, 0, second),
+        CachedEncoder(counting, FeatureCache(64 << 20), bid, layer, second),
+    ):
+        data = inputs if other.feature_layer == 0 else samples(backbone, 0, budget=24)
+        await asyncio.to_thread(other.encode, data)
+    assert counting.rows == 2 * SIZE and second.hits == SIZE
+
+
+async def test_the_bucket_keeps_to_its_budget_least_recently_used_first(
+    nc: NATS, backbone: Backbone
+) -> None:
+    bid, layer = uid("bb"), backbone.feature_layer
+    probe = await opened(nc, bid, 64 << 20)
+    encoder = CachedEncoder(backbone, FeatureCache(64 << 20), bid, layer, probe)
+    await asyncio.to_thread(encoder.encode, samples(backbone, 1))
+    await probe.drain()
+    per_sample = probe.bytes // SIZE
+    await probe.clear()
+    assert probe.stats()["feature_store_entries"] == 0
+
+    store = await opened(nc, bid, 6 * per_sample)  # room for six of the eight below
+    old, new = samples(backbone, 2), samples(backbone, 3)
+    writer = CachedEncoder(backbone, FeatureCache(64 << 20), bid, layer, store)
+    await asyncio.to_thread(writer.encode, old)
+    await store.drain()
+    await asyncio.to_thread(writer.encode, new)
+    await store.drain()
+    assert store.bytes <= 6 * per_sample and store.evictions == 2
+    listed = await store.store.list()  # type: ignore[union-attr]
+    assert len([i for i in listed if not i.deleted]) == 6
+    # A fresh reader finds the newer samples; of the older ones, only the two not evicted.
+    reader = await opened(nc, bid, 6 * per_sample)
+    counting = Counting(backbone)
+    fresh = CachedEncoder(counting, FeatureCache(64 << 20), bid, layer, reader)
+    await asyncio.to_thread(fresh.encode, new)
+    assert counting.rows == 0
+    await asyncio.to_thread(fresh.encode, old)
+    assert counting.rows == 2
