@@ -19,19 +19,12 @@ import msgspec
 
 from bench import scenario
 from bench.scenario import Budget
-from bench.simulate import (
-    Costs,
-    CostsFile,
-    DemoCosts,
-    TenantLoad,
-    Topology,
-    compare,
-    summary,
-)
+from bench.servicemodel import Costs, TenantLoad, Topology
+from bench.simulate import CostsFile, DemoCosts, compare, summary
 from bus.metering import fit
 
 if TYPE_CHECKING:
-    from bench.demo import PhaseRun
+    from bench.demo_results import PhaseRun
 
 #: What the validation compares, and how close the simulation must come (the issue's bound).
 VALIDATED = (

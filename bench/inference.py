@@ -51,7 +51,7 @@ from schemas import subjects
 from schemas.health import HEARTBEAT_DECODER
 from schemas.model import HeadConfig, Observation, OptimizerConfig
 from schemas.train import OpenSlot, PolicyRecord
-from services.inferencer.service import InferencerConfig
+from services.inferencer.config import InferencerConfig
 from vla.backbone import Backbone
 from vla.slot import TenantSlot
 

@@ -24,7 +24,7 @@ from bench import scenario
 from bench.gauges import SERVICES, Sampler
 
 if TYPE_CHECKING:
-    from bench.demo import PhaseRun
+    from bench.demo_results import PhaseRun
 
 COLOURS = {"train": "#1f77b4", "infer": "#ff7f0e", "env": "#2ca02c"}
 MODE_STYLE = {"isolated": "-", "shared": "--"}

@@ -141,6 +141,27 @@ def units(tenant: DemoTenant, budget: Budget) -> int:
     return budget.rl_iterations if tenant.kind == "rl" else budget.sft_steps
 
 
+@dataclass
+class DemoConfig:
+    """What ``joynexus demo`` runs, from its flags."""
+
+    home: Path
+    quick: bool = False
+    env_workers: int = 3
+    json_path: Path | None = None
+    report_path: Path | None = None
+    costs_path: Path | None = None
+    seed: int = 0
+
+    @property
+    def budget(self) -> Budget:
+        return QUICK if self.quick else DEFAULT
+
+    @property
+    def out_dir(self) -> Path:
+        return self.home / "demo"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``joynexus demo``'s flags (here, away from the demo's imports, for the CLI's parser)."""
     p.add_argument("--quick", action="store_true", help="a smaller budget (under 5 minutes)")
@@ -154,3 +175,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="env worker processes (a worker steps one simulator at a time: one per RL tenant)",
     )
     p.add_argument("--seed", type=int, default=0, help="every job's seed")
+
+
+def config_of(args: argparse.Namespace, home: Path) -> DemoConfig:
+    """The config from :func:`bench.scenario.add_arguments`' flags."""
+    if args.env_workers < 1:
+        raise SystemExit("joynexus demo: --env-workers must be at least 1")
+    return DemoConfig(
+        home=home,
+        quick=args.quick,
+        env_workers=args.env_workers,
+        json_path=args.json,
+        report_path=args.report,
+        costs_path=args.costs,
+        seed=args.seed,
+    )

@@ -45,7 +45,8 @@ from bus.inference import InferenceError, PolicyClient
 from bus.server import EmbeddedServer
 from schemas import subjects
 from services.inferencer.batching import BatchRunner, BatchStats, Outcome, Work
-from services.inferencer.service import BATCH_GRACE_S, InferencerConfig, run
+from services.inferencer.config import InferencerConfig
+from services.inferencer.service import BATCH_GRACE_S, run
 from tests.conftest import Procs
 from tests.helpers import catches_sigterm, eventually, start_service, uid
 from tests.test_inferencer import FLOW, commit_policy, make_obs

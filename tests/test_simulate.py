@@ -10,16 +10,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bench.simulate import (
-    Costs,
-    CostsFile,
-    DemoCosts,
-    Simulation,
-    TenantLoad,
-    Topology,
-    compare,
-    main,
-)
+from bench.servicemodel import Costs, Simulation, TenantLoad, Topology
+from bench.simulate import CostsFile, DemoCosts, compare, main
 
 COSTS = Costs(
     sft_step_s=0.01,

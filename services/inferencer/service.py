@@ -39,11 +39,9 @@ import torch
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from opentelemetry import trace
-from pydantic import Field
 
 from bus import tracing
 from bus.codec import DecodeError, decode, encode
-from bus.config import BusConfig
 from bus.consume import HOLD, ConsumerSpec, Durable, Fate, Hold
 from bus.encoding import FeatureClient
 from bus.errors import Interrupted, PoisonError
@@ -55,11 +53,11 @@ from bus.service import Runtime, in_daemon_thread, serve
 from schemas import subjects
 from schemas.events import ErrorEvent
 from schemas.infer import INFER_DECODER, ActReply
-from schemas.limits import InputLimits
 from schemas.metrics import TenantQueue
 from schemas.tensor import Tensor
 from services.inferencer.admission import answerable, envelope, expired, parse, validate
 from services.inferencer.batching import REQUEST_ERRORS, BatchRunner, BatchStats, Outcome, Work
+from services.inferencer.config import InferencerConfig
 from services.inferencer.fairness import Waiting, fair_take
 from services.inferencer.policies import STOP_POLL_S, PolicyCache
 from vla import costmodel
@@ -80,52 +78,6 @@ BATCH_GRACE_S = 1.0
 ADMIT_GRACE_S = 0.5
 SETTLE_GRACE_S = 0.5
 LOAD_GRACE_S = 0.5
-
-
-class InferencerConfig(BusConfig):
-    """Inferencer settings (flags ``--target-batch 8`` or env ``JOYNEXUS_TARGET_BATCH=8``)."""
-
-    backbone: str = Field("tiny", description="Checkpoint dir or tiny name to load.")
-    backbone_id: str | None = Field(None, description="Subject id (default: derived).")
-    device: str = Field("cpu", description="torch device.")
-    dtype: str = Field("float32", description="Backbone dtype (bfloat16 on CUDA).")
-    # Defaults measured on the tiny backbone, 1 torch thread, 2 shared CPU cores (see
-    # bench/inference.py): a forward's cost per observation falls until ~16
-    # (18 ms at 1, 5 ms at 8, 3.8 ms at 16, 4.7 ms at 32), and through the bus B=16 beat
-    # B=8 (201 vs 145 req/s, p50 80 vs 108 ms with 16 sessions) and B=32 (158 vs 120 req/s
-    # with 32). T=5 ms gathers most of a closed-loop round of 8 tenants (7 of 8 per forward,
-    # 2x the per-request throughput) for at most 5 ms more latency when alone.
-    target_batch: int = Field(
-        16, ge=1, description="B: observations per grouped forward (dispatch when reached)."
-    )
-    max_wait_ms: float = Field(
-        5.0, ge=0, description="T: dispatch when the oldest waiting request is this old."
-    )
-    max_versions_per_job: int = Field(
-        3, ge=1, description="Resident policy versions per job (older ones serve pinned calls)."
-    )
-    ack_wait_s: float = Field(
-        5.0, gt=0, description="Consumer ack wait: a dead replica's requests return this fast."
-    )
-    max_deliver: int = Field(3, ge=1, description="Deliveries before a request is dead.")
-    cost_table: str = Field(
-        costmodel.OFF,
-        description="Group-size cost table: 'off' (the default: never split a group; a table "
-        "measured at start-up on a loaded machine split groups into pieces slower than serial), "
-        "'measure' (a few forwards at start-up) or a JSON file (read; measured and written if "
-        "missing; a 'bench grouping --json' result works too).",
-    )
-    backbone_service: bool = Field(
-        False,
-        description="Take features from the backbone role (services.backbone): the backbone "
-        "is loaded only to normalise observations, then its weights are freed.",
-    )
-    encode_timeout_s: float = Field(
-        10.0, gt=0, description="With --backbone-service: wait this long for an encode answer."
-    )
-    limit: InputLimits = Field(
-        default_factory=InputLimits, description="Input bounds (--limit-*, JOYNEXUS_LIMIT_*)."
-    )
 
 
 @dataclass

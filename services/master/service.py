@@ -8,8 +8,6 @@ message never stops the master: its fate is decided by :meth:`bus.consume.Consum
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -17,19 +15,16 @@ from pathlib import Path
 
 import msgspec
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
-from pydantic import Field
 
 from bus.codec import DecodeError, decode
-from bus.config import BusConfig
 from bus.consume import ConsumerSpec
 from bus.datasets import default_cache_root
-from bus.errors import HandlerError, PoisonError, RetryableError
+from bus.errors import PoisonError, RetryableError
 from bus.publish import msg_id, publish
-from bus.queues import per_tenant, publish_queues
-from bus.records import get_job, get_policy, list_jobs, put_job
+from bus.queues import publish_queues
+from bus.records import get_job, get_policy, put_job
 from bus.service import Runtime, serve
 from schemas import subjects
 from schemas.events import (
@@ -53,7 +48,6 @@ from schemas.jobs import (
     JobSubmit,
 )
 from schemas.limits import InputLimits
-from schemas.metrics import TenantQueue
 from schemas.specs import (
     EvalJobSpec,
     JobSpec,
@@ -66,9 +60,11 @@ from schemas.specs import (
 )
 from schemas.tenants import TenantLimits
 from schemas.train import CloseSlot, PolicyRecord
+from services.master.admission import Admissions
 from services.master.backbones import BackboneWatch
 from services.master.commands import job_id_of, parse_command
-from services.master.envfit import DESCRIBE_TIMEOUT_S, EnvDescriptions, fit_env
+from services.master.config import MasterConfig
+from services.master.envfit import EnvDescriptions, fit_env
 from services.master.limits import (
     TenantGate,
     apply_limits,
@@ -88,29 +84,6 @@ from services.master.plans import (
 from services.master.queries import Queries
 
 log = logging.getLogger(__name__)
-#: How often the master looks at every tenant's queued jobs besides the wake-ups.
-ADMIT_SWEEP_S = 5.0
-
-
-class MasterConfig(BusConfig):
-    """Master settings."""
-
-    max_deliver: int = Field(5, ge=1, description="Deliveries before a job command is dead.")
-    backbones: str = Field("tiny", description="Backbone ids this stack serves (a,b).")
-    backbone_deadline_s: float = Field(
-        60.0, gt=0, description="Fail a job whose backbone's trainer is down this long."
-    )
-    env_describe_timeout_s: float = Field(
-        DESCRIBE_TIMEOUT_S,
-        gt=0,
-        description="Wait for an env worker's description of a job's env (its first build).",
-    )
-    dataset_cache: str = Field(
-        "", description="Where pushed datasets are materialised (default: a temp dir)."
-    )
-    limit: InputLimits = Field(
-        default_factory=InputLimits, description="Input bounds (--limit-*, JOYNEXUS_LIMIT_*)."
-    )
 
 
 async def publish_event(js: JetStreamContext, event: Event, *identity: object) -> None:
@@ -155,77 +128,8 @@ class Master:
         self.envs = envs if envs is not None else EnvDescriptions(js._nc)
         #: Resolves a spec's dataset id in its tenant's namespace.
         self.datasets = datasets if datasets is not None else Datasets(js)
-        #: One admission decision at a time (count what runs, then start or queue).
-        self.admission = asyncio.Lock()
-        #: Tenants with queued jobs, and those of them whose jobs ended since the last look.
-        self.queued_tenants: set[str] = set()
-        self.room: set[str] = set()
-        self.room_changed = asyncio.Event()
-        #: Queued jobs (tenant, job) and when they were accepted: the jobs queue's report.
-        self.queued_jobs: dict[tuple[str, str], float] = {}
-
-    def queue(self) -> list[TenantQueue]:
-        """The jobs waiting for their tenants' limits, per tenant."""
-        return per_tenant(((t, since) for (t, _), since in self.queued_jobs.items()), time.time())
-
-    async def find_queued(self) -> None:
-        """The tenants with queued jobs, from the ``jobs`` KV (a restarted master's start)."""
-        queued = [r for r in await list_jobs(self.js) if r.status == "queued"]
-        self.queued_jobs.update({(r.tenant, r.job_id): r.created_at for r in queued})
-        self.queued_tenants |= {r.tenant for r in queued}
-        self.room |= self.queued_tenants
-        self.room_changed.set()
-
-    async def admit_queued(self, tenant: str) -> None:
-        """Start the tenant's queued jobs, oldest first, while its limits leave room (the
-        first that must still wait keeps the rest waiting behind it)."""
-        async with self.admission:
-            queued = [r for r in await list_jobs(self.js, tenant) if r.status == "queued"]
-            try:
-                record = await self.gate.record(tenant)
-            except PoisonError as exc:  # revoked (or unregistered) while its jobs waited
-                for job in queued:
-                    await self.transition(tenant, job.job_id, "failed", reason=str(exc))
-                self.queued_tenants.discard(tenant)
-                return
-            for job in queued:
-                spec = parse_job_spec(job.spec_json)
-                limits = record.limits if record is not None else None
-                if limits is not None:
-                    wait = await self.gate.wait_reason(tenant, job.job_id, spec, limits)
-                    if wait:
-                        if wait != job.reason:
-                            await self.transition(tenant, job.job_id, "queued", reason=wait)
-                        return
-                try:
-                    plan = await self.compile(job.job_id, spec, limits)
-                except PoisonError as exc:  # what it points at changed while it waited
-                    await self.transition(tenant, job.job_id, "failed", reason=str(exc))
-                    continue
-                log.info("admitting queued %s/%s", tenant, job.job_id)
-                await self.begin(job.job_id, spec, plan)
-            self.queued_tenants.discard(tenant)
-
-    async def admit_loop(self, stop: asyncio.Event, every_s: float = ADMIT_SWEEP_S) -> None:
-        """Admit queued jobs as room appears (a job ended), and every ``every_s`` for all
-        tenants with queued jobs (an operator may have raised a limit; a crash may have
-        lost a wake-up)."""
-        await self.find_queued()
-        last_sweep = time.monotonic()
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.room_changed.wait(), every_s / 4)
-            self.room_changed.clear()
-            if time.monotonic() - last_sweep >= every_s:
-                self.room |= self.queued_tenants
-                last_sweep = time.monotonic()
-            tenants, self.room = self.room & self.queued_tenants, set()
-            for tenant in sorted(tenants):
-                try:
-                    await self.admit_queued(tenant)
-                except (HandlerError, NatsError, TimeoutError) as exc:
-                    log.warning("admitting %s's queued jobs failed: %s", tenant, exc)
-                    self.room.add(tenant)  # tried again at the next wake-up or sweep
+        #: Queued jobs and the loop that starts them (its lock orders admissions).
+        self.admissions = Admissions(self)
 
     async def handle(self, msg: Msg) -> None:
         await self.apply(parse_command(msg, self.limits))
@@ -261,7 +165,7 @@ class Master:
                 f"tenant: spec says {spec.tenant!r} but it was submitted as {command.tenant!r}"
             )
         check_spec_bounds(spec, self.limits)
-        async with self.admission:
+        async with self.admissions.lock:
             tenant = await self.gate.record(spec.tenant)
             limits = tenant.limits if tenant is not None else None
             wait = ""
@@ -307,7 +211,6 @@ class Master:
         await publish_event(self.js, Accepted(spec.tenant, job_id, spec.kind, record.created_at))
         if wait:
             await self.transition(spec.tenant, job_id, "queued", reason=wait)
-            self.queued_tenants.add(spec.tenant)
             log.info("queued %s/%s: %s", spec.tenant, job_id, wait)
             return
         await self.begin(job_id, spec, plan)
@@ -460,13 +363,7 @@ class Master:
             policy_version=record.policy_version if policy_version is None else policy_version,
         )
         await put_job(self.jobs, updated, last=revision)
-        if status == "queued":
-            self.queued_jobs[(tenant, job_id)] = record.created_at
-        else:
-            self.queued_jobs.pop((tenant, job_id), None)
-        if status in TERMINAL_STATUSES:
-            self.room.add(tenant)  # its queued jobs may fit now (admit_queued)
-            self.room_changed.set()
+        self.admissions.noted(tenant, job_id, status, record.created_at)
         if status != record.status:
             # A job enters each status once (accepted -> running -> a terminal one).
             await publish_event(
@@ -617,9 +514,9 @@ async def run(config: MasterConfig) -> None:
         )
         rt.spawn(rt.consumer.run(events, master.handle_event), "master events")
         rt.spawn(watch.run(rt.stop, master.fail), "backbone watch")
-        rt.spawn(master.admit_loop(rt.stop), "admissions")
+        rt.spawn(master.admissions.run(rt.stop), "admissions")
         rt.spawn(
-            publish_queues(rt.nc, rt.stop, "master", rt.instance, "jobs", master.queue),
+            publish_queues(rt.nc, rt.stop, "master", rt.instance, "jobs", master.admissions.queue),
             "queue report",
         )
         try:

@@ -1,0 +1,55 @@
+"""The inferencer's settings: flags and ``JOYNEXUS_*`` variables (:mod:`bus.config`)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from bus.config import BusConfig
+from schemas.limits import InputLimits
+from vla import costmodel
+
+
+class InferencerConfig(BusConfig):
+    """Inferencer settings (flags ``--target-batch 8`` or env ``JOYNEXUS_TARGET_BATCH=8``)."""
+
+    backbone: str = Field("tiny", description="Checkpoint dir or tiny name to load.")
+    backbone_id: str | None = Field(None, description="Subject id (default: derived).")
+    device: str = Field("cpu", description="torch device.")
+    dtype: str = Field("float32", description="Backbone dtype (bfloat16 on CUDA).")
+    # Defaults measured on the tiny backbone, 1 torch thread, 2 shared CPU cores (see
+    # bench/inference.py): a forward's cost per observation falls until ~16
+    # (18 ms at 1, 5 ms at 8, 3.8 ms at 16, 4.7 ms at 32), and through the bus B=16 beat
+    # B=8 (201 vs 145 req/s, p50 80 vs 108 ms with 16 sessions) and B=32 (158 vs 120 req/s
+    # with 32). T=5 ms gathers most of a closed-loop round of 8 tenants (7 of 8 per forward,
+    # 2x the per-request throughput) for at most 5 ms more latency when alone.
+    target_batch: int = Field(
+        16, ge=1, description="B: observations per grouped forward (dispatch when reached)."
+    )
+    max_wait_ms: float = Field(
+        5.0, ge=0, description="T: dispatch when the oldest waiting request is this old."
+    )
+    max_versions_per_job: int = Field(
+        3, ge=1, description="Resident policy versions per job (older ones serve pinned calls)."
+    )
+    ack_wait_s: float = Field(
+        5.0, gt=0, description="Consumer ack wait: a dead replica's requests return this fast."
+    )
+    max_deliver: int = Field(3, ge=1, description="Deliveries before a request is dead.")
+    cost_table: str = Field(
+        costmodel.OFF,
+        description="Group-size cost table: 'off' (the default: never split a group; a table "
+        "measured at start-up on a loaded machine split groups into pieces slower than serial), "
+        "'measure' (a few forwards at start-up) or a JSON file (read; measured and written if "
+        "missing; a 'bench grouping --json' result works too).",
+    )
+    backbone_service: bool = Field(
+        False,
+        description="Take features from the backbone role (services.backbone): the backbone "
+        "is loaded only to normalise observations, then its weights are freed.",
+    )
+    encode_timeout_s: float = Field(
+        10.0, gt=0, description="With --backbone-service: wait this long for an encode answer."
+    )
+    limit: InputLimits = Field(
+        default_factory=InputLimits, description="Input bounds (--limit-*, JOYNEXUS_LIMIT_*)."
+    )

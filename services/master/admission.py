@@ -1,0 +1,123 @@
+"""The master's queued jobs: a job that would take its tenant past its limits waits, and is
+started, oldest first, when the tenant's running jobs leave room (see
+:mod:`services.master.limits` for what counts).
+
+Room appears when one of the tenant's jobs ends (:meth:`Admissions.noted` wakes the loop at
+once); a sweep every :data:`ADMIT_SWEEP_S` also looks at every tenant with queued jobs, so a
+limit the operator raised, or a wake-up lost to a crash, is seen. One admission decision at
+a time (:attr:`Admissions.lock`, which submits take too): counting what runs and then starting
+cannot race another start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from nats.errors import Error as NatsError
+
+from bus.errors import HandlerError, PoisonError
+from bus.queues import per_tenant
+from bus.records import list_jobs
+from schemas.jobs import TERMINAL_STATUSES
+from schemas.metrics import TenantQueue
+from schemas.specs import parse_job_spec
+
+if TYPE_CHECKING:
+    from services.master.service import Master
+
+log = logging.getLogger(__name__)
+#: How often the master looks at every tenant's queued jobs besides the wake-ups.
+ADMIT_SWEEP_S = 5.0
+
+
+class Admissions:
+    """What the master knows of its queued jobs, and the loop that starts them."""
+
+    def __init__(self, master: Master) -> None:
+        self.master = master
+        #: One admission decision at a time (count what runs, then start or queue).
+        self.lock = asyncio.Lock()
+        #: Tenants with queued jobs, and those of them whose jobs ended since the last look.
+        self.tenants: set[str] = set()
+        self.room: set[str] = set()
+        self.room_changed = asyncio.Event()
+        #: Queued jobs (tenant, job) and when they were accepted: the jobs queue's report.
+        self.jobs: dict[tuple[str, str], float] = {}
+
+    def noted(self, tenant: str, job_id: str, status: str, created_at: float) -> None:
+        """A job entered ``status`` (the master's transitions tell every one)."""
+        if status == "queued":
+            self.jobs[(tenant, job_id)] = created_at
+            self.tenants.add(tenant)
+        else:
+            self.jobs.pop((tenant, job_id), None)
+        if status in TERMINAL_STATUSES:
+            self.room.add(tenant)  # its queued jobs may fit now
+            self.room_changed.set()
+
+    def queue(self) -> list[TenantQueue]:
+        """The jobs waiting for their tenants' limits, per tenant."""
+        return per_tenant(((t, since) for (t, _), since in self.jobs.items()), time.time())
+
+    async def find_queued(self) -> None:
+        """The queued jobs, from the ``jobs`` KV (a restarted master's start)."""
+        queued = [r for r in await list_jobs(self.master.js) if r.status == "queued"]
+        self.jobs.update({(r.tenant, r.job_id): r.created_at for r in queued})
+        self.tenants |= {r.tenant for r in queued}
+        self.room |= self.tenants
+        self.room_changed.set()
+
+    async def admit_queued(self, tenant: str) -> None:
+        """Start the tenant's queued jobs, oldest first, while its limits leave room (the
+        first that must still wait keeps the rest waiting behind it)."""
+        master = self.master
+        async with self.lock:
+            queued = [r for r in await list_jobs(master.js, tenant) if r.status == "queued"]
+            try:
+                record = await master.gate.record(tenant)
+            except PoisonError as exc:  # revoked (or unregistered) while its jobs waited
+                for job in queued:
+                    await master.transition(tenant, job.job_id, "failed", reason=str(exc))
+                self.tenants.discard(tenant)
+                return
+            limits = record.limits if record is not None else None
+            for job in queued:
+                spec = parse_job_spec(job.spec_json)
+                if limits is not None:
+                    wait = await master.gate.wait_reason(tenant, job.job_id, spec, limits)
+                    if wait:
+                        if wait != job.reason:
+                            await master.transition(tenant, job.job_id, "queued", reason=wait)
+                        return
+                try:
+                    plan = await master.compile(job.job_id, spec, limits)
+                except PoisonError as exc:  # what it points at changed while it waited
+                    await master.transition(tenant, job.job_id, "failed", reason=str(exc))
+                    continue
+                log.info("admitting queued %s/%s", tenant, job.job_id)
+                await master.begin(job.job_id, spec, plan)
+            self.tenants.discard(tenant)
+
+    async def run(self, stop: asyncio.Event, every_s: float = ADMIT_SWEEP_S) -> None:
+        """Admit queued jobs as room appears, and every ``every_s`` for all tenants with
+        queued jobs; until ``stop``."""
+        await self.find_queued()
+        last_sweep = time.monotonic()
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.room_changed.wait(), every_s / 4)
+            self.room_changed.clear()
+            if time.monotonic() - last_sweep >= every_s:
+                self.room |= self.tenants
+                last_sweep = time.monotonic()
+            tenants, self.room = self.room & self.tenants, set()
+            for tenant in sorted(tenants):
+                try:
+                    await self.admit_queued(tenant)
+                except (HandlerError, NatsError, TimeoutError) as exc:
+                    log.warning("admitting %s's queued jobs failed: %s", tenant, exc)
+                    self.room.add(tenant)  # tried again at the next wake-up or sweep
