@@ -206,6 +206,8 @@ class Consumer:
         self._alive: dict[int, _Alive] = {}
         #: Messages fetched and not settled yet (what close() hands back).
         self._unsettled: dict[int, Msg] = {}
+        #: Messages settled so far, whatever their fate: the service's progress.
+        self.settled = 0
 
     # -- binding and fetching ----------------------------------------------------------------
     async def bind(self, spec: ConsumerSpec, on_dead: DeadHook | None = None) -> Durable:
@@ -300,6 +302,7 @@ class Consumer:
         ack wait, and decided again then: every handler recognises a replay."""
         self._alive.pop(id(msg), None)
         self._unsettled.pop(id(msg), None)
+        self.settled += 1
         try:
             return await self._settle(msg, error)
         except (NatsError, TimeoutError) as exc:

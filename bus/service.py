@@ -35,19 +35,20 @@ from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from bus import stopping
-from bus.codec import encode
+from bus.codec import DecodeError, decode, encode
 from bus.config import BusConfig
 from bus.connect import connect
 from bus.consume import Consumer
 from bus.declare import BusLayout, declare
 from bus.tracing import setup_tracing
 from schemas import subjects
-from schemas.health import Heartbeat
+from schemas.health import RESTART_ORDER_DECODER, Heartbeat, restart_subject
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -60,6 +61,11 @@ T = TypeVar("T")
 STOP_DEADLINE_S = 4.5
 #: Exit status of a stop the watchdog had to end.
 EXIT_STOP_DEADLINE = 3
+#: Exit status of a stop the health manager asked for (a restart): not 0, so a supervisor
+#: that restarts only failures (a container's ``on-failure``) starts the role again.
+EXIT_RESTART = 75
+#: Set when a :class:`~schemas.health.RestartOrder` stopped this process.
+_restart_ordered = False
 
 
 class ServiceStopping(Exception):
@@ -83,6 +89,12 @@ class Runtime:
     #: Callables reporting in-flight work and gauges for the heartbeat.
     in_flight: Callable[[], int] = lambda: 0
     gauges: Callable[[], dict[str, float]] = dict
+    #: The role's own progress counter, added to the messages its consumer settled.
+    progress: Callable[[], int] = lambda: 0
+    #: The long operation the role is in ("" if none): no progress meanwhile is no stall.
+    busy_with: Callable[[], str] = lambda: ""
+    #: What :meth:`slow` runs (the heartbeat says so too).
+    slow_label: str = ""
     heartbeats_kv: KeyValue | None = None
     _tasks: asyncio.TaskGroup | None = None
     crash: BaseException | None = None
@@ -98,6 +110,8 @@ class Runtime:
             version=VERSION,
             in_flight=self.in_flight(),
             gauges=self.gauges(),
+            progress=self.consumer.settled + self.progress(),
+            busy_with=self.slow_label or self.busy_with(),
         )
 
     @property
@@ -127,10 +141,14 @@ class Runtime:
         service is told to stop first (the thread is left to finish on its own and cannot keep
         the process alive)."""
         done = in_daemon_thread(lambda: fn(*args, **kwargs), f"{self.role}-slow")
-        while not done.done():
-            if self.stop.is_set():
-                raise ServiceStopping(f"{self.role} stopping")
-            await asyncio.wait({done}, timeout=0.1)
+        self.slow_label = getattr(fn, "__name__", "slow start-up work")
+        try:
+            while not done.done():
+                if self.stop.is_set():
+                    raise ServiceStopping(f"{self.role} stopping")
+                await asyncio.wait({done}, timeout=0.1)
+        finally:
+            self.slow_label = ""
         return done.result()
 
 
@@ -326,12 +344,26 @@ async def _serve_connected(
         if stop.is_set():
             return
         log.info("%s %s started (pid %d) on %s", role, rt.instance, os.getpid(), config.url)
+
+        async def restart(msg: Msg) -> None:
+            global _restart_ordered
+            try:
+                order = decode(RESTART_ORDER_DECODER, msg.data)
+            except DecodeError:
+                return
+            log.warning("restart ordered by the health manager: %s", order.reason)
+            _restart_ordered = True
+            stop.set()
+
+        restarts = await nc.subscribe(restart_subject(rt.instance), cb=restart)
         async with asyncio.TaskGroup() as tasks:
             rt._tasks = tasks
             rt.spawn(_heartbeat_loop(rt), "heartbeat")
             rt.spawn(rt.consumer.keep_alive(), "keep-alive")
             rt.spawn(body(rt), f"{role} body")
         log.info("%s %s stopped", role, rt.instance)
+        with contextlib.suppress(NatsError, TimeoutError):
+            await asyncio.wait_for(restarts.unsubscribe(), 0.5)
     finally:
         stop.set()
         await rt.consumer.close()
@@ -343,7 +375,8 @@ async def _serve_connected(
 
 
 def main(run: Callable[[Any], Coroutine[Any, Any, None]], config: BusConfig) -> None:
-    """A role's process entry: run it; exit 0 on a clean stop, 1 on a crash."""
+    """A role's process entry: run it; exit 0 on a clean stop, 1 on a crash, 75 on a stop the
+    health manager ordered (:data:`EXIT_RESTART`)."""
     global _owns_process
     _owns_process = True
     try:
@@ -359,4 +392,4 @@ def main(run: Callable[[Any], Coroutine[Any, Any, None]], config: BusConfig) -> 
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(EXIT_RESTART if _restart_ordered else 0)

@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
+from nats.errors import Error as NatsError
 
+from bus.codec import DecodeError, decode
 from bus.datasets import DatasetStoreError
 from bus.local import DEFAULT_HOME
 from clients.sdk import Client, Job, JobFailed, RequestError
@@ -41,6 +43,7 @@ from schemas.events import (
     Rejected,
     StateChanged,
 )
+from schemas.health import HEALTH_REPORT_DECODER, HEALTH_SUBJECT
 from schemas.ids import InvalidIdError
 from schemas.specs import JobSpecError
 
@@ -151,9 +154,43 @@ async def _watch(args: argparse.Namespace) -> int:
         await client.close()
 
 
+async def _roles(client: Client) -> None:
+    """The operator's view (a tenant is not let ask): every role instance as the health
+    manager sees it, its latest actions, and each service's queue per tenant."""
+    try:
+        msg = await client.nc.request(HEALTH_SUBJECT, b"", timeout=2.0)
+        report = decode(HEALTH_REPORT_DECODER, msg.data)
+    except (NatsError, TimeoutError, DecodeError):
+        return  # no health manager runs, or this identity may not ask
+    print(
+        f"{'role':<11} {'instance':<34} {'state':<10} {'pid':>7} {'uptime':>8} {'restarts':>8} "
+        f"{'progress':>9} {'idle s':>7}  busy with"
+    )
+    for h in sorted(report.instances, key=lambda h: (h.role, h.instance)):
+        print(
+            f"{h.role:<11} {h.instance:<34} {h.state:<10} {h.pid:>7} {h.uptime_s:>7.0f}s "
+            f"{report.restarts.get(h.role, 0):>8} {h.progress:>9} {h.progress_age_s:>7.0f}  "
+            f"{h.busy_with}"
+        )
+    for event in report.events[-5:]:
+        when = time.strftime("%H:%M:%S", time.localtime(event.at))
+        print(f"  {when} {event.kind} {event.instance} (pid {event.pid}): {event.reason}")
+    rows = [(q, t) for q in report.queues for t in q.tenants]
+    if rows:
+        print(f"\n{'queue':<7} {'service':<34} {'tenant':<24} {'depth':>6} {'oldest wait s':>14}")
+        for q, t in rows:
+            print(
+                f"{q.queue:<7} {q.instance:<34} {t.tenant:<24} {t.depth:>6} "
+                f"{t.oldest_wait_s:>14.2f}"
+            )
+    print()
+
+
 async def _status(args: argparse.Namespace) -> int:
     client = await _client(args, args.tenant)
     try:
+        if args.tenant is None and args.job is None:
+            await _roles(client)
         records = await client.jobs(args.tenant)
         if args.job:
             records = [r for r in records if r.job_id == args.job]

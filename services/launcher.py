@@ -237,6 +237,8 @@ class LocalStack:
                 child.restarts += 1
                 self.spawn(child)
                 restarted.append(child.name)
+        if restarted:  # processes.json names the live pids, not the dead ones
+            self.write_process_table()
         return restarted
 
     def live(self, role: str) -> list[Child]:

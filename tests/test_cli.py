@@ -114,6 +114,13 @@ def test_up_then_submit_watch_and_status(tmp_path: Path) -> None:
         assert "12/12" in out.stdout
         status = run("--home", str(home), "status", "--tenant", tenant)
         assert status.returncode == 0 and "succeeded" in status.stdout
+        assert "restarts" not in status.stdout  # a tenant sees its jobs only
+        # The operator sees every role (state, pid, uptime, restarts, progress) and its jobs.
+        operator = run("--home", str(home), "status")
+        assert operator.returncode == 0, operator.stdout + operator.stderr
+        roles = [line.split() for line in operator.stdout.splitlines()]
+        assert {r[0] for r in roles if len(r) > 2 and r[2] == "alive"} >= set(ROLES), roles
+        assert "succeeded" in operator.stdout
         job_id = out.stdout.split(f"submitted {tenant}/", 1)[1].split()[0]
         exported = run(
             "--home", str(home), "export", tenant, job_id, "--out", str(tmp_path / "policy")

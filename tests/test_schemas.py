@@ -18,7 +18,7 @@ from schemas.dead import DEAD_LETTER_DECODER
 from schemas.env import ENV_DECODER, RolloutTask
 from schemas.events import EVENT_DECODER, Accepted, Rejected, event_kind
 from schemas.feature import FEATURE_DECODER
-from schemas.health import HEARTBEAT_DECODER
+from schemas.health import HEARTBEAT_DECODER, Heartbeat
 from schemas.ids import InvalidIdError, validate_id
 from schemas.infer import ACT_REPLY_DECODER, INFER_DECODER, ActRequest
 from schemas.jobs import JOB_COMMAND_DECODER, JOB_RECORD_DECODER, JobCancel, JobSubmit
@@ -249,3 +249,12 @@ def test_spec_errors_name_the_field() -> None:
 def test_head_config_validates() -> None:
     with pytest.raises(ValueError, match=r"HeadConfig\.action_dim must be >= 1"):
         HeadConfig("oft", action_dim=0)
+
+
+def test_heartbeats_written_before_progress_decode_as_no_progress() -> None:
+    """Rolling upgrade: an older role's heartbeat (no ``progress``, ``busy_with``) reads as
+    nothing finished and nothing holding it up (the health manager then judges it by its
+    heartbeats alone)."""
+    beat = decode(HEARTBEAT_DECODER, (GOLDEN / "heartbeat_before_progress.msgpack").read_bytes())
+    assert isinstance(beat, Heartbeat) and beat.progress == 0 and beat.busy_with == ""
+    assert beat == SAMPLES["heartbeat"]

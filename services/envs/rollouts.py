@@ -14,8 +14,8 @@ import dataclasses
 import time
 import zlib
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
@@ -93,6 +93,8 @@ class AdapterPool:
         self.idle: dict[tuple[object, ...], list[EnvAdapter]] = defaultdict(list)
         #: Sessions built so far, by env id (none is ever dropped before close).
         self.built: dict[str, int] = defaultdict(int)
+        #: Sessions being built right now (seconds each: the worker is busy, not stalled).
+        self.building = 0
 
     @staticmethod
     def key(
@@ -113,39 +115,54 @@ class AdapterPool:
         free = self.idle[self.key(env_id, image_size, max_steps, env_kwargs)]
         built = 0
         while len(free) < n:
-            adapter = await asyncio.to_thread(
-                partial(
-                    make_adapter,
-                    env_id,
-                    image_size=image_size,
-                    max_episode_steps=max_steps,
-                    **(env_kwargs or {}),
+            self.building += 1
+            try:
+                adapter = await asyncio.to_thread(
+                    partial(
+                        make_adapter,
+                        env_id,
+                        image_size=image_size,
+                        max_episode_steps=max_steps,
+                        **(env_kwargs or {}),
+                    )
                 )
-            )
+            finally:
+                self.building -= 1
             free.append(adapter)
             self.built[env_id] += 1
             built += 1
         return len(free), built
 
-    @contextmanager
-    def sessions(
+    @asynccontextmanager
+    async def sessions(
         self,
         env_id: str,
         image_size: int,
         max_steps: int,
         n: int,
         env_kwargs: dict[str, Any] | None = None,
-    ) -> Iterator[list[EnvAdapter]]:
+    ) -> AsyncIterator[list[EnvAdapter]]:
+        """``n`` sessions of this kind for one task: idle ones, and new ones built in a thread
+        (seconds each for ManiSkill: the event loop, and the heartbeat, go on meanwhile)."""
         kwargs = dict(env_kwargs or {})
         free = self.idle[self.key(env_id, image_size, max_steps, kwargs)]
         taken = [free.pop() for _ in range(min(n, len(free)))]
         try:
             while len(taken) < n:
-                taken.append(
-                    make_adapter(
-                        env_id, image_size=image_size, max_episode_steps=max_steps, **kwargs
+                self.building += 1
+                try:
+                    adapter = await asyncio.to_thread(
+                        partial(
+                            make_adapter,
+                            env_id,
+                            image_size=image_size,
+                            max_episode_steps=max_steps,
+                            **kwargs,
+                        )
                     )
-                )
+                finally:
+                    self.building -= 1
+                taken.append(adapter)
                 self.built[env_id] += 1
             yield taken
         finally:
@@ -309,7 +326,7 @@ async def collect(
         chunk = indices[start : start + width]
         base = task.seed + EPISODE_SEED_STRIDE * task.iteration
         seeds = [base if task.same_reset else base + e for e in chunk]
-        with pool.sessions(
+        async with pool.sessions(
             task.env_id, task.image_size, task.max_episode_steps, len(chunk), task.env_kwargs
         ) as adapters:
             sessions = await run_sessions(
@@ -365,7 +382,7 @@ async def evaluate_env(
     width = max(1, task.parallel_envs)
     for start in range(0, task.episodes, width):
         chunk = list(range(start, min(task.episodes, start + width)))
-        with pool.sessions(
+        async with pool.sessions(
             task.env_id, task.image_size, task.max_episode_steps, len(chunk), task.env_kwargs
         ) as adapters:
             sessions = await run_sessions(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from functools import partial
 from pathlib import Path
@@ -82,6 +83,27 @@ class EnvsConfig(BusConfig):
     limit: InputLimits = Field(
         default_factory=InputLimits, description="Input bounds (--limit-*, JOYNEXUS_LIMIT_*)."
     )
+    hang_after_s: float = Field(
+        0.0,
+        ge=0,
+        description="Fault injection: block the event loop this long after start (0: never), "
+        "once per --hang-marker file (the restarted worker does not hang again).",
+    )
+    hang_marker: str = Field("", description="Fault injection: see --hang-after-s.")
+
+
+async def hang_later(config: EnvsConfig, stop: asyncio.Event) -> None:
+    """Fault injection: a frozen worker (its event loop blocked: no heartbeat, no work).
+    Returns only once the service stops, as every spawned task."""
+    marker = Path(config.hang_marker)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), config.hang_after_s)
+    if stop.is_set() or marker.exists():  # noqa: ASYNC240 - fault injection, once
+        await stop.wait()
+        return
+    marker.write_text(str(os.getpid()))  # noqa: ASYNC240
+    log.warning("fault injection: blocking the event loop")
+    time.sleep(3600)  # noqa: ASYNC251 - the point: a frozen process
 
 
 class EnvWorker:
@@ -109,6 +131,8 @@ class EnvWorker:
         self.meter = EnvMeter()
         #: Time with at least one task in hand.
         self.active = BusyMeter()
+        #: SFT batches published by this worker's dataset streams.
+        self.batches_streamed = 0
 
     async def handle(self, msg: Msg) -> None:
         try:
@@ -145,6 +169,17 @@ class EnvWorker:
             stats = self.meter.of(task.env_id)
             stats.tasks += 1
             stats.task_s += time.perf_counter() - t0
+
+    def progress(self) -> int:
+        """Work done besides settled tasks: a dataset stream or a rollout is one task for
+        minutes, its batches and simulator steps show it moving."""
+        steps = sum(s.steps + s.resets for s in self.meter.envs.values())
+        return self.batches_streamed + steps
+
+    def busy_with(self) -> str:
+        """What holds the worker up without progress: building simulator sessions."""
+        building = self.pool.building
+        return f"building {building} simulator session(s)" if building else ""
 
     def gauges(self) -> dict[str, float]:
         """Busy (simulating) and active (a rollout or evaluation in hand) seconds, and the
@@ -357,6 +392,7 @@ class EnvWorker:
                 message_id=msg_id("sft", task.tenant, task.job_id, epoch, batch.batch_index),
             )
             flow.published()
+            self.batches_streamed += 1
             step += 1
 
     async def prewarm(self, msg: Msg, instance: str) -> None:
@@ -450,6 +486,10 @@ async def run(config: EnvsConfig) -> None:
             Path(config.dataset_cache) if config.dataset_cache else None,
         )
         rt.gauges = worker.gauges
+        rt.busy_with = worker.busy_with
+        rt.progress = worker.progress
+        if config.hang_after_s > 0 and config.hang_marker:
+            rt.spawn(hang_later(config, rt.stop), "fault injection")
         prewarms = await rt.nc.subscribe(
             subjects.ENVS_PREWARM, cb=partial(worker.prewarm, instance=rt.instance)
         )

@@ -490,6 +490,7 @@ async def serve_inferencer(rt: Runtime, config: InferencerConfig) -> None:
     inferencer = Inferencer(rt, config, backbone, costs, remote)
     await inferencer.open()
     rt.gauges = inferencer.gauges
+    rt.progress = lambda: inferencer.batches
     rt.spawn(
         publish_queues(rt.nc, rt.stop, "inferencer", rt.instance, "infer", inferencer.queue),
         "queue report",

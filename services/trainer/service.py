@@ -489,6 +489,8 @@ async def run(config: TrainerConfig) -> None:
                 trainer.store,
             )
         rt.gauges = trainer.gauges
+        # Steps and updates applied (messages settle only at commits).
+        rt.progress = lambda: trainer.stepper.sft_fit.n + trainer.stepper.rl_fit.n
         rt.spawn(
             publish_queues(rt.nc, rt.stop, "trainer", rt.instance, "train", trainer.queue),
             "queue report",

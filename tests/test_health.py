@@ -1,0 +1,175 @@
+"""The health manager acts: a dead or stalled instance is restarted alone, in place, within
+a budget; a role busy with a long operation is left alone; an instance told to restart exits
+75 for its supervisor."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from nats.aio.msg import Msg
+
+from bus.codec import decode, encode
+from bus.connect import connect
+from bus.kv import kv_values
+from bus.server import EmbeddedServer
+from schemas import subjects
+from schemas.health import (
+    HEALTH_REPORT_DECODER,
+    HEALTH_SUBJECT,
+    HEARTBEAT_DECODER,
+    OPS_EVENT_DECODER,
+    OPS_SUBJECT,
+    Heartbeat,
+    OpsEvent,
+    RestartOrder,
+    restart_subject,
+)
+from services.health.service import LivenessTable, Restarts
+from services.launcher import LocalStack
+from tests.conftest import Procs
+from tests.helpers import eventually, start_service
+
+
+def beat(at: float, progress: int = 0, in_flight: int = 0, busy_with: str = "") -> Heartbeat:
+    return Heartbeat(
+        "envs", "envs-a", 1, "h", 0.0, at, "v", in_flight, progress=progress, busy_with=busy_with
+    )
+
+
+def test_dead_stalled_and_busy_instances_are_told_apart() -> None:
+    table = LivenessTable(stale_after_s=3.0, stall_after_s=10.0)
+    table.observe("a", beat(100.0, progress=5, in_flight=2))
+    assert table.state("a", 101.0) == "alive"
+    assert table.state("a", 104.0) == "dead"  # no heartbeat for 4 s
+    # Heartbeating, work in flight, no progress for 11 s: stalled.
+    table.observe("a", beat(111.0, progress=5, in_flight=2))
+    assert table.state("a", 111.5) == "stalled"
+    # The same while it says what holds it up (a simulator build): not a stall.
+    table.observe("a", beat(112.0, progress=5, in_flight=2, busy_with="building 1 session"))
+    assert table.state("a", 112.5) == "alive"
+    # Idle (nothing in flight) for long: alive.
+    table.observe("b", beat(100.0, progress=1))
+    table.observe("b", beat(200.0, progress=1))
+    assert table.state("b", 200.5) == "alive"
+    # Progress moving: alive.
+    table.observe("a", beat(113.0, progress=6, in_flight=2))
+    assert table.state("a", 113.5) == "alive"
+    table.observe("a", None)  # a clean stop deletes the key
+    assert "a" not in table.seen
+
+
+def test_restarts_keep_to_the_budget_with_a_doubling_backoff() -> None:
+    policy = Restarts(budget=3, window_s=100.0, backoff_s=5.0)
+    assert policy.decide("envs", 0.0) == "restart"
+    policy.record("envs", 0.0)
+    assert policy.decide("envs", 4.0) == "wait"  # within 5 s of the last
+    assert policy.decide("envs", 6.0) == "restart"
+    policy.record("envs", 6.0)
+    assert policy.decide("envs", 15.0) == "wait"  # the second waits 10 s
+    assert policy.decide("trainer", 15.0) == "restart"  # other roles are their own
+    policy.record("envs", 17.0)
+    assert policy.decide("envs", 60.0) == "exhausted"  # three within the window
+    assert policy.decide("envs", 101.0) == "restart"  # the first fell out of the window
+    assert policy.total == {"envs": 3}
+
+
+async def test_a_restart_order_stops_a_role_cleanly_with_exit_75(
+    fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
+) -> None:
+    proc = procs.add(start_service("master", fresh_server.url, tmp_path / "master.log"))
+    nc = await connect(fresh_server.url)
+    try:
+
+        async def instance() -> str | None:
+            try:
+                beats = await kv_values(nc.jetstream(), subjects.KV_HEARTBEATS, "master.")
+            except Exception:  # noqa: BLE001 - the bucket is declared by the master
+                return None
+            return next((decode(HEARTBEAT_DECODER, v).instance for v in beats.values()), None)
+
+        name = await eventually(instance, timeout=30, what="the master's heartbeat")
+        await nc.publish(restart_subject(name), encode(RestartOrder(name, "test")))
+        assert await asyncio.to_thread(proc.wait, 15) == 75
+    finally:
+        await nc.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_frozen_env_worker_is_killed_and_restarted_in_place(tmp_path: Path) -> None:
+    """An env worker whose event loop blocks (fault injection: no heartbeat, no work) is
+    found dead, told to exit, killed when it does not, and started again by the launcher;
+    the other roles are not touched."""
+    marker = tmp_path / "hung"
+    stack = LocalStack(
+        tmp_path / "home",
+        roles={"health": 1, "envs": 1, "master": 1},
+        auth=False,
+        tenants=(),
+        role_args={
+            "envs": ["--hang-after-s", "3", "--hang-marker", str(marker)],
+            "health": ["--restart-after-s", "3", "--grace-s", "1", "--backoff-s", "1"],
+        },
+    )
+    stopping = threading.Event()
+
+    def supervise() -> None:
+        while not stopping.is_set():
+            stack.supervise_once()
+            time.sleep(0.2)
+
+    try:
+        info = stack.start_server()
+        stack.start_roles()
+        threading.Thread(target=supervise, daemon=True).start()
+        envs = next(c for c in stack.children if c.role == "envs")
+        master = next(c for c in stack.children if c.role == "master")
+        assert envs.proc is not None and master.proc is not None
+        frozen_pid, master_pid = envs.proc.pid, master.proc.pid
+        asyncio.run(watch_the_restart(info.url, info.user, info.password, frozen_pid))
+        assert marker.read_text() == str(frozen_pid)  # it did freeze
+        assert envs.restarts == 1  # and the restarted one stays up
+        with pytest.raises(ProcessLookupError):
+            os.kill(frozen_pid, 0)  # the frozen one is gone
+        assert master.restarts == 0 and master.proc.pid == master_pid  # only that instance
+        table = json.loads((tmp_path / "home" / "processes.json").read_text())
+        assert table["envs"] == [envs.proc.pid] != [frozen_pid]  # the live pid, not the dead
+    finally:
+        stopping.set()
+        stack.stop()
+
+
+async def watch_the_restart(url: str, user: str | None, password: str | None, pid: int) -> None:
+    nc = await connect(url, user=user, password=password)
+    try:
+        events: list[OpsEvent] = []
+
+        async def collect(msg: Msg) -> None:
+            events.append(decode(OPS_EVENT_DECODER, msg.data))
+
+        await nc.subscribe(OPS_SUBJECT, cb=collect)
+
+        async def restarted() -> OpsEvent | None:
+            return next((e for e in events if e.kind == "restart" and e.role == "envs"), None)
+
+        event = await eventually(restarted, timeout=60, what="the health manager's restart")
+        assert event.pid == pid and "no heartbeat" in event.reason
+
+        async def back() -> int | None:
+            beats = await kv_values(nc.jetstream(), subjects.KV_HEARTBEATS, "envs.")
+            fresh = [decode(HEARTBEAT_DECODER, v) for v in beats.values()]
+            new = [b.pid for b in fresh if b.pid != pid and time.time() - b.at < 2]
+            return new[0] if new else None
+
+        await eventually(back, timeout=60, what="a new env worker heartbeating")
+        msg = await nc.request(HEALTH_SUBJECT, b"", timeout=2)
+        report = decode(HEALTH_REPORT_DECODER, msg.data)
+        assert report.restarts == {"envs": 1}
+        assert [e.instance for e in report.events] == [event.instance]
+    finally:
+        await nc.close()
