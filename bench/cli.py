@@ -150,6 +150,13 @@ def _demo(args: argparse.Namespace) -> int:
     return int(demo.run(config_of(args, home_of(args))))
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    from bench import chaos
+    from bench.chaos_config import config_of
+
+    return int(chaos.run(config_of(args, home_of(args) / "chaos")))
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from bench import simulate
 
@@ -357,6 +364,17 @@ def add_operator_commands(sub: Subcommands) -> None:
         help="the paper's scenario on a local stack: 3 RL + 1 SFT tenants, isolated vs shared",
     )
     demo_arguments(demo)
+    from bench.chaos_config import add_arguments as chaos_arguments
+
+    chaos = add_command(
+        sub,
+        "chaos",
+        _chaos,
+        home=True,
+        help="a 3-tenant workload while roles (--broker: the NATS server) are SIGKILLed; "
+        "checks nothing was lost, repeated or changed",
+    )
+    chaos_arguments(chaos)
     sim = add_command(
         sub,
         "simulate",

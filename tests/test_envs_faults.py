@@ -24,6 +24,8 @@ HEAD = {"kind": "oft", "action_dim": 2, "chunk_len": 4, "proprio_dim": 4}
 STEPS = 40
 
 
+# With the slow ones: the default suite's chaos test SIGKILLs env workers mid-stream too.
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 async def test_an_env_worker_sigkilled_mid_stream_resumes_with_the_fault_free_result(
     fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path

@@ -414,6 +414,9 @@ def test_accumulated_gradients_survive_a_checkpoint_and_an_eviction() -> None:
         assert torch.equal(p.grad, grads[name]) if name in grads else p.grad is None, name
 
 
+# With the slow ones: tests/test_master_replay.py SIGKILLs the master with an open session
+# (its lease rebuilt) and the default suite's chaos test kills it mid-workload.
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 async def test_a_session_goes_on_across_a_master_sigkill(
     fresh_server: EmbeddedServer, bus: JetStreamContext, procs: Procs, tmp_path: Path

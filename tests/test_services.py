@@ -212,6 +212,9 @@ def test_joynexus_up_check_reports_five_healthy_roles(tmp_path: Path) -> None:
     assert summary == {"healthy": list(ROLES), "missing": []}
 
 
+# With the slow ones: tests/test_broker_faults.py kills the broker mid-job with every role up,
+# tests/test_master_replay.py the master with queued jobs.
+@pytest.mark.slow
 async def test_broker_sigkill_loses_no_accepted_job(tmp_path: Path, procs: Procs) -> None:
     """Jobs whose submit the master queued (the stream acknowledged it) survive a SIGKILL of
     the server and of the master, and are accepted by the master after the restart."""

@@ -35,7 +35,10 @@ async def _progress(client: Client, tenant: str, job_id: str) -> int:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("lives", [4, pytest.param(10, marks=pytest.mark.slow)])
+# With the slow ones: the default suite's chaos test (tests/test_chaos.py) SIGKILLs the trainer
+# among the other roles and checks the same (steps once each, parameters equal).
+@pytest.mark.slow
+@pytest.mark.parametrize("lives", [4, 10])
 async def test_a_trainer_sigkilled_again_and_again_ends_with_the_uninterrupted_parameters(
     lives: int, nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs, tmp_path: Path
 ) -> None:

@@ -18,13 +18,13 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from bus.codec import DecodeError, decode
+from bus.codec import DecodeError, decode, encode
 from bus.consume import ConsumerSpec
 from bus.datasets import default_cache_root
 from bus.errors import PoisonError, RetryableError
 from bus.publish import msg_id, publish
 from bus.queues import publish_queues
-from bus.records import get_job, get_policy, put_job
+from bus.records import get_job, get_policy, list_jobs, put_job
 from bus.service import Runtime, serve
 from schemas import subjects
 from schemas.events import (
@@ -48,6 +48,7 @@ from schemas.jobs import (
     JobSubmit,
 )
 from schemas.limits import InputLimits
+from schemas.masterstate import MASTER_STATE_SUBJECT, LeasedSession, MasterState, QueuedJob
 from schemas.specs import (
     EvalJobSpec,
     JobSpec,
@@ -133,6 +134,14 @@ class Master:
 
     async def handle(self, msg: Msg) -> None:
         await self.apply(parse_command(msg, self.limits))
+
+    async def state(self, leases: dict[tuple[str, str], tuple[float, float]]) -> MasterState:
+        """What this master decides from: the job table and what it holds in memory from it
+        (queued jobs, sessions' leases; see :mod:`schemas.masterstate`)."""
+        jobs = sorted(await list_jobs(self.js), key=lambda r: (r.tenant, r.job_id))
+        queued = [QueuedJob(t, j, at) for (t, j), at in sorted(self.admissions.jobs.items())]
+        sessions = [LeasedSession(t, j, lease) for (t, j), (_, lease) in sorted(leases.items())]
+        return MasterState(jobs, queued, sessions)
 
     async def apply(self, command: JobCommand) -> None:
         match command:
@@ -495,6 +504,11 @@ async def run(config: MasterConfig) -> None:
         # Tenants' requests (their jobs, datasets, exports) are answered beside the commands.
         queries = Queries(rt.js, master.jobs, master.policies, datasets.cache_root)
         await queries.subscribe(rt.nc)
+
+        async def answer_state(msg: Msg) -> None:
+            await msg.respond(encode(await master.state(queries.sessions.leases)))
+
+        state_requests = await rt.nc.subscribe(MASTER_STATE_SUBJECT, cb=answer_state)
         commands = await rt.consumer.bind(
             ConsumerSpec(
                 subjects.STREAM_JOBS,
@@ -522,6 +536,7 @@ async def run(config: MasterConfig) -> None:
         try:
             await rt.consumer.run(commands, master.handle)
         finally:
+            await state_requests.unsubscribe()
             await queries.close()
 
     await serve("master", config, body)

@@ -1,0 +1,49 @@
+"""``joynexus chaos`` as an operator runs it, smaller: a 3-tenant workload (SFT, PPO, GRPO)
+while the trainer, the inferencer, an env worker and the master are each SIGKILLed at least
+once; nothing is lost or applied twice, and the jobs that rerun bit for bit without faults
+end with the same parameters with them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+
+
+@pytest.mark.timeout(420)
+def test_chaos_kills_every_role_and_loses_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "chaos.json"
+    home = str(tmp_path / "home")
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.cli",
+            "chaos",
+            "--home",
+            home,
+            "--kills",
+            "5",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert out.exists(), run.stdout + run.stderr
+    result = json.loads(out.read_text())
+    assert {k["target"] for k in result["kill_log"]} >= {"trainer", "inferencer", "envs", "master"}
+    assert result["kills"] == 5 and result["jobs"] == 3 and result["succeeded"] == 3
+    assert result["lost"] == 0 and result["duplicated"] == 0, result["checks"]
+    # The SFT and GRPO jobs rerun bit for bit without faults: their parameters are compared.
+    assert {"chaos-sft", "chaos-grpo"} <= set(result["reproducible"])
+    assert result["params_equal"], result["checks"]
+    assert result["ok"] and run.returncode == 0, run.stdout
+    assert "ok True" in run.stdout
