@@ -19,7 +19,7 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/joynexus demo
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow" -q
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow" -q --durations=25
 
 test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m slow -q

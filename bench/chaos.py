@@ -2,7 +2,8 @@
 
 On one local stack (supervised as ``joynexus up`` supervises it), three tenants run at once:
 SFT on Reach2D demonstrations (OFT head), RL with PPO (OFT head with a value head) and RL with
-GRPO (discrete head), all on the ``tiny`` backbone. The same three jobs run twice:
+GRPO (discrete head, rollouts allowed one policy version behind), all on the ``tiny``
+backbone. The same three jobs run twice:
 
 1. **reference** — no fault, twice at once (a job whose two runs end with different
    parameters is not reproducible bit for bit even without faults: its parameters are
@@ -20,8 +21,9 @@ runs ``--deterministic``). ``recovery_s`` of a kill is the time from the SIGKILL
 role's replacement (every role, for the broker) heartbeats again; the table gives the
 largest. The result is printed as a table and written as JSON (``--json``).
 
-``--cluster`` (a 3-node JetStream cluster, one node killed) is not built: the command says
-so instead of running something else.
+``--cluster`` runs the stack on a 3-node JetStream cluster (everything at 3 replicas) and
+adds a node to the targets: SIGKILLed, left down 1-5 s while the others carry on, then
+started again on its store (it rejoins); its recovery is until every role heartbeats again.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ from services.launcher import LocalStack, wait_healthy
 #: The roles a kill picks from (the health manager is left to watch them).
 TARGETS = ("trainer", "inferencer", "envs", "master")
 BROKER = "broker"
+#: One node of a 3-node cluster (``--cluster``).
+NODE = "node"
 ROLES = {"master": 1, "trainer": 1, "inferencer": 1, "envs": 2, "health": 1}
 #: The longest a role may take to come back before the run gives up on it.
 RECOVERY_TIMEOUT_S = 120.0
@@ -75,6 +79,8 @@ class Kill:
     at_s: float
     pid: int
     recovery_s: float = 0.0
+    #: How long a cluster node was left down on purpose before its restart.
+    down_s: float = 0.0
 
 
 @dataclass
@@ -140,7 +146,8 @@ def specs(config: ChaosConfig) -> dict[str, dict[str, Any]]:
             **rl,
             "tenant": "chaos-grpo",
             "head": {"kind": "discrete", "action_dim": 2, "proprio_dim": 4, "chunk_len": 1},
-            "rl": {"algorithm": "grpo", "epochs": 2, "minibatch_size": 16},
+            # Rollouts one version behind: iteration i+1 is collected while i trains.
+            "rl": {"algorithm": "grpo", "epochs": 2, "minibatch_size": 16, "max_policy_lag": 1},
         },
     }
 
@@ -204,7 +211,11 @@ class Killer:
         self.js = js
         self.config = config
         self.rng = random.Random(config.seed)
-        self.targets = (*TARGETS, *((BROKER,) if config.broker else ()))
+        self.targets = (
+            *TARGETS,
+            *((BROKER,) if config.broker else ()),
+            *((NODE,) if config.cluster else ()),
+        )
         self.kills: list[Kill] = []
         self.t0 = time.monotonic()
 
@@ -232,6 +243,18 @@ class Killer:
             server.kill()
             await asyncio.sleep(0.5)  # down long enough for every client to notice
             await asyncio.to_thread(server.restart)
+            roles = list(TARGETS)
+        elif target == NODE:
+            nodes = self.stack.nodes
+            assert nodes is not None
+            index = self.rng.randrange(len(nodes.nodes))
+            kill = Kill(f"node-{index + 1}", at - self.t0, nodes.nodes[index].pid or 0)
+            nodes.kill(index)
+            # Down a while (the others carry on), then started again on its store: it rejoins.
+            await asyncio.sleep(self.rng.uniform(1.0, 5.0))
+            await asyncio.to_thread(nodes.restart, index)
+            kill.down_s = time.monotonic() - at
+            at, since = time.monotonic(), time.time()  # its recovery counts from its restart
             roles = list(TARGETS)
         else:
             child = self.stack.live(target)[self.rng.randrange(len(self.stack.live(target)))]
@@ -358,6 +381,7 @@ async def drive(stack: LocalStack, info: StackInfo, config: ChaosConfig) -> dict
         "kills": len(kills),
         "kills_asked": config.kills,
         "broker": config.broker,
+        "cluster": config.cluster,
         "jobs": len(checks),
         "succeeded": sum(c.status == "succeeded" for c in checks),
         "lost": sum(c.lost for c in checks),
@@ -414,6 +438,7 @@ def run(config: ChaosConfig) -> int:
         auth=False,
         tenants=(),
         role_args={"trainer": ["--deterministic"]},
+        cluster=3 if config.cluster else 1,
         extra_env={"JOYNEXUS_HEARTBEAT_INTERVAL_S": "0.5"},
     )
     stopping = threading.Event()

@@ -19,6 +19,9 @@ class ChaosConfig:
     duration_s: float = 0.0
     #: Also kill the NATS server (and start it again on the same store).
     broker: bool = False
+    #: Run a 3-node JetStream cluster and also kill one node at a time (started again after a
+    #: few seconds: it rejoins).
+    cluster: bool = False
     seed: int = 0
     json_path: Path | None = None
     #: The workload's size: SFT steps, RL iterations (sized to outlast the kills by default).
@@ -41,7 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kills", type=int, default=20, help="SIGKILLs in the chaos phase")
     p.add_argument("--duration", type=float, default=0.0, help="spread the kills over S s")
     p.add_argument("--broker", action="store_true", help="also kill and restart the NATS server")
-    p.add_argument("--cluster", action="store_true", help="a 3-node cluster (not built yet)")
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="a 3-node JetStream cluster; kill one node at a time too",
+    )
     p.add_argument("--seed", type=int, default=0, help="the kill schedule's and the jobs' seed")
     p.add_argument("--json", type=Path, help="write the result here")
     p.add_argument("--sft-steps", type=int, default=0, help="default: 40 per kill, at least 40")
@@ -49,10 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_of(args: argparse.Namespace, home: Path) -> ChaosConfig:
-    if args.cluster:
-        raise SystemExit(
-            "joynexus chaos: --cluster needs `joynexus up --cluster 3`, which is not built yet"
-        )
+    if args.cluster and args.broker:
+        raise SystemExit("joynexus chaos: --broker (one server) and --cluster are either-or")
     if args.kills < 0:
         raise SystemExit("joynexus chaos: --kills must be 0 or more")
     return ChaosConfig(
@@ -60,6 +65,7 @@ def config_of(args: argparse.Namespace, home: Path) -> ChaosConfig:
         kills=args.kills,
         duration_s=args.duration,
         broker=args.broker,
+        cluster=args.cluster,
         seed=args.seed,
         json_path=args.json,
         sft_steps=args.sft_steps,

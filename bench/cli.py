@@ -36,14 +36,31 @@ def _up(args: argparse.Namespace) -> int:
         return 2
     auth = not args.no_auth
     split = args.backbone_service
+    if args.cluster != 1 and args.cluster < 3:
+        print(
+            "joynexus up: --cluster needs 3 or more nodes (a majority must survive)",
+            file=sys.stderr,
+        )
+        return 2
     if args.check:
         return int(
             launcher.check_stack(
-                home_of(args), args.timeout, backbones, auth=auth, backbone_service=split
+                home_of(args),
+                args.timeout,
+                backbones,
+                auth=auth,
+                backbone_service=split,
+                cluster=args.cluster,
             )
         )
     return int(
-        launcher.run_stack(home_of(args), backbones=backbones, auth=auth, backbone_service=split)
+        launcher.run_stack(
+            home_of(args),
+            backbones=backbones,
+            auth=auth,
+            backbone_service=split,
+            cluster=args.cluster,
+        )
     )
 
 
@@ -88,7 +105,8 @@ def _tenant(args: argparse.Namespace) -> int:
             print(f"tenant {args.name}: {limits}")
         info = read_stack_info(home)
         url = args.url or (info.url if info and info.auth else None)
-        applied = asyncio.run(tenantadmin.apply(home, url))
+        replicas = info.replicas if info else 1
+        applied = asyncio.run(tenantadmin.apply(home, url, replicas=replicas))
     except (tenantadmin.TenantAdminError, ValueError) as exc:
         print(f"joynexus tenant {op}: {exc}", file=sys.stderr)
         return 2
@@ -262,6 +280,14 @@ def add_operator_commands(sub: Subcommands) -> None:
         action="store_true",
         help="run the frozen backbone in its own role (services.backbone); trainers and "
         "inferencers then hold only heads and take features from it",
+    )
+    up.add_argument(
+        "--cluster",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N nats-server nodes on loopback (3 or more) with streams, KV and object store "
+        "at 3 replicas: losing one node loses nothing",
     )
     up.add_argument(
         "--no-auth",

@@ -25,13 +25,15 @@ async def connect(
     max_reconnect_attempts: int = -1,
     error_cb: Callable[[Exception], Awaitable[None]] | None = None,
 ) -> NATS:
-    """Connect with reconnects on (a broker restart is survivable). ``creds`` is an identity
+    """Connect with reconnects on (a broker restart is survivable); ``url`` may name several
+    servers, comma-separated (a cluster's nodes). ``creds`` is an identity
     file of :mod:`bus.identity` (its NKey signs the server's nonce; a tenant's connection
     uses the tenant's inbox prefix, the only one it may subscribe to) or a standard NATS
     ``.creds`` file (JWT + nkey); ``user``/``password`` plain auth (empty = none), ``tls`` a
     client context. Raises :class:`bus.identity.IdentityError` for an unreadable creds file."""
     options: dict[str, Any] = {
-        "servers": [url],
+        # A cluster's nodes, comma-separated: a client whose node dies goes to another.
+        "servers": [u.strip() for u in url.split(",") if u.strip()],
         "name": name,
         "max_reconnect_attempts": max_reconnect_attempts,
         "reconnect_time_wait": 0.2,

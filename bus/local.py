@@ -25,6 +25,9 @@ class StackInfo(msgspec.Struct, frozen=True):
     creds_dir: str = ""
     user: str = ""
     password: str = ""
+    #: Replicas of every stream, KV bucket and object store: 3 on a cluster
+    #: (``joynexus up --cluster 3``), else 1.
+    replicas: int = 1
 
     def creds(self, name: str) -> Path | None:
         """The creds file of identity ``name`` (None in open mode)."""

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 _LISTEN_RE = re.compile(r"Listening for client connections on [\d.:\[\]a-f]+:(\d+)")
@@ -104,6 +105,25 @@ def reload_running(pid: int, log_file: Path, timeout: float = 10.0) -> None:
     raise ServerError(f"nats-server {pid} did not confirm a reload within {timeout}s")
 
 
+@dataclass(frozen=True)
+class Route:
+    """A server's place in a loopback cluster: its name, the port it takes routes on, and
+    its peers' route ports. Routes are not authenticated: they listen on 127.0.0.1 only."""
+
+    server_name: str
+    cluster_port: int
+    peer_ports: tuple[int, ...]
+    cluster_name: str = "joynexus"
+
+    def config_lines(self) -> list[str]:
+        routes = ", ".join(f'"nats-route://127.0.0.1:{p}"' for p in self.peer_ports)
+        return [
+            f'server_name: "{self.server_name}"',
+            f'cluster {{ name: "{self.cluster_name}", listen: "127.0.0.1:{self.cluster_port}", '
+            f"routes: [{routes}] }}",
+        ]
+
+
 class EmbeddedServer:
     """``nats-server -js`` bound to 127.0.0.1 with ``store_dir``.
 
@@ -121,6 +141,7 @@ class EmbeddedServer:
         password: str | None = None,
         max_payload: int | None = None,
         auth: str | None = None,
+        route: Route | None = None,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.port = port
@@ -131,6 +152,8 @@ class EmbeddedServer:
         #: Rendered authorization config (:func:`bus.auth.render`), kept in ``auth.conf``
         #: beside the server's config so that an operator's tool can rewrite it and reload.
         self.auth = auth
+        #: This server's place in a cluster (None: a lone server).
+        self.route = route
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -151,6 +174,8 @@ class EmbeddedServer:
             f'jetstream {{ store_dir: "{self.store_dir / "jetstream-data"}" }}',
             f'pid_file: "{pid_file(self.store_dir)}"',
         ]
+        if self.route is not None:
+            lines += self.route.config_lines()
         if self.max_payload:
             lines.append(f"max_payload: {self.max_payload}")
         if self.auth is not None:

@@ -63,6 +63,17 @@ def server_dir(home: Path) -> Path:
     return Path(home) / SERVER_DIR
 
 
+def node_dirs(home: Path, nodes: int) -> list[Path]:
+    """Each cluster node's store dir: the lone server's for the first, ``nats-<i>`` after."""
+    return [server_dir(home)] + [Path(home) / f"{SERVER_DIR}-{i}" for i in range(2, nodes + 1)]
+
+
+def node_logs(home: Path, nodes: int) -> list[Path]:
+    """Each cluster node's log: the lone server's for the first, ``nats-server-<i>.log``."""
+    log = Path(home) / SERVER_LOG
+    return [log] + [log.with_name(f"nats-server-{i}.log") for i in range(2, nodes + 1)]
+
+
 def init_home(home: Path) -> Registry:
     """Ensure the service and operator identities exist and the auth config is rendered;
     return the registry."""
@@ -232,28 +243,37 @@ async def ensure_bucket(
         await js.update_stream(dataclasses.replace(info.config, max_bytes=max_bytes))
 
 
-async def sync_bus(nc: NATS, registry: Registry) -> int:
+async def sync_bus(nc: NATS, registry: Registry, replicas: int = 1) -> int:
     """Write every tenant's record into the ``tenants`` KV (revoked ones marked) and ensure
-    the unrevoked ones' buckets; return the number of tenants written."""
+    the unrevoked ones' buckets (with ``replicas``: 3 on a cluster); return the number of
+    tenants written."""
     js = nc.jetstream()
     kv = await js.key_value(s.KV_TENANTS)
     for entry in registry.tenants():
         await kv.put(entry.name, encode(tenant_record(entry)))
         if not entry.revoked:
-            await ensure_bucket(js, entry.name, entry.limits.max_storage_bytes)
+            await ensure_bucket(js, entry.name, entry.limits.max_storage_bytes, replicas)
     return len(registry.tenants())
 
 
-async def apply(home: Path, url: str | None = None, timeout: float = 10.0) -> Applied:
-    """Render the registry into the server's auth config and reload the home's server if it
-    runs; with ``url``, write the tenants' records and buckets to that bus as the operator
-    (a server elsewhere, e.g. compose's, is reloaded by its own operator: SIGHUP)."""
+async def apply(
+    home: Path, url: str | None = None, timeout: float = 10.0, replicas: int = 1
+) -> Applied:
+    """Render the registry into the servers' auth config and reload the home's servers that
+    run (every node of a cluster); with ``url``, write the tenants' records and buckets (with
+    ``replicas``) to that bus as the operator (a server elsewhere, e.g. compose's, is
+    reloaded by its own operator: SIGHUP)."""
     home = Path(home)
     registry = load_registry(home)
-    write_auth_file(server_dir(home), render(registry))
-    pid = running_pid(server_dir(home))
-    if pid is not None:
-        reload_running(pid, home / SERVER_LOG, timeout)
+    rendered = render(registry)
+    nodes = max(1, len(list(home.glob(f"{SERVER_DIR}-[0-9]*"))) + 1)
+    pid = None
+    for store, log in zip(node_dirs(home, nodes), node_logs(home, nodes), strict=True):
+        write_auth_file(store, rendered)
+        running = running_pid(store)
+        if running is not None:
+            reload_running(running, log, timeout)
+            pid = pid or running
     if url is None:
         return Applied(reloaded=pid is not None, synced=False)
     nc = await connect(
@@ -263,7 +283,7 @@ async def apply(home: Path, url: str | None = None, timeout: float = 10.0) -> Ap
         max_reconnect_attempts=2,
     )
     try:
-        await sync_bus(nc, registry)
+        await sync_bus(nc, registry, replicas)
     finally:
         await nc.close()
     return Applied(reloaded=pid is not None, synced=True)

@@ -28,9 +28,10 @@ from nats.errors import Error as NatsError
 
 from bus import tenantadmin
 from bus.auth import load_registry, render
+from bus.cluster import LocalCluster
 from bus.codec import DecodeError, decode
 from bus.connect import connect
-from bus.declare import declare
+from bus.declare import BusLayout, declare
 from bus.identity import OPERATOR_NAME, SERVICE_NAME
 from bus.kv import kv_values
 from bus.local import StackInfo, write_stack_info
@@ -116,6 +117,10 @@ class LocalStack:
     tenants: tuple[str, ...] = DEMO_TENANTS
     #: Run the backbone role (one per backbone) and trainers/inferencers holding only heads.
     backbone_service: bool = False
+    #: JetStream nodes: 1 (one server), or a loopback cluster of 3+ with everything at 3
+    #: replicas (:mod:`bus.cluster`).
+    cluster: int = 1
+    nodes: LocalCluster | None = None
 
     def __post_init__(self) -> None:
         if self.backbone_service and "backbone" not in self.roles:
@@ -126,24 +131,46 @@ class LocalStack:
         """The roles a healthy stack runs."""
         return [*ROLES, *(["backbone"] if self.backbone_service else [])]
 
+    @property
+    def replicas(self) -> int:
+        return 3 if self.cluster > 1 else 1
+
     def start_server(self) -> StackInfo:
         self.home.mkdir(parents=True, exist_ok=True)
         store, log_file = tenantadmin.server_dir(self.home), self.home / tenantadmin.SERVER_LOG
+        user = password = auth = None
         if self.auth:
             tenantadmin.init_home(self.home)
             for tenant in self.tenants:
                 tenantadmin.ensure_tenant(self.home, tenant)
-            self.server = EmbeddedServer(
-                store, log_file=log_file, auth=render(load_registry(self.home))
-            ).start()
-            creds_dir = str(tenantadmin.creds_dir(self.home).resolve())
-            self.info = StackInfo(self.server.url, os.getpid(), auth=True, creds_dir=creds_dir)
+            auth = render(load_registry(self.home))
         else:
             user, password = "joynexus", secrets.token_urlsafe(18)
-            self.server = EmbeddedServer(
-                store, log_file=log_file, user=user, password=password
+        if self.cluster > 1:
+            creds = tenantadmin.creds_path(tenantadmin.creds_dir(self.home), OPERATOR_NAME)
+            self.nodes = LocalCluster(
+                tenantadmin.node_dirs(self.home, self.cluster),
+                tenantadmin.node_logs(self.home, self.cluster),
+                user=user,
+                password=password,
+                auth=auth,
+                creds=creds if self.auth else None,
             ).start()
-            self.info = StackInfo(self.server.url, os.getpid(), user=user, password=password)
+            url = self.nodes.url
+        else:
+            self.server = EmbeddedServer(
+                store, log_file=log_file, user=user, password=password, auth=auth
+            ).start()
+            url = self.server.url
+        if self.auth:
+            creds_dir = str(tenantadmin.creds_dir(self.home).resolve())
+            self.info = StackInfo(
+                url, os.getpid(), auth=True, creds_dir=creds_dir, replicas=self.replicas
+            )
+        else:
+            self.info = StackInfo(
+                url, os.getpid(), user=user or "", password=password or "", replicas=self.replicas
+            )
         # Declare before announcing: a client that finds the stack file can submit at once.
         asyncio.run(declare_layout(self.info, self.home))
         write_stack_info(self.home, self.info)
@@ -167,6 +194,7 @@ class LocalStack:
             PYTHONUNBUFFERED="1",
         )
         env.setdefault("OMP_NUM_THREADS", "1")
+        env["JOYNEXUS_REPLICAS"] = str(self.info.replicas)
         # ManiSkill fixes its asset directory from MS_ASSET_DIR at import, so the env worker
         # gets it here, in its environment (nothing sets it in a running process); an
         # operator's own MS_ASSET_DIR wins.
@@ -305,6 +333,8 @@ class LocalStack:
                 codes[child.name] = child.proc.wait()
         if self.server is not None:
             self.server.stop()
+        if self.nodes is not None:
+            self.nodes.stop()
         return codes
 
 
@@ -324,9 +354,9 @@ async def declare_layout(info: StackInfo, home: Path | None = None) -> None:
     ``tenants`` KV, their buckets): what ``joynexus tenant`` did while the stack was down."""
     nc = await operator_connect(info, "joynexus-up")
     try:
-        await declare(nc.jetstream())
+        await declare(nc.jetstream(), BusLayout(replicas=info.replicas))
         if info.auth and home is not None:
-            await tenantadmin.sync_bus(nc, load_registry(home))
+            await tenantadmin.sync_bus(nc, load_registry(home), info.replicas)
     finally:
         await nc.close()
 
@@ -362,10 +392,11 @@ def check_stack(
     backbones: list[ServedBackbone] | None = None,
     auth: bool = True,
     backbone_service: bool = False,
+    cluster: int = 1,
 ) -> int:
     """Start the stack, wait for its roles to heartbeat (five, six with the backbone role),
     print them and a JSON summary line, stop everything; exit code 0 only if all are healthy."""
-    stack = LocalStack(home, auth=auth, backbone_service=backbone_service)
+    stack = LocalStack(home, auth=auth, backbone_service=backbone_service, cluster=cluster)
     stack.backbones = backbones or stack.backbones
     roles = stack.expected_roles
     try:
@@ -390,13 +421,19 @@ def run_stack(
     backbones: list[ServedBackbone] | None = None,
     auth: bool = True,
     backbone_service: bool = False,
+    cluster: int = 1,
 ) -> int:
     """Run the stack until Ctrl-C / SIGTERM; supervise children meanwhile. ``backbones``
     (default: the tiny one) each get their own trainer and inferencer; ``auth`` False runs
     the open mode (one generated password, every client is everyone); ``backbone_service``
-    runs the backbone role, the trainers and inferencers then holding only heads."""
+    runs the backbone role, the trainers and inferencers then holding only heads;
+    ``cluster`` 3+ runs that many JetStream nodes with everything at 3 replicas."""
     stack = LocalStack(
-        home, roles=roles or {r: 1 for r in ROLES}, auth=auth, backbone_service=backbone_service
+        home,
+        roles=roles or {r: 1 for r in ROLES},
+        auth=auth,
+        backbone_service=backbone_service,
+        cluster=cluster,
     )
     stack.backbones = backbones or stack.backbones
     stopping = False

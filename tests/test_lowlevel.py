@@ -364,6 +364,9 @@ async def test_a_trainer_sigkill_mid_session_loses_and_repeats_no_call(
         await service.close()
 
 
+# With the slow ones: the other tests here drive the same calls (every op, errors, leases,
+# sharing, a trainer SIGKILL); this one runs the example script's algorithm to learning.
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 async def test_the_custom_algorithm_example_learns_with_the_low_level_api_only(
     fresh_server: EmbeddedServer, bus: JetStreamContext, procs: Procs, tmp_path: Path

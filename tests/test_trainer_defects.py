@@ -263,6 +263,9 @@ def server_without_jetstream(port: int) -> subprocess.Popen[bytes]:
     )
 
 
+# With the slow ones: tests/test_broker_faults.py takes the broker away mid-job (every fetch
+# fails until it is back) and the trainer lives through it, as every role.
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 async def test_H_jetstream_errors_from_fetch_do_not_crash_the_trainer(
     fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path

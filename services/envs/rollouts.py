@@ -210,6 +210,10 @@ class Session:
         return self.terminated or self.truncated
 
 
+#: Keeps the bootstrap request's seed apart from the steps' (:func:`bootstrap_values`).
+BOOTSTRAP_SEED_TAG = 0x0B00
+
+
 def step_seed(*parts: int) -> int:
     return zlib.crc32(np.asarray(parts, np.int64).tobytes()) & 0x7FFFFFFF
 
@@ -353,7 +357,12 @@ async def collect(
 async def bootstrap_values(
     client: PolicyClient, task: RolloutTask, sessions: list[Session]
 ) -> dict[int, float]:
-    """V(s_T) of episodes cut off by the time limit (0 for real terminations)."""
+    """V(s_T) of episodes cut off by the time limit (0 for real terminations).
+
+    The request is seeded (the seed draws nothing: the actions are deterministic) so that the
+    inferencer gives it a head call of its own: merged with another task's request into one
+    larger call, the value head's matmuls can round differently, and V(s_T) — hence the
+    advantages and the whole PPO update — would depend on what else was in the batch."""
     cut = [s for s in sessions if s.truncated and not s.terminated]
     if not cut:
         return {}
@@ -363,6 +372,7 @@ async def bootstrap_values(
         [to_observation(s.obs, task.num_views, task.proprio_dim) for s in cut],
         policy_version=task.policy_version,
         deterministic=True,
+        seed=step_seed(task.seed, task.iteration, cut[0].episode, BOOTSTRAP_SEED_TAG),
         num_views=task.num_views,
         token_budget=task.token_budget,
         timeout=60.0,
