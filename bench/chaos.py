@@ -92,6 +92,10 @@ class JobCheck:
     status: str
     expected: int
     reported: list[int] = field(default_factory=list)
+    #: Batches (SFT) or iterations (RL) its last committed policy applied.
+    applied: int = 0
+    #: Steps with no progress event (see :func:`check`).
+    missing_events: int = 0
     lost: int = 0
     duplicated: int = 0
     params_equal: bool = False
@@ -190,17 +194,26 @@ async def reported(job: Job) -> Outcome:
     return outcome
 
 
-async def final_params(js: JetStreamContext, tenant: str, job_id: str) -> dict[str, torch.Tensor]:
-    """The parameters of the job's last committed policy."""
+@dataclass
+class Final:
+    """A job's last committed policy: how many batches or iterations it applied, and its
+    parameters."""
+
+    applied: int = 0
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+async def final_policy(js: JetStreamContext, tenant: str, job_id: str) -> Final:
     from vla.slot import TenantSlot
 
     rec, _ = await get_policy(await js.key_value(subjects.KV_POLICIES), tenant, job_id)
     if rec is None:
-        return {}
+        return Final()
     store = await js.object_store(subjects.OBJ_CHECKPOINTS)
     buf = io.BytesIO()
     await store.get(rec.object_name, writeinto=buf)
-    return dict(TenantSlot.from_bytes(buf.getvalue()).module.state_dict())
+    params = dict(TenantSlot.from_bytes(buf.getvalue()).module.state_dict())
+    return Final(rec.batches_done, params)
 
 
 class Killer:
@@ -297,13 +310,25 @@ def check(
     expected: int,
     outcome: Outcome,
     reference: Outcome,
-    params: dict[str, torch.Tensor],
+    final: Final,
     ref_params: dict[str, torch.Tensor],
 ) -> JobCheck:
-    steps = outcome.steps
+    """Lost: a job that did not succeed, or applied fewer batches/iterations than asked;
+    duplicated: more applied than asked, or a step reported twice. (A progress event the
+    broker could not take while it was down is skipped by design, the next carries the job
+    on: ``missing_events`` counts those apart; a batch applied twice under the same step
+    would show in the parameters.)"""
+    steps, params = outcome.steps, final.params
     result = JobCheck(tenant, kind, outcome.status, expected, steps, reason=outcome.reason)
-    result.duplicated = len(steps) - len(set(steps)) + len(set(steps) - set(range(1, expected + 1)))
-    result.lost = len(set(range(1, expected + 1)) - set(steps)) + (outcome.status != "succeeded")
+    result.applied = final.applied
+    result.duplicated = (
+        len(steps)
+        - len(set(steps))
+        + max(0, final.applied - expected)
+        + len(set(steps) - set(range(1, expected + 1)))
+    )
+    result.lost = max(0, expected - final.applied) + (outcome.status != "succeeded")
+    result.missing_events = len(set(range(1, expected + 1)) - set(steps))
     same_keys = bool(params) and params.keys() == ref_params.keys()
     result.params_equal = same_keys and all(torch.equal(params[k], ref_params[k]) for k in params)
     result.max_param_diff = (
@@ -365,12 +390,14 @@ async def drive(stack: LocalStack, info: StackInfo, config: ChaosConfig) -> dict
         checks = []
         for tenant, kind in tenants().items():
             expected = config.steps if kind == "sft" else config.iterations
-            ref_params = await final_params(client.js, tenant, ref_jobs[tenant].job_id)
-            got = await final_params(client.js, tenant, jobs[tenant].job_id)
-            rerun = await final_params(client.js, tenant, rerun_jobs[tenant].job_id)
+            ref_final = await final_policy(client.js, tenant, ref_jobs[tenant].job_id)
+            got = await final_policy(client.js, tenant, jobs[tenant].job_id)
+            rerun = await final_policy(client.js, tenant, rerun_jobs[tenant].job_id)
             ref = ref_outcomes[tenant]
-            job = check(tenant, kind, expected, outcomes[tenant], ref, got, ref_params)
-            again = check(tenant, kind, expected, rerun_outcomes[tenant], ref, rerun, ref_params)
+            job = check(tenant, kind, expected, outcomes[tenant], ref, got, ref_final.params)
+            again = check(
+                tenant, kind, expected, rerun_outcomes[tenant], ref, rerun, ref_final.params
+            )
             job.reproducible = again.params_equal
             job.fault_free_param_diff = again.max_param_diff
             checks.append(job)
@@ -407,13 +434,13 @@ async def drive(stack: LocalStack, info: StackInfo, config: ChaosConfig) -> dict
 
 def print_table(result: dict[str, Any]) -> None:
     print(
-        f"\n{'tenant':<12} {'kind':<5} {'status':<10} {'reported':>9} {'lost':>5} "
+        f"\n{'tenant':<12} {'kind':<5} {'status':<10} {'applied':>9} {'lost':>5} "
         f"{'dup':>4} {'params':>7} {'max diff':>10} {'rerun diff':>10}"
     )
     for c in result["checks"]:
         print(
             f"{c['tenant']:<12} {c['kind']:<5} {c['status']:<10} "
-            f"{len(c['reported']):>4}/{c['expected']:<4} {c['lost']:>5} {c['duplicated']:>4} "
+            f"{c['applied']:>4}/{c['expected']:<4} {c['lost']:>5} {c['duplicated']:>4} "
             f"{'equal' if c['params_equal'] else 'DIFFER':>7} {c['max_param_diff']:>10.2e} "
             f"{c['fault_free_param_diff']:>10.2e}"
         )

@@ -44,6 +44,11 @@ def _stop_when_ready(setup: asyncio.Future[KeyValue.KeyWatcher]) -> None:
     setup.add_done_callback(done)
 
 
+def _reconnects(kv: KeyValue) -> int:
+    """How many times the bucket's connection has reconnected."""
+    return int(kv._js._nc.stats["reconnects"])
+
+
 async def follow_kv(
     kv: KeyValue,
     stop: asyncio.Event,
@@ -54,8 +59,11 @@ async def follow_kv(
 ) -> None:
     """Call ``on_entry`` for every current and future entry of ``kv`` until ``stop`` is set.
     ``on_ready`` runs once the bucket's current entries have been seen. A failed watch is
-    started again (it replays the latest entries)."""
+    started again (it replays the latest entries), and so is a watch that lived through a
+    reconnect: after a broker restart its consumer may be gone, and it would wait silently
+    for updates that never come."""
     while not stop.is_set():
+        reconnects = _reconnects(kv)
         setup = asyncio.ensure_future(kv.watchall())
         while not setup.done() and not stop.is_set():
             await asyncio.wait({setup}, timeout=POLL_S)
@@ -71,6 +79,9 @@ async def follow_kv(
             continue
         try:
             while not stop.is_set():
+                if _reconnects(kv) != reconnects:
+                    log.info("watch on %s outlived a reconnect; starting it again", kv._name)
+                    break
                 try:
                     entry = await watcher.updates(timeout=POLL_S)
                 except (NatsError, TimeoutError):  # nats' TimeoutError: nothing new

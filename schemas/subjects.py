@@ -81,6 +81,12 @@ def train(backbone: str, tenant: str) -> str:
     return f"{PREFIX}.train.{validate_id(backbone, 'backbone')}.{validate_id(tenant, 'tenant')}"
 
 
+def trainer_durable(backbone: str, tenant: str) -> str:
+    """``trainer-<backbone>-<tenant>`` — the trainers' durable on the tenant's Training Queue
+    (env workers read its pending count for a dataset stream's backpressure)."""
+    return f"trainer-{validate_id(backbone, 'backbone')}-{validate_id(tenant, 'tenant')}"
+
+
 def infer(backbone: str, tenant: str) -> str:
     """``nexus.infer.<backbone>.<tenant>`` — the tenant's Inference Queue subject."""
     return f"{PREFIX}.infer.{validate_id(backbone, 'backbone')}.{validate_id(tenant, 'tenant')}"

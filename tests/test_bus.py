@@ -327,6 +327,47 @@ async def test_kv_follower_stops_on_the_event_and_leaves_no_subscription(
     assert key in seen
 
 
+async def test_a_kv_follower_sees_entries_put_after_a_broker_restart(tmp_path: Path) -> None:
+    """A watch that lived through a SIGKILL of the server and its restart on the same store
+    is started again (its consumer is gone), so an entry put afterwards is still seen; the
+    inferencer's policy versions come this way."""
+    server = EmbeddedServer(tmp_path / "nats").start()
+    nc = await connect(server.url)
+    stop = asyncio.Event()
+    try:
+        js = nc.jetstream()
+        await declare(js, BusLayout())
+        kv = await js.key_value(subjects.KV_POLICIES)
+        seen: list[bytes] = []
+        ready = asyncio.Event()
+        follower = asyncio.create_task(
+            follow_kv(kv, stop, lambda e: seen.append(bytes(e.value or b"")), on_ready=ready.set)
+        )
+        await kv.put("acme.job", b"v1")
+        await asyncio.wait_for(ready.wait(), 10)
+        await eventually(lambda: b"v1" in seen or None, timeout=10, what="v1 seen")
+        server.kill()
+        server.restart()
+
+        async def put_v2() -> bool | None:
+            try:
+                await kv.put("acme.job", b"v2")
+            except (NatsError, TimeoutError):
+                return None  # reconnecting
+            return True
+
+        await eventually(put_v2, timeout=20, what="v2 put after the restart")
+        # Within seconds: left to itself, nats.py's watch notices only after its heartbeats
+        # have been missed for a while (measured here: about 20 s).
+        await eventually(lambda: b"v2" in seen or None, timeout=5, what="v2 seen")
+        stop.set()
+        await asyncio.wait_for(follower, 5)
+    finally:
+        stop.set()
+        await nc.close()
+        server.kill()
+
+
 def test_embedded_server_reports_fatal_start_errors(tmp_path: Path) -> None:
     with EmbeddedServer(tmp_path / "a") as running:
         clash = EmbeddedServer(tmp_path / "b", port=running.port)

@@ -30,7 +30,7 @@ from schemas.health import (
     RestartOrder,
     restart_subject,
 )
-from services.health.service import LivenessTable, Restarts
+from services.health.service import LivenessTable, OwnView, Restarts
 from services.launcher import LocalStack
 from tests.conftest import Procs
 from tests.helpers import eventually, start_service
@@ -62,6 +62,18 @@ def test_dead_stalled_and_busy_instances_are_told_apart() -> None:
     assert table.state("a", 113.5) == "alive"
     table.observe("a", None)  # a clean stop deletes the key
     assert "a" not in table.seen
+
+
+def test_the_health_manager_does_not_act_on_a_view_its_own_outage_made_stale() -> None:
+    """After its own connection dropped (a broker restart, its cluster node killed), every
+    heartbeat looks old: it waits ``settle_s`` of renewed view before declaring anyone dead."""
+    view = OwnView(settle_s=15.0)
+    assert view.acting(True, 0, 100.0)
+    assert not view.acting(False, 0, 101.0)  # disconnected
+    assert not view.acting(True, 1, 103.0)  # reconnected: the view is renewing
+    assert not view.acting(True, 1, 117.9)
+    assert view.acting(True, 1, 118.1)  # 15 s after it was last seen disconnected
+    assert not view.acting(True, 2, 130.0)  # a reconnect it did not see disconnected
 
 
 def test_restarts_keep_to_the_budget_with_a_doubling_backoff() -> None:

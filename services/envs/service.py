@@ -193,9 +193,16 @@ class EnvWorker:
 
     async def rollout(self, task: RolloutTask) -> None:
         """Run the task's episodes; publish each as a RolloutBatch (idempotent by identity)."""
-        if await self.job_ended(task.tenant, task.job_id):
+        if await self.job_ended(task.tenant, task.job_id) or await self.iteration_done(task):
             return
-        records = await collect(self.client(task.backbone), self.pool, task, self.meter)
+        try:
+            records = await collect(self.client(task.backbone), self.pool, task, self.meter)
+        except InferenceError:
+            # Its version pruned while it ran: another delivery's rollouts finished the
+            # iteration (the trainer moves on only then), so this one has nothing to add.
+            if await self.iteration_done(task):
+                return
+            raise
         subject = subjects.train(task.backbone, task.tenant)
         await publish_all(
             self.js,
@@ -290,11 +297,45 @@ class EnvWorker:
         record, _ = await get_policy(kv, task.tenant, task.job_id)
         return record.batches_done if record is not None else 0
 
+    async def iteration_done(self, task: RolloutTask) -> bool:
+        """Whether the trainer already finished the task's iteration: a redelivered task
+        (its worker killed after publishing, before acking) must not fail the job because
+        the version it names is no longer stored. Version ``v`` is the policy after
+        ``v - 1`` iterations, so iteration ``i`` is done once version ``i + 2`` exists."""
+        try:
+            record, _ = await get_policy(
+                await self.js.key_value(subjects.KV_POLICIES), task.tenant, task.job_id
+            )
+        except NatsError as exc:
+            raise RetryableError(f"policies KV unavailable: {exc}") from exc
+        if record is not None and record.version >= task.iteration + 2:
+            log.info(
+                "rollout %s/%s iteration %d: already trained on (v%d); dropped",
+                task.tenant,
+                task.job_id,
+                task.iteration,
+                record.version,
+            )
+            return True
+        return False
+
     async def job_ended(self, tenant: str, job_id: str) -> bool:
         record, _ = await get_job(await self.js.key_value(subjects.KV_JOBS), tenant, job_id)
         return record is not None and record.status in TERMINAL_STATUSES
 
-    async def unconsumed(self, subject: str) -> int:
+    async def unconsumed(self, backbone: str, tenant: str) -> int:
+        """The tenant's batches in ``TRAIN`` its trainer has not settled: what its durable
+        has yet to deliver or has delivered unacked. Not the stream's count on the subject:
+        after a broker crash an interest stream can keep messages its consumer already
+        acked, and a stream waiting for those to go would wait for ever."""
+        subject = subjects.train(backbone, tenant)
+        try:
+            consumer = await self.js.consumer_info(
+                subjects.STREAM_TRAIN, subjects.trainer_durable(backbone, tenant)
+            )
+            return int(consumer.num_pending or 0) + int(consumer.num_ack_pending or 0)
+        except NotFoundError:
+            pass  # no trainer bound the tenant yet: nothing was consumed, the stream counts
         try:
             info = await self.js.stream_info(subjects.STREAM_TRAIN, subjects_filter=subject)
         except NotFoundError as exc:
@@ -320,7 +361,7 @@ class EnvWorker:
             await self.js.key_value(subjects.KV_POLICIES),
             task.tenant,
             task.job_id,
-            lambda: self.unconsumed(subject),
+            lambda: self.unconsumed(task.backbone, task.tenant),
         )
         await flow.start(committed=step)
         try:

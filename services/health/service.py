@@ -228,6 +228,23 @@ def runs_role(pid: int, role: str) -> bool:
     return f"services.{role}".encode() in cmdline
 
 
+class OwnView:
+    """Whether the health manager's own view of the heartbeats is current: not while its
+    connection is down, nor for ``settle_s`` after it reconnected (the heartbeats written
+    meanwhile are still coming in; every instance would look dead)."""
+
+    def __init__(self, settle_s: float) -> None:
+        self.settle_s = settle_s
+        self.reconnects = 0
+        self.blind_until = 0.0
+
+    def acting(self, connected: bool, reconnects: int, now: float) -> bool:
+        if not connected or reconnects != self.reconnects:
+            self.reconnects = reconnects
+            self.blind_until = now + self.settle_s
+        return now >= self.blind_until
+
+
 class HealthManager:
     """The table, the policy, and what it does about dead and stalled instances."""
 
@@ -241,6 +258,9 @@ class HealthManager:
         self.exhausted: set[str] = set()
         #: The latest queue report of each service instance (``joynexus status`` shows them).
         self.queues: dict[str, QueueReport] = {}
+        #: Heartbeats it could not see while its own connection was down are no sign of
+        #: anyone's death: it acts only on a view it has had time to renew.
+        self.view = OwnView(config.restart_after_s)
 
     def report(self) -> HealthReport:
         report = self.table.report(time.time(), self.restarts.total, list(self.events))
@@ -266,7 +286,11 @@ class HealthManager:
             log.warning("ignoring malformed heartbeat %s: %s", entry.key, exc)
 
     async def tick(self, now: float) -> None:
-        """One look at every instance: log transitions, act on the dead and the stalled."""
+        """One look at every instance: log transitions, act on the dead and the stalled
+        (not within ``restart_after_s`` of its own reconnect: it has to see every instance's
+        heartbeats afresh first)."""
+        nc = self.rt.nc
+        acting = self.view.acting(nc.is_connected, int(nc.stats["reconnects"]), now)
         for key, alive in self.table.sweep(now):
             log.info("%s is %s", key, "alive" if alive else self.table.state(key, now))
         for key, seen in list(self.table.seen.items()):
@@ -282,9 +306,9 @@ class HealthManager:
                     # The process is gone: its supervisor starts a new one (a new instance).
                     if silent_s > self.config.forget_after_s:
                         self.table.observe(key, None)
-                elif silent_s > self.config.restart_after_s:
+                elif silent_s > self.config.restart_after_s and acting:
                     await self.restart(key, seen, f"no heartbeat for {silent_s:.0f} s", now)
-            elif state == "stalled":
+            elif state == "stalled" and acting:
                 stalled_s = beat.at - seen.progress_at
                 reason = f"{beat.in_flight} in flight and no progress for {stalled_s:.0f} s"
                 await self.restart(key, seen, reason, now)

@@ -238,6 +238,12 @@ class PolicyCache:
         if version == 0:
             version = record.version
         if version > record.version:
+            # The watch may not have delivered it yet, or may have missed it (a watch that
+            # outlived a broker restart can stand still): the KV itself decides.
+            fresh = await until_stop(self._read_record(tenant, job_id), self.stop)
+            if fresh is not None and self._note(fresh):
+                record = fresh
+        if version > record.version:
             raise PoisonError(
                 f"policy version {version} of {tenant}/{job_id} is not committed "
                 f"(latest is {record.version})"

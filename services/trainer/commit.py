@@ -134,6 +134,14 @@ class Frozen:
     data: bytes
 
 
+def _unfreeze(job: JobSlot, frozen: Frozen) -> None:
+    """A commit that did not land gives its version number back: the next commit takes it
+    again. Version numbers must not skip: an RL job's version ``v`` is its policy after
+    ``v - 1`` iterations, and the master plans each iteration's rollouts by it."""
+    if job.slot.version == frozen.version:
+        job.slot.version = frozen.version - 1
+
+
 def freeze(slot: TenantSlot) -> Frozen:
     """Take the slot's next version now (its bytes are copied: training may go on)."""
     slot.publish_version()
@@ -241,13 +249,15 @@ class Committer:
             if not await self.publish_results(job):
                 raise TimeoutError("call results not published")
             record = await self._write(job, frozen, at, initial)
-        except (NatsError, TimeoutError) as exc:
+        except (NatsError, TimeoutError, records.RevisionConflict) as exc:
             log.warning("commit of %s failed (%s); trying again", job.key, exc)
             at.give_back(job, covered)
+            _unfreeze(job, frozen)
             return
         except Exception:  # a bug: keep the messages for the next commit, and say so loudly
             log.exception("commit of %s failed; trying again", job.key)
             at.give_back(job, covered)
+            _unfreeze(job, frozen)
             return
         if at.save_as is not None:
             if job.save_as == at.save_as:
@@ -311,19 +321,32 @@ class Committer:
         at: _At,
         initial: bool,
     ) -> PolicyRecord:
-        record, job.kv_revision = await write_version(
-            self.registry.store,
-            self.registry.policies,
-            job.spec,
-            job.slot,
-            revision=None if initial else job.kv_revision,
-            stream_seq=at.applied_seq,
-            batches_done=at.batches_done,
-            metrics=at.metrics,
-            frozen=frozen,
-            saved=job.saved,
-            save_as=at.save_as[0] if at.save_as else "",
-        )
+        def write(revision: int | None) -> Awaitable[tuple[PolicyRecord, int]]:
+            return write_version(
+                self.registry.store,
+                self.registry.policies,
+                job.spec,
+                job.slot,
+                revision=revision,
+                stream_seq=at.applied_seq,
+                batches_done=at.batches_done,
+                metrics=at.metrics,
+                frozen=frozen,
+                saved=job.saved,
+                save_as=at.save_as[0] if at.save_as else "",
+            )
+
+        try:
+            record, job.kv_revision = await write(None if initial else job.kv_revision)
+        except records.RevisionConflict:
+            # A write of this same version whose answer was lost (a timeout while the broker
+            # or a cluster node went away) may have landed: then it is ours to replace.
+            landed, revision = await records.get_policy(
+                self.registry.policies, job.spec.tenant, job.spec.job_id
+            )
+            if landed is None or landed.version != frozen.version:
+                raise
+            record, job.kv_revision = await write(revision)
         job.saved = dict(record.saved)
         job.committed_seq, job.committed_step = record.stream_seq, record.step
         job.committed_batches = record.batches_done

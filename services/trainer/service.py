@@ -128,7 +128,7 @@ class Trainer:
     def spec_for(self, tenant: str) -> ConsumerSpec:
         return ConsumerSpec(
             subjects.STREAM_TRAIN,
-            f"trainer-{self.bid}-{tenant}",
+            subjects.trainer_durable(self.bid, tenant),
             subjects.train(self.bid, tenant),
             ack_wait_s=self.config.ack_wait_s,
             max_deliver=self.config.max_deliver,
