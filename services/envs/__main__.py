@@ -6,6 +6,7 @@ install_early()  # before the heavy imports below: a stop during them still ends
 
 from bus.config import main_config  # noqa: E402
 from bus.service import main  # noqa: E402
-from services.envs.service import EnvsConfig, run  # noqa: E402
+from services.envs.config import EnvsConfig  # noqa: E402
+from services.envs.service import run  # noqa: E402
 
 main(run, main_config(EnvsConfig, "python -m services.envs"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 from bus.errors import PoisonError
 from schemas import subjects
 from schemas.env import EnvTask, EvalTask, RolloutTask, StreamDataset
+from schemas.envctl import PrewarmEnv
 from schemas.limits import InputLimits, exceeds
 from vla.data import DatasetMeta
 from vla.data.limits import dataset_violation
@@ -66,3 +67,23 @@ def check_dataset(name: str, meta: DatasetMeta, limits: InputLimits) -> None:
     violation = dataset_violation(name, meta, limits)
     if violation:
         raise PoisonError(violation)
+
+
+#: Most sessions of one kind a prewarm may ask a worker to hold.
+MAX_PREWARM_SESSIONS = 64
+
+
+def prewarm_refusal(request: PrewarmEnv, limits: InputLimits) -> str:
+    """Why a prewarm is not even tried ('' if it may be)."""
+    if not 1 <= request.sessions <= MAX_PREWARM_SESSIONS:
+        return f"sessions: {request.sessions} is not within 1..{MAX_PREWARM_SESSIONS}"
+    if not 8 <= request.image_size <= limits.max_image_side:
+        return f"image_size: {request.image_size} is not within 8..{limits.max_image_side}"
+    if not 1 <= request.max_episode_steps <= limits.max_episode_steps:
+        return (
+            f"max_episode_steps: {request.max_episode_steps} is not within "
+            f"1..{limits.max_episode_steps}"
+        )
+    if not 1 <= len(request.env_id) <= 200:
+        return "env_id: must be 1..200 characters"
+    return ""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from functools import partial
 from pathlib import Path
@@ -29,11 +28,9 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
-from pydantic import Field
 
 from bus.auth import reply_allowed
 from bus.codec import DecodeError, decode, encode
-from bus.config import BusConfig
 from bus.consume import ConsumerSpec
 from bus.datasets import DatasetStoreError, default_cache_root, resolve
 from bus.errors import Interrupted, PoisonError, RetryableError
@@ -44,7 +41,7 @@ from bus.records import get_job, get_policy
 from bus.service import Runtime, serve
 from schemas import subjects
 from schemas.env import ENV_DECODER, EvalTask, RolloutTask, StreamDataset
-from schemas.envctl import PREWARM_DECODER, EnvPrewarmed, PrewarmEnv
+from schemas.envctl import PREWARM_DECODER, EnvPrewarmed
 from schemas.events import ErrorEvent, Metrics
 from schemas.jobs import TERMINAL_STATUSES
 from schemas.limits import InputLimits
@@ -52,10 +49,11 @@ from schemas.model import Observation
 from schemas.tensor import Tensor
 from schemas.train import SFTBatch
 from services.envs.adapters import EnvUnavailableError, ProprioMismatchError, proprio_for_head
+from services.envs.config import EnvsConfig, hang_later
 from services.envs.datasets import iter_batches
 from services.envs.describe import Describer
 from services.envs.flow import Flow
-from services.envs.limits import check_dataset, check_task
+from services.envs.limits import check_dataset, check_task, prewarm_refusal
 from services.envs.rollouts import AdapterPool, EnvMeter, collect, evaluate_env
 from vla.data import Dataset, DatasetError, load_dataset, read_meta
 
@@ -63,47 +61,6 @@ log = logging.getLogger(__name__)
 DURABLE = "envs"
 #: A stream that is not throttled checks whether its job ended this often.
 JOB_CHECK_S = 1.0
-
-
-class EnvsConfig(BusConfig):
-    """Env worker settings."""
-
-    concurrency: int = Field(8, ge=1, description="Tasks (streams, sessions) run at once.")
-    max_deliver: int = Field(5, ge=1, description="Deliveries before a task is dead.")
-    ack_wait_s: float = Field(
-        30.0,
-        gt=1,
-        description="Task ack wait: how soon a dead worker's tasks go to another "
-        "(running ones get in-progress acks every third of it).",
-    )
-    backbones: str = Field("tiny", description="Backbone ids whose inferencers to ask (a,b).")
-    dataset_cache: str = Field(
-        "", description="Where pushed datasets are materialised (default: a temp dir)."
-    )
-    limit: InputLimits = Field(
-        default_factory=InputLimits, description="Input bounds (--limit-*, JOYNEXUS_LIMIT_*)."
-    )
-    hang_after_s: float = Field(
-        0.0,
-        ge=0,
-        description="Fault injection: block the event loop this long after start (0: never), "
-        "once per --hang-marker file (the restarted worker does not hang again).",
-    )
-    hang_marker: str = Field("", description="Fault injection: see --hang-after-s.")
-
-
-async def hang_later(config: EnvsConfig, stop: asyncio.Event) -> None:
-    """Fault injection: a frozen worker (its event loop blocked: no heartbeat, no work).
-    Returns only once the service stops, as every spawned task."""
-    marker = Path(config.hang_marker)
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), config.hang_after_s)
-    if stop.is_set() or marker.exists():  # noqa: ASYNC240 - fault injection, once
-        await stop.wait()
-        return
-    marker.write_text(str(os.getpid()))  # noqa: ASYNC240
-    log.warning("fault injection: blocking the event loop")
-    time.sleep(3600)  # noqa: ASYNC251 - the point: a frozen process
 
 
 class EnvWorker:
@@ -489,26 +446,6 @@ class EnvWorker:
             ErrorEvent(tenant, job_id, reason, False, True, time.time()),
             message_id=msg_id("ev", tenant, job_id, "error", "env"),
         )
-
-
-#: Most sessions of one kind a prewarm may ask a worker to hold.
-MAX_PREWARM_SESSIONS = 64
-
-
-def prewarm_refusal(request: PrewarmEnv, limits: InputLimits) -> str:
-    """Why a prewarm is not even tried ('' if it may be)."""
-    if not 1 <= request.sessions <= MAX_PREWARM_SESSIONS:
-        return f"sessions: {request.sessions} is not within 1..{MAX_PREWARM_SESSIONS}"
-    if not 8 <= request.image_size <= limits.max_image_side:
-        return f"image_size: {request.image_size} is not within 8..{limits.max_image_side}"
-    if not 1 <= request.max_episode_steps <= limits.max_episode_steps:
-        return (
-            f"max_episode_steps: {request.max_episode_steps} is not within "
-            f"1..{limits.max_episode_steps}"
-        )
-    if not 1 <= len(request.env_id) <= 200:
-        return "env_id: must be 1..200 characters"
-    return ""
 
 
 async def run(config: EnvsConfig) -> None:
