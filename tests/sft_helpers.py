@@ -112,5 +112,18 @@ async def final_policy(
     return rec, {k: v.clone() for k, v in slot.module.state_dict().items()}
 
 
+async def stored_losses(job: Job) -> dict[int, float]:
+    """The job's per-step losses, read again from its stored events, each step reported
+    once (asserted)."""
+    losses: dict[int, float] = {}
+    steps: list[int] = []
+    async for event in job.events(idle_timeout=30):
+        if isinstance(event, Progress):
+            losses[event.step] = event.metrics["loss"]
+            steps.append(event.step)
+    assert len(steps) == len(set(steps)), steps
+    return losses
+
+
 async def submit_all(client: Client, specs: list[dict[str, object]]) -> list[Job]:
     return [await client.train_sft(s) for s in specs]

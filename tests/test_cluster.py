@@ -18,7 +18,14 @@ from schemas import subjects
 from schemas.events import Progress
 from services.launcher import LocalStack
 from tests.helpers import eventually, uid
-from tests.sft_helpers import OFT_2D, final_policy, record_datasets, registered, sft_spec
+from tests.sft_helpers import (
+    OFT_2D,
+    final_policy,
+    record_datasets,
+    registered,
+    sft_spec,
+    stored_losses,
+)
 
 STEPS = 30
 
@@ -79,11 +86,19 @@ async def drive(stack: LocalStack, url: str, user: str, password: str, dataset: 
                 stack.nodes.kill(killed)
         assert killed >= 0
         assert (await asyncio.wait_for(job.wait(), 180)).status == "succeeded"
-        losses, ref_losses = await _losses(job), await _losses(Job(client, clean, reference.job_id))
-        assert sorted(losses) == list(range(1, STEPS + 1)) and losses == ref_losses
-        (_, ref_params), (_, params) = [
+        losses, ref_losses = (
+            await stored_losses(job),
+            await stored_losses(Job(client, clean, reference.job_id)),
+        )
+        # Every step applied once (the last commit's count, and the parameters below); each
+        # reported loss is the fault-free run's. A progress event the broker could not take
+        # while it was away is skipped by design (the next carries the job on).
+        assert set(losses) <= set(range(1, STEPS + 1)) and len(losses) >= STEPS - 3, losses
+        assert losses == {s: ref_losses[s] for s in losses}
+        (_, ref_params), (record, params) = [
             await final_policy(js, t, j.job_id) for t, j in ((clean, reference), (faulty, job))
         ]
+        assert record.batches_done == STEPS
         for name, value in ref_params.items():
             assert torch.equal(value, params[name]), name
 
@@ -102,14 +117,3 @@ async def drive(stack: LocalStack, url: str, user: str, password: str, dataset: 
         assert time.monotonic() - t0 < 60
     finally:
         await client.close()
-
-
-async def _losses(job: Job) -> dict[int, float]:
-    losses: dict[int, float] = {}
-    steps: list[int] = []
-    async for event in job.events(idle_timeout=30):
-        if isinstance(event, Progress):
-            losses[event.step] = event.metrics["loss"]
-            steps.append(event.step)
-    assert len(steps) == len(set(steps)), steps
-    return losses

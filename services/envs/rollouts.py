@@ -115,23 +115,30 @@ class AdapterPool:
         free = self.idle[self.key(env_id, image_size, max_steps, env_kwargs)]
         built = 0
         while len(free) < n:
-            self.building += 1
-            try:
-                adapter = await asyncio.to_thread(
-                    partial(
-                        make_adapter,
-                        env_id,
-                        image_size=image_size,
-                        max_episode_steps=max_steps,
-                        **(env_kwargs or {}),
-                    )
-                )
-            finally:
-                self.building -= 1
-            free.append(adapter)
-            self.built[env_id] += 1
+            free.append(await self._build(env_id, image_size, max_steps, env_kwargs or {}))
             built += 1
         return len(free), built
+
+    async def _build(
+        self, env_id: str, image_size: int, max_steps: int, env_kwargs: dict[str, Any]
+    ) -> EnvAdapter:
+        """One new session, built in a thread (seconds each for ManiSkill: the event loop,
+        and the heartbeat, go on meanwhile); :attr:`building` counts those under way."""
+        self.building += 1
+        try:
+            adapter = await asyncio.to_thread(
+                partial(
+                    make_adapter,
+                    env_id,
+                    image_size=image_size,
+                    max_episode_steps=max_steps,
+                    **env_kwargs,
+                )
+            )
+        finally:
+            self.building -= 1
+        self.built[env_id] += 1
+        return adapter
 
     @asynccontextmanager
     async def sessions(
@@ -142,28 +149,14 @@ class AdapterPool:
         n: int,
         env_kwargs: dict[str, Any] | None = None,
     ) -> AsyncIterator[list[EnvAdapter]]:
-        """``n`` sessions of this kind for one task: idle ones, and new ones built in a thread
-        (seconds each for ManiSkill: the event loop, and the heartbeat, go on meanwhile)."""
+        """``n`` sessions of this kind for one task: idle ones, and new ones built (see
+        :meth:`_build`)."""
         kwargs = dict(env_kwargs or {})
         free = self.idle[self.key(env_id, image_size, max_steps, kwargs)]
         taken = [free.pop() for _ in range(min(n, len(free)))]
         try:
             while len(taken) < n:
-                self.building += 1
-                try:
-                    adapter = await asyncio.to_thread(
-                        partial(
-                            make_adapter,
-                            env_id,
-                            image_size=image_size,
-                            max_episode_steps=max_steps,
-                            **kwargs,
-                        )
-                    )
-                finally:
-                    self.building -= 1
-                taken.append(adapter)
-                self.built[env_id] += 1
+                taken.append(await self._build(env_id, image_size, max_steps, kwargs))
             yield taken
         finally:
             free.extend(taken)
