@@ -308,10 +308,11 @@ class HealthManager:
                         self.table.observe(key, None)
                 elif silent_s > self.config.restart_after_s and acting:
                     await self.restart(key, seen, f"no heartbeat for {silent_s:.0f} s", now)
-            elif state == "stalled" and acting:
-                stalled_s = beat.at - seen.progress_at
-                reason = f"{beat.in_flight} in flight and no progress for {stalled_s:.0f} s"
-                await self.restart(key, seen, reason, now)
+            elif state == "stalled":
+                if acting:
+                    stalled_s = beat.at - seen.progress_at
+                    reason = f"{beat.in_flight} in flight and no progress for {stalled_s:.0f} s"
+                    await self.restart(key, seen, reason, now)
             else:
                 self.exhausted.discard(beat.role)
 
