@@ -49,6 +49,7 @@ from nats.js.errors import BadRequestError, FetchTimeoutError, NotFoundError
 
 from bus import tracing
 from bus.codec import DecodeError, encode
+from bus.crashes import CrashLedger, CrashLoopError
 from bus.errors import HandlerError, Interrupted
 from schemas import subjects
 from schemas.dead import DeadLetter
@@ -157,6 +158,14 @@ class ConsumerSpec:
     max_deliver: int = 5
     #: Unacked messages the server lets this consumer have at once.
     max_ack_pending: int = 1000
+    #: Redeliveries in a row whose handling started and never settled (the role died while
+    #: handling them) before the message is dead-lettered unhandled (:mod:`bus.crashes`);
+    #: 0: ``max_deliver``.
+    max_crashes: int = 0
+
+    @property
+    def crash_limit(self) -> int:
+        return self.max_crashes or self.max_deliver
 
     def config(self) -> ConsumerConfig:
         return ConsumerConfig(
@@ -204,6 +213,7 @@ class Consumer:
         self.stop = stop
         self.durables: dict[str, Durable] = {}
         self._alive: dict[int, _Alive] = {}
+        self.crashes = CrashLedger(js)
         #: Messages fetched and not settled yet (what close() hands back).
         self._unsettled: dict[int, Msg] = {}
         #: Messages settled so far, whatever their fate: the service's progress.
@@ -248,7 +258,28 @@ class Consumer:
         if self.stop.is_set():
             await self.hand_back(msgs)
             return []
+        if any(m.metadata.num_delivered > 1 for m in msgs):
+            msgs = await self._past_crash_loops(durable, msgs)
         return msgs
+
+    async def _past_crash_loops(self, durable: Durable, msgs: list[Msg]) -> list[Msg]:
+        """``msgs`` less those whose handling died too often in a row (dead-lettered here);
+        counts every redelivery first (:mod:`bus.crashes`)."""
+        counts = await asyncio.gather(*(self.crashes.begin(m) for m in msgs))
+        limit = durable.spec.crash_limit
+        kept = []
+        for msg, count in zip(msgs, counts, strict=True):
+            if count <= limit:
+                kept.append(msg)
+                continue
+            log.error("%s seq %d: crash loop, dead-lettered", msg.subject, msg.metadata.sequence.stream)
+            error = CrashLoopError(
+                f"its handling began {count} times in a row without finishing (delivery "
+                f"{msg.metadata.num_delivered}): the process of consumer {durable.name} died "
+                "or was killed while handling it; dead-lettered so that the consumer carries on"
+            )
+            await self.settle(msg, error)
+        return kept
 
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -308,6 +339,8 @@ class Consumer:
         except (NatsError, TimeoutError) as exc:
             log.warning("could not settle %s (%s); it will be redelivered", msg.subject, exc)
             return Fate.RETRY
+        finally:
+            await self.crashes.end(msg)
 
     async def _settle(self, msg: Msg, error: BaseException | None) -> Fate:
         if error is None:
@@ -363,6 +396,7 @@ class Consumer:
             self._unsettled.pop(id(msg), None)
         if pending:
             await _bounded(asyncio.gather(*(m.nak() for m in pending), return_exceptions=True))
+            await _bounded(asyncio.gather(*(self.crashes.end(m) for m in pending)))
 
     # -- keep-alive --------------------------------------------------------------------------
     def _keep(self, msg: Msg) -> None:

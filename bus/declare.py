@@ -32,6 +32,8 @@ class BusLayout:
     dead_max_age_s: float = 30 * DAY
     jobs_max_age_s: float = 30 * DAY
     heartbeat_ttl_s: float = 5.0
+    #: How long a crash-ledger count outlives its last update (:mod:`bus.crashes`).
+    crash_ledger_ttl_s: float = DAY
     duplicate_window_s: float = 120.0
     max_msg_size: int = -1
 
@@ -66,6 +68,7 @@ class BusLayout:
             s.KV_PLACEMENT: {"history": 1, "ttl": None},
             s.KV_TENANTS: {"history": 5, "ttl": None},
             s.KV_DATASETS: {"history": 5, "ttl": None},
+            s.KV_CRASHES: {"history": 1, "ttl": self.crash_ledger_ttl_s},
         }
 
 

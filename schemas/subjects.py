@@ -29,6 +29,9 @@ KV_TENANTS = "tenants"
 #: Datasets in tenants' namespaces (:class:`schemas.tenants.DatasetRecord`), key
 #: ``<tenant>.<dataset>``; written by the master (pushed) or the operator (registered).
 KV_DATASETS = "datasets"
+#: Redelivered messages whose handling started and never settled, key
+#: ``<stream>.<durable>.<stream seq>`` (:mod:`bus.crashes`).
+KV_CRASHES = "crashes"
 
 JobVerb = Literal["submit", "cancel", "pause", "resume"]
 JOB_VERBS: tuple[str, ...] = ("submit", "cancel", "pause", "resume")

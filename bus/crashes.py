@@ -1,0 +1,104 @@
+"""The crash ledger: poison that kills its handler's process, caught without trusting the
+server's delivery counts.
+
+A message whose handling kills the process (a simulator that segfaults on one seed, an
+out-of-memory batch, a hang the health manager ends) never raises into the consume runtime,
+so :meth:`bus.consume.Consumer.settle` never sees it: the server redelivers it to the
+restarted role, which dies again. ``max_deliver`` alone would end that loop, but the
+server's ``num_delivered`` can roll back after a broker crash (PITFALLS: a redelivered
+message showed ``num_delivered == 1``), and at the server's last delivery no one is left to
+dead-letter it or tell its sender.
+
+So every *redelivery* (``num_delivered`` > 1: the first delivery is not suspect and costs
+nothing) is written down before it is handled, in the ``crashes`` KV bucket under
+``<stream>.<durable>.<stream seq>``: the count of consecutive deliveries that started and
+were never settled. Settling the message (whatever its fate) deletes the key. A message
+whose count passes the consumer's ``max_crashes`` is dead-lettered without being handled
+again (:class:`CrashLoopError`), with a reason its sender is told. The count lives in its
+own stream, apart from the consumer's state, so a rolled-back delivery counter does not
+reset it: a rollback costs at most the one delivery that showed ``num_delivered == 1``.
+
+The bucket has a TTL (a day, :class:`bus.declare.BusLayout`): a key left by a message that
+was purged or deleted otherwise goes away on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+
+from bus.errors import PoisonError
+from schemas import subjects
+
+log = logging.getLogger(__name__)
+
+class CrashLoopError(PoisonError):
+    """The message's handling ended without a fate too many times in a row (the role died
+    or was killed while handling it): it is dead-lettered instead of handled again."""
+
+
+def ledger_key(msg: Msg) -> str:
+    meta = msg.metadata
+    return f"{meta.stream}.{meta.consumer}.{meta.sequence.stream}"
+
+
+class CrashLedger:
+    """Counts, per redelivered message, the deliveries that started and never settled."""
+
+    def __init__(self, js: JetStreamContext) -> None:
+        self.js = js
+        self._kv: KeyValue | None = None
+        self._missing = False
+        #: Keys this process wrote (deleted when their message settles).
+        self._written: set[str] = set()
+
+    async def _bucket(self) -> KeyValue | None:
+        if self._kv is None and not self._missing:
+            try:
+                self._kv = await self.js.key_value(subjects.KV_CRASHES)
+            except NotFoundError:
+                # A bus declared by an older version: redeliveries go uncounted (max_deliver
+                # still ends a crash loop), said once.
+                self._missing = True
+                log.warning("no %s bucket: crash loops are left to max_deliver", subjects.KV_CRASHES)
+        return self._kv
+
+    async def begin(self, msg: Msg) -> int:
+        """Record that ``msg``'s handling starts; its count of unsettled starts, this one
+        included (0 for a first delivery, which is not recorded)."""
+        if msg.metadata.num_delivered <= 1:
+            return 0
+        kv = await self._bucket()
+        if kv is None:
+            return 0
+        key = ledger_key(msg)
+        # Only the one handler of this delivery writes its key (the previous one is gone, or
+        # its ack wait passed), so a read then a put is enough.
+        try:
+            try:
+                count = int((await kv.get(key)).value or b"0") + 1
+            except (KeyNotFoundError, KeyDeletedError):
+                count = 1
+            await kv.put(key, str(count).encode())
+        except (NatsError, TimeoutError, ValueError) as exc:
+            # Counting is a guard, not a gate: the message is handled uncounted.
+            log.warning("crash ledger: could not count %s: %s", key, exc)
+            return 0
+        self._written.add(key)
+        return count
+
+    async def end(self, msg: Msg) -> None:
+        """``msg`` settled: forget its count (only if this process wrote one)."""
+        key = ledger_key(msg)
+        if key not in self._written or self._kv is None:
+            return
+        self._written.discard(key)
+        try:
+            await self._kv.delete(key)
+        except (NatsError, TimeoutError) as exc:
+            log.info("crash ledger: could not clear %s: %s", key, exc)
