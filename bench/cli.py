@@ -205,6 +205,12 @@ def _bench_lowlevel(args: argparse.Namespace) -> int:
     return int(lowlevel.main(args.bench_args) or 0)
 
 
+def _bench_flood(args: argparse.Namespace) -> int:
+    from bench import flood
+
+    return int(flood.main(args.bench_args) or 0)
+
+
 def _bench_rl(args: argparse.Namespace) -> int:
     from bench import rl
 
@@ -217,6 +223,10 @@ BENCHES: dict[str, tuple[Command, str]] = {
     "sft": (_bench_sft, "N tenants' SFT jobs on one trainer vs one after another, over the bus"),
     "inference": (_bench_inference, "the (B, T) inference scheduler vs one forward per request"),
     "rl": (_bench_rl, "one RL job over the bus: success rate and return per iteration"),
+    "flood": (
+        _bench_flood,
+        "a calm tenant's SFT and act throughput with and without another tenant's flood",
+    ),
     "lowlevel": (
         _bench_lowlevel,
         "low-level forward_backward + optim_step over the bus vs in process, 1/4/8 clients",

@@ -272,7 +272,8 @@ class Consumer:
             if count <= limit:
                 kept.append(msg)
                 continue
-            log.error("%s seq %d: crash loop, dead-lettered", msg.subject, msg.metadata.sequence.stream)
+            seq = msg.metadata.sequence.stream
+            log.error("%s seq %d: crash loop, dead-lettered", msg.subject, seq)
             error = CrashLoopError(
                 f"its handling began {count} times in a row without finishing (delivery "
                 f"{msg.metadata.num_delivered}): the process of consumer {durable.name} died "

@@ -37,6 +37,7 @@ from schemas import subjects
 
 log = logging.getLogger(__name__)
 
+
 class CrashLoopError(PoisonError):
     """The message's handling ended without a fate too many times in a row (the role died
     or was killed while handling it): it is dead-lettered instead of handled again."""
@@ -65,7 +66,8 @@ class CrashLedger:
                 # A bus declared by an older version: redeliveries go uncounted (max_deliver
                 # still ends a crash loop), said once.
                 self._missing = True
-                log.warning("no %s bucket: crash loops are left to max_deliver", subjects.KV_CRASHES)
+                bucket = subjects.KV_CRASHES
+                log.warning("no %s bucket: crash loops are left to max_deliver", bucket)
         return self._kv
 
     async def begin(self, msg: Msg) -> int:

@@ -29,6 +29,10 @@ from schemas.tenantctl import EventsPage, ReadEvents, StoredEvent
 AskEvents = Callable[[ReadEvents, float], Awaitable[EventsPage]]
 #: The longest one page request may take.
 ASK_TIMEOUT_S = 10.0
+#: The least time between two page requests: a job reporting every few milliseconds (an SFT
+#: step's progress) is read a page of many events at a time, not a request per event, which
+#: would spend the tenant's request rate (the master paces each tenant) on its own events.
+MIN_ASK_INTERVAL_S = 0.1
 
 
 class EventFollower:
@@ -57,6 +61,7 @@ class EventFollower:
         self.pending: deque[StoredEvent] = deque()
         self.woken = asyncio.Event()
         self.sub: Subscription | None = None
+        self._asked_at = -MIN_ASK_INTERVAL_S
 
     async def _wake(self, _msg: Msg) -> None:
         self.woken.set()
@@ -72,8 +77,12 @@ class EventFollower:
             if self.sub is None:
                 with contextlib.suppress(NatsError):
                     self.sub = await self.nc.subscribe(self.subject, cb=self._wake)
+            too_soon = self._asked_at + MIN_ASK_INTERVAL_S - loop.time()
+            if too_soon > 0:
+                await asyncio.sleep(min(too_soon, remaining))
             # Cleared before asking: an event stored while the page is read wakes the wait.
             self.woken.clear()
+            self._asked_at = loop.time()
             request = ReadEvents(self.tenant, self.job_id, self.last_seq)
             try:
                 page = await self.ask(request, max(0.05, min(remaining, ASK_TIMEOUT_S)))

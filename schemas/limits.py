@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.model import Observation
+from schemas.tensor import TensorError, check_finite
+
 
 class InputLimits(BaseModel):
     """Bounds on tenant input. Defaults are generous for real VLA work (a 0.5-4B backbone
@@ -56,3 +59,50 @@ def exceeds(field: str, value: object, limit: str, bound: object) -> str:
     """The one wording of a violated limit: ``obs.images[1]: 512x512 exceeds max_image_side
     256``."""
     return f"{field}: {value} exceeds {limit} {bound}"
+
+
+def observation_violation(field: str, obs: Observation, limits: InputLimits) -> str | None:
+    """What is wrong with ``obs`` whatever policy serves it (None: nothing): more views than
+    ``max_views``, an instruction over ``max_instruction_chars``, an image that is not a
+    non-empty uint8 (H, W, 3) within ``max_image_side``, a proprio that is not a finite
+    float32 vector within ``max_proprio_dim``. ``field`` prefixes the message
+    (``observations[3]``). The master checks this before relaying an act request and the
+    inferencer before serving one (with the policy's own checks after it)."""
+    if len(obs.images) > limits.max_views:
+        return exceeds(f"{field}.images", f"{len(obs.images)} views", "max_views", limits.max_views)
+    if not obs.images:
+        return f"{field}.images: at least one view is needed"
+    if len(obs.instruction) > limits.max_instruction_chars:
+        chars = f"{len(obs.instruction)} chars"
+        return exceeds(
+            f"{field}.instruction", chars, "max_instruction_chars", limits.max_instruction_chars
+        )
+    try:
+        for v, image in enumerate(obs.images):
+            image.validate()
+            if image.dtype != "uint8" or len(image.shape) != 3 or image.shape[2] != 3:
+                return (
+                    f"{field}.images[{v}]: expected uint8 (H, W, 3), "
+                    f"got {image.dtype} {tuple(image.shape)}"
+                )
+            if image.shape[0] == 0 or image.shape[1] == 0:
+                return f"{field}.images[{v}]: empty image"
+            if max(image.shape[:2]) > limits.max_image_side:
+                side = f"{image.shape[0]}x{image.shape[1]}"
+                return exceeds(
+                    f"{field}.images[{v}]", side, "max_image_side", limits.max_image_side
+                )
+        obs.proprio.validate()
+        if obs.proprio.dtype != "float32" or len(obs.proprio.shape) != 1:
+            return (
+                f"{field}.proprio: expected a float32 vector, "
+                f"got {obs.proprio.dtype} {tuple(obs.proprio.shape)}"
+            )
+        if obs.proprio.shape[0] > limits.max_proprio_dim:
+            return exceeds(
+                f"{field}.proprio", obs.proprio.shape[0], "max_proprio_dim", limits.max_proprio_dim
+            )
+        check_finite(obs.proprio, f"{field}.proprio")
+    except TensorError as exc:
+        return f"{field}: {exc}" if not str(exc).startswith(field) else str(exc)
+    return None

@@ -27,8 +27,7 @@ from bus.codec import DecodeError, decode
 from bus.errors import PoisonError
 from schemas import subjects
 from schemas.infer import INFER_DECODER, ActRequest
-from schemas.limits import InputLimits, exceeds
-from schemas.tensor import TensorError, check_finite
+from schemas.limits import InputLimits, exceeds, observation_violation
 from services.inferencer.policies import ServedPolicy
 
 #: A subject we may publish to: dot-separated non-empty tokens, no whitespace or wildcards
@@ -121,57 +120,16 @@ def validate(request: ActRequest, policy: ServedPolicy, limits: InputLimits | No
             f"num_views={spec.num_views}, token_budget={spec.token_budget}"
         )
     for i, obs in enumerate(request.observations):
-        if len(obs.images) > limits.max_views:
-            raise PoisonError(
-                exceeds(
-                    f"observations[{i}].images",
-                    f"{len(obs.images)} views",
-                    "max_views",
-                    limits.max_views,
-                )
-            )
-        if len(obs.instruction) > limits.max_instruction_chars:
-            raise PoisonError(
-                exceeds(
-                    f"observations[{i}].instruction",
-                    f"{len(obs.instruction)} chars",
-                    "max_instruction_chars",
-                    limits.max_instruction_chars,
-                )
-            )
-        if not 1 <= len(obs.images) <= spec.num_views:
+        violation = observation_violation(f"observations[{i}]", obs, limits)
+        if violation is not None:
+            raise PoisonError(violation)
+        if len(obs.images) > spec.num_views:
             raise PoisonError(
                 f"observations[{i}].images: expected 1 to {spec.num_views} views, "
                 f"got {len(obs.images)}"
             )
-        try:
-            for v, image in enumerate(obs.images):
-                image.validate()
-                if image.dtype != "uint8" or len(image.shape) != 3 or image.shape[2] != 3:
-                    raise PoisonError(
-                        f"observations[{i}].images[{v}]: expected uint8 (H, W, 3), "
-                        f"got {image.dtype} {tuple(image.shape)}"
-                    )
-                if image.shape[0] == 0 or image.shape[1] == 0:
-                    raise PoisonError(f"observations[{i}].images[{v}]: empty image")
-                if max(image.shape[:2]) > limits.max_image_side:
-                    raise PoisonError(
-                        exceeds(
-                            f"observations[{i}].images[{v}]",
-                            f"{image.shape[0]}x{image.shape[1]}",
-                            "max_image_side",
-                            limits.max_image_side,
-                        )
-                    )
-            obs.proprio.validate()
-        except TensorError as exc:
-            raise PoisonError(f"observations[{i}]: {exc}") from exc
-        if obs.proprio.dtype != "float32" or tuple(obs.proprio.shape) != (head.proprio_dim,):
+        if tuple(obs.proprio.shape) != (head.proprio_dim,):
             raise PoisonError(
                 f"observations[{i}].proprio: {policy.label}'s head expects float32 "
                 f"({head.proprio_dim},), got {obs.proprio.dtype} {tuple(obs.proprio.shape)}"
             )
-        try:
-            check_finite(obs.proprio, f"observations[{i}].proprio")
-        except TensorError as exc:
-            raise PoisonError(str(exc)) from exc

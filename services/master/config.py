@@ -7,6 +7,7 @@ from pydantic import Field
 from bus.config import BusConfig
 from schemas.limits import InputLimits
 from services.master.envfit import DESCRIBE_TIMEOUT_S
+from services.master.pacing import DEFAULT_BURST, DEFAULT_RATE
 
 
 class MasterConfig(BusConfig):
@@ -24,6 +25,15 @@ class MasterConfig(BusConfig):
     )
     dataset_cache: str = Field(
         "", description="Where pushed datasets are materialised (default: a temp dir)."
+    )
+    tenant_requests_per_s: float = Field(
+        DEFAULT_RATE,
+        ge=0,
+        description="Requests a second each tenant is answered at, sustained; more wait for "
+        "their turn (0: unpaced).",
+    )
+    tenant_request_burst: float = Field(
+        DEFAULT_BURST, ge=1, description="Requests a tenant may make at once without waiting."
     )
     limit: InputLimits = Field(
         default_factory=InputLimits, description="Input bounds (--limit-*, JOYNEXUS_LIMIT_*)."

@@ -28,6 +28,7 @@ checked against it, never trusted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -58,6 +59,7 @@ from bus.placement import live_placements
 from bus.records import get_job, get_policy, list_jobs
 from schemas import subjects
 from schemas.ids import InvalidIdError, validate_id
+from schemas.limits import InputLimits
 from schemas.tenantctl import (
     BACKBONES_QUERY_DECODER,
     TENANT_REQUEST_DECODER,
@@ -88,6 +90,7 @@ from schemas.tenantctl import (
 )
 from schemas.tenants import DatasetRecord
 from services.master.limits import TenantGate
+from services.master.pacing import DEFAULT_BURST, DEFAULT_RATE, Pacer
 from services.master.sessions import Sessions
 from services.master.tenantjobs import TenantJobs
 from services.master.transfer import Transfer
@@ -110,7 +113,14 @@ class Queries:
     """Answers tenants' requests for the master (state lives in the bus, not here)."""
 
     def __init__(
-        self, js: JetStreamContext, jobs: KeyValue, policies: KeyValue, cache_root: Path
+        self,
+        js: JetStreamContext,
+        jobs: KeyValue,
+        policies: KeyValue,
+        cache_root: Path,
+        *,
+        limits: InputLimits | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
         self.js = js
         self.jobs = jobs
@@ -119,7 +129,8 @@ class Queries:
         self.gate = TenantGate(js)
         self.tenant_jobs = TenantJobs(js)
         self.transfer = Transfer(js, self.gate)
-        self.sessions = Sessions(js, jobs, self.tenant_jobs)
+        self.sessions = Sessions(js, jobs, self.tenant_jobs, limits or InputLimits())
+        self.pacer = pacer or Pacer(DEFAULT_RATE, DEFAULT_BURST)
         self._stop = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
         self._subs: list[Subscription] = []
@@ -319,7 +330,10 @@ class Queries:
 
     # -- subscription -----------------------------------------------------------------------
 
-    async def _reply(self, msg: Msg, heavy: bool) -> None:
+    async def _reply(self, msg: Msg, heavy: bool, wait_s: float) -> None:
+        if wait_s > 0:  # paced: the tenant is over its rate (a stop answers at once)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), wait_s)
         async with self._heavy if heavy else self._light:
             try:
                 if msg.subject.startswith(subjects.BACKBONES_QUERY):
@@ -381,8 +395,9 @@ class Queries:
                 await self._respond(msg, busy)
             return
         self._in_flight[tenant] += 1
+        wait_s = self.pacer.reserve(tenant, len(msg.data))
         # One task per request: a dataset-add's download must not hold up a status query.
-        task = asyncio.create_task(self._reply(msg, heavy=op in HEAVY_OPS))
+        task = asyncio.create_task(self._reply(msg, op in HEAVY_OPS, wait_s))
         self._replies.add(task)
         task.add_done_callback(self._replies.discard)
         task.add_done_callback(lambda _: self._done(tenant))

@@ -73,6 +73,7 @@ from services.master.limits import (
     check_size,
     check_spec_bounds,
 )
+from services.master.pacing import Pacer
 from services.master.plans import (
     Datasets,
     Plan,
@@ -502,7 +503,14 @@ async def run(config: MasterConfig) -> None:
             datasets=datasets,
         )
         # Tenants' requests (their jobs, datasets, exports) are answered beside the commands.
-        queries = Queries(rt.js, master.jobs, master.policies, datasets.cache_root)
+        queries = Queries(
+            rt.js,
+            master.jobs,
+            master.policies,
+            datasets.cache_root,
+            limits=config.limit,
+            pacer=Pacer(config.tenant_requests_per_s, config.tenant_request_burst),
+        )
         await queries.subscribe(rt.nc)
 
         async def answer_state(msg: Msg) -> None:

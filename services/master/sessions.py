@@ -32,6 +32,7 @@ from bus.records import get_job, list_jobs
 from schemas import headers, subjects
 from schemas.ids import validate_id
 from schemas.jobs import TERMINAL_STATUSES, JobRecord
+from schemas.limits import InputLimits, exceeds, observation_violation
 from schemas.specs import JobSpecError, SessionSpec, parse_job_spec
 from schemas.tenantctl import (
     CallSession,
@@ -61,8 +62,16 @@ MAX_ACT_TIMEOUT_S = 60.0
 class Sessions:
     """Calls, leases and sampling for tenants' low-level sessions."""
 
-    def __init__(self, js: JetStreamContext, jobs: KeyValue, tenant_jobs: TenantJobs) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        jobs: KeyValue,
+        tenant_jobs: TenantJobs,
+        limits: InputLimits | None = None,
+    ) -> None:
         self.js = js
+        #: What an act request's observations are checked against before it is relayed.
+        self.limits = limits or InputLimits()
         self.jobs = jobs
         self.tenant_jobs = tenant_jobs
         #: (tenant, session) → (monotonic time of its last call or renewal, lease_s).
@@ -121,6 +130,15 @@ class Sessions:
         job_id = validate_id(request.job_id, "job id")
         if not request.observations:
             return CtlError("invalid", "observations: at least one is needed")
+        # What no policy could serve is refused here, before it costs INFER a write and an
+        # inferencer a decode (the inferencer checks again, with the policy's own bounds).
+        count, most = len(request.observations), self.limits.max_observations
+        if count > most:
+            return CtlError("invalid", exceeds("observations", count, "max_observations", most))
+        for i, obs in enumerate(request.observations):
+            violation = observation_violation(f"observations[{i}]", obs, self.limits)
+            if violation is not None:
+                return CtlError("invalid", f"act: {violation}")
         if not 0.0 < request.timeout_s <= MAX_ACT_TIMEOUT_S:
             return CtlError("invalid", f"timeout_s: {request.timeout_s} is not in (0, 60]")
         record, _ = await get_job(self.jobs, request.tenant, job_id)
