@@ -34,7 +34,6 @@ import contextlib
 import json
 import random
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -349,25 +348,17 @@ def run(config: ChaosConfig) -> int:
         cluster=3 if config.cluster else 1,
         extra_env={"JOYNEXUS_HEARTBEAT_INTERVAL_S": "0.5"},
     )
-    stopping = threading.Event()
-
-    def supervise() -> None:  # as `joynexus up` does: restart what exits
-        while not stopping.is_set():
-            stack.supervise_once()
-            time.sleep(0.2)
-
     try:
         info = stack.start_server()
         stack.start_roles()
-        threading.Thread(target=supervise, name="supervisor", daemon=True).start()
         print(f"JoyNexus chaos: stack under {config.home} (logs in {config.home}/logs)", flush=True)
-        _, missing = asyncio.run(wait_healthy(info, stack.expected_roles, 180))
-        if missing:
-            print(f"roles did not come up: {missing}", file=sys.stderr)
-            return 1
-        result = asyncio.run(drive(stack, info, config))
+        with stack.supervising():  # as `joynexus up` does: restart what exits
+            _, missing = asyncio.run(wait_healthy(info, stack.expected_roles, 180))
+            if missing:
+                print(f"roles did not come up: {missing}", file=sys.stderr)
+                return 1
+            result = asyncio.run(drive(stack, info, config))
     finally:
-        stopping.set()
         stack.stop()
     print_table(result)
     if config.json_path:

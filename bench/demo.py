@@ -333,11 +333,14 @@ def run(config: DemoConfig) -> int:
         info = stack.start_server()
         stack.start_roles()
         print(f"bus: {info.url}; waiting for the services (model load)", flush=True)
-        _, missing = asyncio.run(wait_healthy(info, stack.expected_roles, 180))
-        if missing:
-            print(f"roles did not come up: {missing}; see {config.home}/logs", file=sys.stderr)
-            return 1
-        phases, sampler, instances = asyncio.run(run_phases(config, info, data))
+        # The health manager restarts a role by asking it to exit: something must start it
+        # again, as `joynexus up` does.
+        with stack.supervising():
+            _, missing = asyncio.run(wait_healthy(info, stack.expected_roles, 180))
+            if missing:
+                print(f"roles did not come up: {missing}; see {config.home}/logs", file=sys.stderr)
+                return 1
+            phases, sampler, instances = asyncio.run(run_phases(config, info, data))
     finally:
         stack.stop()
     write_raw(phases, sampler, config.out_dir / "raw.json")

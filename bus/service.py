@@ -114,6 +114,19 @@ class Runtime:
             busy_with=self.slow_label or self.busy_with(),
         )
 
+    async def beat_now(self) -> None:
+        """Publish a heartbeat now (bounded; a failure is left to the next tick): before work
+        that may hold the GIL, and with it the heartbeat loop, for long (a simulator's native
+        build), so the last heartbeat the health manager sees says what the role is doing."""
+        if self.heartbeats_kv is None:
+            return
+        try:
+            await asyncio.wait_for(
+                self.heartbeats_kv.put(self.heartbeat_key, encode(self.heartbeat())), 2.0
+            )
+        except (NatsError, OSError, TimeoutError) as exc:
+            log.info("heartbeat not published now: %s", exc)
+
     @property
     def heartbeat_key(self) -> str:
         return f"{self.role}.{self.instance}"

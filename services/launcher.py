@@ -19,7 +19,9 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -268,6 +270,24 @@ class LocalStack:
         if restarted:  # processes.json names the live pids, not the dead ones
             self.write_process_table()
         return restarted
+
+    @contextlib.contextmanager
+    def supervising(self, every_s: float = 0.2) -> Iterator[None]:
+        """Restart what exits (as ``joynexus up`` does: a role the health manager orders to
+        restart exits and relies on this) from a thread, while the block runs."""
+        stopping = threading.Event()
+
+        def supervise() -> None:
+            while not stopping.wait(every_s):
+                self.supervise_once()
+
+        thread = threading.Thread(target=supervise, name="supervisor", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stopping.set()
+            thread.join(timeout=5)
 
     def live(self, role: str) -> list[Child]:
         return [c for c in self.children if c.role == role and not c.retired]

@@ -75,3 +75,41 @@ async def test_every_worker_builds_the_sessions_asked_for_and_refuses_what_it_ca
         assert all(a.error.startswith("malformed") for a in garbled), garbled
     finally:
         await nc.close()
+
+
+async def test_a_worker_says_it_is_building_before_a_build_can_hold_its_heartbeat_up(
+    fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
+) -> None:
+    """A simulator's first build can hold the GIL for 10-30 s, and the heartbeat loop with
+    it: the worker publishes a heartbeat saying it is building as the build starts (not at
+    its next tick, here a minute away), so the health manager gives it the longer grace."""
+    procs.add(
+        start_service(
+            "envs", fresh_server.url, tmp_path / "envs.log", JOYNEXUS_HEARTBEAT_INTERVAL_S="60"
+        )
+    )
+    nc = await connect(fresh_server.url)
+    beats: list[str] = []
+
+    async def collect(msg: Msg) -> None:
+        beats.append(decode(HEARTBEAT_DECODER, msg.data).busy_with)
+
+    try:
+        js = nc.jetstream()
+
+        async def up() -> bool:
+            try:
+                return bool(await kv_values(js, subjects.KV_HEARTBEATS, "envs."))
+            except Exception:  # noqa: BLE001 - the bucket is declared by the worker
+                return False
+
+        await eventually(up, timeout=60, what="the worker's first heartbeat")
+        # From here on its heartbeat loop is a minute from its next tick.
+        await nc.subscribe(f"$KV.{subjects.KV_HEARTBEATS}.envs.>", cb=collect)
+        await nc.flush()
+        request = PrewarmEnv(REACH2D_ID, 1, image_size=32, max_episode_steps=20)
+        (answer,) = await ask(nc, encode(request), 1)
+        assert (answer.built, answer.error) == (1, "")
+        assert beats == ["building 1 simulator session(s)"], beats
+    finally:
+        await nc.close()

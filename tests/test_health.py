@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from schemas.health import (
     RestartOrder,
     restart_subject,
 )
-from services.health.service import LivenessTable, OwnView, Restarts
+from services.health.service import HealthConfig, LivenessTable, OwnView, Restarts
 from services.launcher import LocalStack
 from tests.conftest import Procs
 from tests.helpers import eventually, start_service
@@ -62,6 +61,15 @@ def test_dead_stalled_and_busy_instances_are_told_apart() -> None:
     assert table.state("a", 113.5) == "alive"
     table.observe("a", None)  # a clean stop deletes the key
     assert "a" not in table.seen
+
+
+def test_a_silent_instance_that_said_it_was_building_gets_longer_before_a_restart() -> None:
+    """A simulator's native build can hold the GIL, and the heartbeat with it: an instance
+    whose last heartbeat said it was building is left silent for busy_restart_after_s."""
+    config = HealthConfig(restart_after_s=15.0, busy_restart_after_s=60.0)
+    assert config.dead_after_s(beat(0.0)) == 15.0
+    assert config.dead_after_s(beat(0.0, busy_with="building 2 simulator session(s)")) == 60.0
+    assert HealthConfig(restart_after_s=90.0).dead_after_s(beat(0.0, busy_with="x")) == 90.0
 
 
 def test_the_health_manager_does_not_act_on_a_view_its_own_outage_made_stale() -> None:
@@ -128,22 +136,15 @@ def test_a_frozen_env_worker_is_killed_and_restarted_in_place(tmp_path: Path) ->
             "health": ["--restart-after-s", "3", "--grace-s", "1", "--backoff-s", "1"],
         },
     )
-    stopping = threading.Event()
-
-    def supervise() -> None:
-        while not stopping.is_set():
-            stack.supervise_once()
-            time.sleep(0.2)
-
     try:
         info = stack.start_server()
         stack.start_roles()
-        threading.Thread(target=supervise, daemon=True).start()
         envs = next(c for c in stack.children if c.role == "envs")
         master = next(c for c in stack.children if c.role == "master")
         assert envs.proc is not None and master.proc is not None
         frozen_pid, master_pid = envs.proc.pid, master.proc.pid
-        asyncio.run(watch_the_restart(info.url, info.user, info.password, frozen_pid))
+        with stack.supervising():
+            asyncio.run(watch_the_restart(info.url, info.user, info.password, frozen_pid))
         assert marker.read_text() == str(frozen_pid)  # it did freeze
         assert envs.restarts == 1  # and the restarted one stays up
         with pytest.raises(ProcessLookupError):
@@ -152,7 +153,6 @@ def test_a_frozen_env_worker_is_killed_and_restarted_in_place(tmp_path: Path) ->
         table = json.loads((tmp_path / "home" / "processes.json").read_text())
         assert table["envs"] == [envs.proc.pid] != [frozen_pid]  # the live pid, not the dead
     finally:
-        stopping.set()
         stack.stop()
 
 

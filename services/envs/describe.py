@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import gymnasium as gym
@@ -147,6 +148,14 @@ class Describer:
         self._building: dict[str, asyncio.Future[EnvDescription]] = {}
         self._replies: set[asyncio.Task[None]] = set()
         self._subs: list[Subscription] = []
+        #: Awaited as a build starts (the worker's heartbeat says it is building: see
+        #: :attr:`services.envs.rollouts.AdapterPool.on_build`).
+        self.on_build: Callable[[], Awaitable[None]] | None = None
+
+    @property
+    def building(self) -> int:
+        """Descriptions being built right now."""
+        return len(self._building)
 
     async def describe(self, request: DescribeEnv) -> EnvDescription:
         key = cache_key(request.env_id, request.env_kwargs, request.image_size)
@@ -154,16 +163,19 @@ class Describer:
             return self.cache[key]
         build = self._building.get(key)
         if build is None:
-            build = asyncio.ensure_future(
-                asyncio.to_thread(
-                    describe_env, request.env_id, request.env_kwargs, request.image_size
-                )
-            )
+            build = asyncio.ensure_future(self._build(request))
             self._building[key] = build
             build.add_done_callback(lambda _: self._building.pop(key, None))
         description = await asyncio.shield(build)
         self.cache[key] = description
         return description
+
+    async def _build(self, request: DescribeEnv) -> EnvDescription:
+        if self.on_build is not None:
+            await self.on_build()
+        return await asyncio.to_thread(
+            describe_env, request.env_id, request.env_kwargs, request.image_size
+        )
 
     async def reply(self, request_data: bytes) -> DescribeReply:
         """The reply to one encoded request; every failure becomes an ``error`` reply."""

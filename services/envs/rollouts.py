@@ -14,7 +14,7 @@ import dataclasses
 import time
 import zlib
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -95,6 +95,10 @@ class AdapterPool:
         self.built: dict[str, int] = defaultdict(int)
         #: Sessions being built right now (seconds each: the worker is busy, not stalled).
         self.building = 0
+        #: Told (and awaited) as a build starts: the service publishes a heartbeat saying so,
+        #: because a simulator's first build in a process can hold the GIL — and the
+        #: heartbeat loop with it — for 10-30 s (ManiSkill's native init, measured here).
+        self.on_build: Callable[[], Awaitable[None]] | None = None
 
     @staticmethod
     def key(
@@ -126,6 +130,8 @@ class AdapterPool:
         and the heartbeat, go on meanwhile); :attr:`building` counts those under way."""
         self.building += 1
         try:
+            if self.on_build is not None:
+                await self.on_build()
             adapter = await asyncio.to_thread(
                 partial(
                     make_adapter,

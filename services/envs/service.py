@@ -133,9 +133,10 @@ class EnvWorker:
         steps = sum(s.steps + s.resets for s in self.meter.envs.values())
         return self.batches_streamed + steps
 
-    def busy_with(self) -> str:
-        """What holds the worker up without progress: building simulator sessions."""
-        building = self.pool.building
+    def busy_with(self, describing: int = 0) -> str:
+        """What holds the worker up without progress: building simulator sessions (and
+        ``describing`` envs for the master)."""
+        building = self.pool.building + describing
         return f"building {building} simulator session(s)" if building else ""
 
     def gauges(self) -> dict[str, float]:
@@ -464,7 +465,8 @@ async def run(config: EnvsConfig) -> None:
             Path(config.dataset_cache) if config.dataset_cache else None,
         )
         rt.gauges = worker.gauges
-        rt.busy_with = worker.busy_with
+        rt.busy_with = lambda: worker.busy_with(describer.building)
+        worker.pool.on_build = describer.on_build = rt.beat_now
         rt.progress = worker.progress
         if config.hang_after_s > 0 and config.hang_marker:
             rt.spawn(hang_later(config, rt.stop), "fault injection")

@@ -11,7 +11,9 @@ What it makes of each instance (:class:`LivenessTable`):
   ``stall_after_s``, unless the heartbeat says what long operation holds it up (loading the
   model, building a simulator), which is no stall.
 
-What it does (:class:`Restarts`): an instance dead for ``restart_after_s``, or stalled, is
+What it does (:class:`Restarts`): an instance dead for ``restart_after_s`` (for
+``busy_restart_after_s`` if its last heartbeat said what long operation holds it up: a
+simulator built in native code can hold the GIL and with it the heartbeat), or stalled, is
 restarted alone, in place: the health manager tells it to exit (a
 :class:`~schemas.health.RestartOrder` on ``nexus.ctl.restart.<instance>``; its runtime stops
 cleanly and exits 75, and its supervisor — ``joynexus up``'s launcher, a container's restart
@@ -80,6 +82,13 @@ class HealthConfig(BusConfig):
         description="Restart an instance dead (no heartbeat) this long; longer than "
         "stale_after_s, so a loaded machine's late heartbeat is no reason.",
     )
+    busy_restart_after_s: float = Field(
+        60.0,
+        gt=0,
+        description="Restart an instance dead this long when its last heartbeat said a long "
+        "operation held it up (a simulator's native build can hold the GIL, and with it the "
+        "heartbeat, for many seconds on a loaded machine).",
+    )
     stall_after_s: float = Field(
         120.0, gt=0, description="Restart an instance with work in flight and no progress."
     )
@@ -94,6 +103,13 @@ class HealthConfig(BusConfig):
     forget_after_s: float = Field(
         60.0, gt=0, description="Drop an instance dead this long from the report."
     )
+
+    def dead_after_s(self, beat: Heartbeat) -> float:
+        """How long an instance whose last heartbeat is ``beat`` may be silent before it is
+        restarted."""
+        if beat.busy_with:
+            return max(self.restart_after_s, self.busy_restart_after_s)
+        return self.restart_after_s
 
 
 @dataclass
@@ -306,7 +322,7 @@ class HealthManager:
                     # The process is gone: its supervisor starts a new one (a new instance).
                     if silent_s > self.config.forget_after_s:
                         self.table.observe(key, None)
-                elif silent_s > self.config.restart_after_s and acting:
+                elif silent_s > self.config.dead_after_s(beat) and acting:
                     await self.restart(key, seen, f"no heartbeat for {silent_s:.0f} s", now)
             elif state == "stalled":
                 if acting:
