@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow lint fmt bench-grouping clean
+.PHONY: demo test test-stack test-slow lint fmt bench-grouping clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -19,7 +19,10 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/joynexus demo
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow" -q --durations=25
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow and not stack" -q --durations=25
+
+test-stack: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "stack and not slow" -q --durations=15
 
 test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m slow -q

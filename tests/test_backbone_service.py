@@ -122,6 +122,7 @@ async def test_features_over_the_bus_are_the_resident_ones_inline_and_by_referen
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.stack
 async def test_a_head_only_trainer_reaches_the_in_process_parameters_across_a_backbone_kill(
     fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
 ) -> None:

@@ -76,6 +76,7 @@ def push(home: Path, ds: Path, tenant: str) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.stack
 def test_up_on_a_saved_checkpoint_plus_tiny_serves_both_and_runs_sft_and_eval_on_it(
     tmp_path: Path,
 ) -> None:

@@ -32,6 +32,7 @@ STEPS = 30
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.stack
 async def test_a_broker_sigkilled_mid_job_loses_nothing(
     fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
 ) -> None:

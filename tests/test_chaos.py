@@ -16,6 +16,7 @@ from tests.helpers import ROOT
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.stack
 def test_chaos_kills_every_role_and_loses_nothing(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
     home = str(tmp_path / "home")

@@ -40,6 +40,7 @@ async def replicas_of(js: JetStreamContext, stream: str) -> tuple[int, str, list
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.stack
 def test_a_cluster_node_sigkilled_mid_job_loses_nothing_and_rejoins(tmp_path: Path) -> None:
     data = record_datasets(tmp_path / "data")
     stack = LocalStack(

@@ -40,6 +40,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, str]:
 
 @pytest.mark.maniskill
 @pytest.mark.timeout(QUICK_BUDGET_S + 180)
+@pytest.mark.stack
 def test_the_quick_demo_measures_shared_against_isolated(demo: tuple[dict, Path, str]) -> None:
     result, _, stdout = demo
     assert "demo succeeded" in stdout and "aggregate held time" in stdout
@@ -74,6 +75,7 @@ def test_the_quick_demo_measures_shared_against_isolated(demo: tuple[dict, Path,
 
 
 @pytest.mark.maniskill
+@pytest.mark.stack
 def test_the_report_embeds_its_plots(demo: tuple[dict, Path, str]) -> None:
     result, _, _ = demo
     report = Path(result["report"])
@@ -85,6 +87,7 @@ def test_the_report_embeds_its_plots(demo: tuple[dict, Path, str]) -> None:
 
 
 @pytest.mark.maniskill
+@pytest.mark.stack
 def test_the_simulator_predicts_the_demo_within_15_percent(
     demo: tuple[dict, Path, str],
 ) -> None:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench import flood
 
 
+@pytest.mark.stack
 def test_a_flooding_tenant_gets_errors_and_the_calm_tenant_its_results(tmp_path: Path) -> None:
     result = flood.run(
         tmp_path, steps=20, batch=4, phases=("none", "garbage", "bad-call", "bad-act")

@@ -429,6 +429,7 @@ async def in_chunks(calls: list[Callable[[], Any]], size: int) -> list[Any]:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.stack
 async def test_a_thousand_malformed_payloads_leave_every_service_and_another_tenants_job_alone(
     fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
 ) -> None:

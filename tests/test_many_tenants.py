@@ -80,6 +80,7 @@ async def probe(client: Client, js: JetStreamContext, spec: dict[str, object]) -
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.stack
 async def test_fifty_tenants_submitted_at_once_all_finish_with_a_fair_share(
     nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs, tmp_path: Path
 ) -> None:

@@ -48,6 +48,7 @@ async def settled_state(client: Client, check: object) -> tuple[bytes, MasterSta
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.stack
 async def test_a_restarted_master_rebuilds_the_same_state_and_carries_on(
     fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
 ) -> None:
