@@ -56,7 +56,7 @@ from schemas.events import Progress
 from schemas.tenantctl import TENANT_REPLY_DECODER, CtlError
 from services.envs.datasets import record
 from services.envs.sims import REACH2D_ID
-from services.launcher import LocalStack, wait_healthy
+from services.launcher import LocalStack
 
 CALM, FLOOD = "calm", "flood"
 FLOODS = ("garbage", "bad-call", "bad-act", "act")
@@ -420,13 +420,7 @@ def run(home: Path, steps: int, batch: int, phases: Sequence[str] = PHASES) -> d
         roles={"master": 1, "envs": 1, "trainer": 1, "inferencer": 1},
     )
     try:
-        info = stack.start_server()
-        stack.start_roles()
-        _, missing = asyncio.run(
-            wait_healthy(info, ["master", "envs", "trainer", "inferencer"], 120)
-        )
-        if missing:
-            raise SystemExit(f"roles did not come up: {missing}; see {home}/stack/logs")
+        info = stack.start(120)
         asyncio.run(_register(info, data))
         pids = {c.name: c.proc.pid for c in stack.children if c.proc is not None}
         done = run_phases(info, home / "stack", home, steps, batch, phases)

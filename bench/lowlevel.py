@@ -33,7 +33,7 @@ import torch
 from bus.identity import OPERATOR_NAME
 from bus.local import StackInfo
 from clients.lowlevel import AdamParams, ServiceClient, VLABatch
-from services.launcher import LocalStack, wait_healthy
+from services.launcher import LocalStack
 from vla import batched
 from vla.backbone import Backbone
 from vla.grouping import TrainRequest, group_train_step
@@ -168,11 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             role_args={"trainer": ["--torch-threads", str(args.torch_threads)]},
         )
         try:
-            info = stack.start_server()
-            stack.start_roles()
-            _, missing = asyncio.run(wait_healthy(info, ["master", "trainer"], 120))
-            if missing:
-                raise SystemExit(f"roles did not come up: {missing}; see {home}/logs")
+            info = stack.start(120)
             asyncio.run(over_bus(info, 1, 3, args.batch_size, "warm"))
             for n in counts:
                 bus = asyncio.run(over_bus(info, n, args.steps, args.batch_size, "bench"))

@@ -20,7 +20,7 @@ from bus.local import StackInfo
 from clients.sdk import Client
 from schemas.events import Progress
 from services.envs.adapters import make_adapter
-from services.launcher import LocalStack, wait_healthy
+from services.launcher import LocalStack
 
 
 def env_dims(env_id: str, image_size: int, env_kwargs: dict[str, Any]) -> tuple[int, int]:
@@ -111,13 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             roles={"master": 1, "envs": args.env_workers, "inferencer": 1, "trainer": 1},
         )
         try:
-            info = stack.start_server()
-            stack.start_roles()
-            _, missing = asyncio.run(
-                wait_healthy(info, ["master", "envs", "inferencer", "trainer"], 180)
-            )
-            if missing:
-                raise SystemExit(f"roles did not come up: {missing}")
+            info = stack.start(180)
             rows = asyncio.run(run_job(info, spec))
         finally:
             stack.stop()

@@ -28,7 +28,7 @@ from schemas import subjects
 from schemas.health import HEARTBEAT_DECODER
 from services.envs.datasets import record
 from services.envs.sims import REACH2D_ID, REACH_GRASP_ID
-from services.launcher import LocalStack, backbone_of, wait_healthy
+from services.launcher import LocalStack, backbone_of
 
 HEADS: list[dict[str, Any]] = [
     {"kind": "oft", "action_dim": 2, "chunk_len": 4, "proprio_dim": 4},
@@ -157,12 +157,7 @@ def run_stack(
         backbones=[backbone_of(args.backbone)],
     )
     try:
-        info = stack.start_server()
-        stack.start_roles()
-        roles = ["master", "envs", "trainer", *(["backbone"] if backbone_service else [])]
-        _, missing = asyncio.run(wait_healthy(info, roles, 120))
-        if missing:
-            raise SystemExit(f"roles did not come up: {missing}; see {home}/logs")
+        info = stack.start(120)
         backbone_id = backbone_of(args.backbone).backbone_id
 
         def specs(prefix: str, tenants: int, steps: int) -> list[dict[str, Any]]:

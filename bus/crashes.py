@@ -96,6 +96,8 @@ class CrashLedger:
 
     async def end(self, msg: Msg) -> None:
         """``msg`` settled: forget its count (only if this process wrote one)."""
+        if not self._written:  # the common case: nothing redelivered in flight
+            return
         key = ledger_key(msg)
         if key not in self._written or self._kv is None:
             return

@@ -271,6 +271,17 @@ class LocalStack:
             self.write_process_table()
         return restarted
 
+    def start(self, timeout: float = 180.0) -> StackInfo:
+        """Start the server and the roles and wait until every role it runs heartbeats;
+        SystemExit naming the roles that did not, and where their logs are."""
+        info = self.start_server()
+        self.start_roles()
+        running = [role for role, count in self.roles.items() if count > 0]
+        _, missing = asyncio.run(wait_healthy(info, running, timeout))
+        if missing:
+            raise SystemExit(f"roles did not come up: {missing}; see {self.home}/logs")
+        return info
+
     @contextlib.contextmanager
     def supervising(self, every_s: float = 0.2) -> Iterator[None]:
         """Restart what exits (as ``joynexus up`` does: a role the health manager orders to

@@ -129,7 +129,7 @@ class Queries:
         self.gate = TenantGate(js)
         self.tenant_jobs = TenantJobs(js)
         self.transfer = Transfer(js, self.gate)
-        self.sessions = Sessions(js, jobs, self.tenant_jobs, limits or InputLimits())
+        self.sessions = Sessions(js, jobs, self.tenant_jobs, limits)
         self.pacer = pacer or Pacer(DEFAULT_RATE, DEFAULT_BURST)
         self._stop = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
