@@ -247,10 +247,35 @@ def _model_init(args: argparse.Namespace) -> int:
 
 
 def _data_record(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
     from services.envs.datasets import record
 
-    info = record(args.env, args.episodes, Path(args.out), seed=args.seed)
-    print(f"recorded {info.total_episodes} episodes, {info.total_frames} frames to {args.out}")
+    with tqdm(total=args.episodes, unit="episode", desc=f"recording {args.env}") as bar:
+        failed = 0
+
+        def progress(attempt: int, success: bool) -> None:
+            nonlocal failed
+            failed += not success
+            if success or not args.only_success:
+                bar.update(1)
+            bar.set_postfix(attempts=attempt + 1, failed=failed)
+
+        info = record(
+            args.env,
+            args.episodes,
+            Path(args.out),
+            seed=args.seed,
+            max_steps=args.max_steps,
+            env_kwargs={"image_size": args.image_size},
+            only_success=args.only_success,
+            on_episode=progress,
+            overwrite=args.overwrite,
+        )
+    print(
+        f"recorded {info.total_episodes} episodes, {info.total_frames} frames to {args.out} "
+        f"({failed} expert failures{' dropped' if args.only_success else ' kept'})"
+    )
     return 0
 
 
@@ -459,7 +484,15 @@ def add_operator_commands(sub: Subcommands) -> None:
     dr.add_argument("--env", required=True)
     dr.add_argument("--episodes", type=int, required=True)
     dr.add_argument("--out", required=True)
-    dr.add_argument("--seed", type=int, default=0)
+    dr.add_argument("--seed", type=int, default=0, help="episode i starts from seed + i")
+    dr.add_argument("--image-size", type=int, default=64, help="camera image side (pixels)")
+    dr.add_argument("--max-steps", type=int, default=None, help="episode limit (env's default)")
+    dr.add_argument(
+        "--only-success",
+        action="store_true",
+        help="drop episodes the expert failed; record until --episodes succeeded",
+    )
+    dr.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
     di = add_command(dsub, "inspect", _data_inspect, help="summarise a dataset")
     di.add_argument("dir")
 

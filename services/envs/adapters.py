@@ -199,6 +199,16 @@ def proprio_for_head(proprio_P: np.ndarray, proprio_dim: int) -> np.ndarray:
     return proprio_P
 
 
+def time_limit(adapter: EnvAdapter) -> int | None:
+    """The adapter's episode limit in steps (``None`` when its env has none)."""
+    env: Any = getattr(adapter, "env", None)
+    spec = getattr(env, "spec", None)
+    limit = getattr(spec, "max_episode_steps", None)
+    if not limit and adapter.env_id in gym.registry:  # ManiSkill's made env drops its spec's
+        limit = gym.registry[adapter.env_id].max_episode_steps
+    return int(limit) if limit else None
+
+
 # -- choosing an adapter ------------------------------------------------------------------------
 
 
@@ -264,4 +274,5 @@ __all__ = [
     "clip_action",
     "make_adapter",
     "proprio_for_head",
+    "time_limit",
 ]

@@ -16,7 +16,6 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import gymnasium as gym
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -35,7 +34,13 @@ from schemas.envdesc import (
     ProprioPart,
 )
 from schemas.limits import InputLimits
-from services.envs.adapters import EnvAdapter, EnvUnavailableError, GymDictAdapter, make_adapter
+from services.envs.adapters import (
+    EnvAdapter,
+    EnvUnavailableError,
+    GymDictAdapter,
+    make_adapter,
+    time_limit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +57,7 @@ def describe_adapter(adapter: EnvAdapter, env_kwargs: EnvKwargs | None = None) -
     from services.envs.maniskill import ManiSkillAdapter
 
     env: Any = adapter.env  # type: ignore[attr-defined]
-    limit = getattr(env.spec, "max_episode_steps", None) if env.spec is not None else None
-    if not limit and adapter.env_id in gym.registry:  # ManiSkill's made env drops its spec's
-        limit = gym.registry[adapter.env_id].max_episode_steps
+    limit = time_limit(adapter)
     low = [float(v) for v in adapter._low_A]  # type: ignore[attr-defined]
     high = [float(v) for v in adapter._high_A]  # type: ignore[attr-defined]
     if isinstance(adapter, ManiSkillAdapter):

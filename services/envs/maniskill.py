@@ -36,6 +36,7 @@ import numpy as np
 from gymnasium import spaces
 
 from services.envs.adapters import EnvUnavailableError, StepObs, clip_action
+from services.envs.experts import expert_for
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,8 @@ class ManiSkillAdapter:
       are not drawn in the camera image) and ``is_grasped`` (PickCube, PickCubeSO100).
       ``proprio_keys`` names the parts; the layout is fixed per task and control mode.
     * actions are clipped to the controller's action space; ``info["is_success"]`` is the
-      task's ``success`` flag. There is no scripted expert (``expert_action`` is ``None``).
+      task's ``success`` flag. ``expert_action`` is the task's scripted expert
+      (:mod:`services.envs.experts`) where it has one.
 
     Args:
         env_id: a key of :data:`MANISKILL_TASKS`.
@@ -324,8 +326,13 @@ class ManiSkillAdapter:
         )
 
     def expert_action(self) -> np.ndarray | None:
-        """``None``: ManiSkill tasks come without a scripted expert here."""
-        return None
+        """The task's scripted expert's action now (:mod:`services.envs.experts`: PushCube,
+        PullCube, PickCube in ``pd_ee_delta_pos``); ``None`` for other tasks and modes."""
+        expert = expert_for(self.env_id, self.control_mode)
+        if expert is None:
+            return None
+        with maniskill_call():
+            return expert(self.env.unwrapped)
 
     def close(self) -> None:
         """Close the env and its renderer."""

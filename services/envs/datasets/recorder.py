@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
-from services.envs.sims import make_env
+from services.envs.adapters import EnvAdapter, make_adapter, time_limit
 from vla.data import DatasetError, DatasetInfo, EpisodeRecord, write_dataset
+
+#: Default frames per second written to a dataset whose env does not say.
+_DEFAULT_FPS = 10
 
 
 def record(
@@ -21,58 +24,68 @@ def record(
     *,
     env_kwargs: Mapping[str, Any] | None = None,
     camera: str = "front",
+    only_success: bool = False,
+    max_attempts: int | None = None,
+    on_episode: Callable[[int, bool], None] | None = None,
     overwrite: bool = False,
 ) -> DatasetInfo:
     """Record ``episodes`` episodes of the env's scripted expert as a dataset at ``out_dir``.
 
-    Episode ``i`` starts from ``env.reset(seed=seed + i)``, so a dataset is reproducible from
-    ``(env_id, env_kwargs, seed)``. The env must return dict observations with ``image``
-    (uint8 HxWx3, stored as camera ``camera``), ``state`` and ``instruction`` (the task), and
-    its unwrapped env must have ``expert_action() -> action``. ``max_steps`` replaces the
-    env's registered time limit. Each frame stores the observation and the one action taken
-    there; success comes from the final ``info["is_success"]``.
+    Any env with a scripted expert works: our sims (``JoyNexus/*``, their image stored as
+    camera ``camera``) and the ManiSkill tasks of :mod:`services.envs.experts` (every camera
+    the adapter renders, under ManiSkill's sensor names). Each frame stores the camera images,
+    the proprio the env gives a policy (``observation.state``) and the expert's action there;
+    each episode its task instruction and the env's final ``is_success``.
+
+    Attempt ``i`` starts from ``reset(seed=seed + i)``, so a dataset is reproducible from
+    ``(env_id, env_kwargs, seed)``. With ``only_success`` failed attempts are dropped and
+    recording goes on until ``episodes`` succeeded, at most ``max_attempts`` (default
+    ``2 * episodes + 10``) attempts. ``max_steps`` replaces the env's time limit;
+    ``env_kwargs`` go to :func:`~services.envs.adapters.make_adapter` (``image_size``, ...).
+    ``on_episode(attempt, success)`` is called after each attempt (a progress bar).
+
+    Raises:
+        DatasetError: the env has no scripted expert, or too few attempts succeeded.
     """
     if episodes < 1:
         raise ValueError(f"episodes must be >= 1, got {episodes}")
-    kwargs = dict(env_kwargs or {})
-    if max_steps is not None:
-        kwargs["max_episode_steps"] = max_steps
-    env = make_env(env_id, **kwargs)
+    attempts = max_attempts if max_attempts is not None else 2 * episodes + 10
+    if attempts < episodes:
+        raise ValueError(f"max_attempts {attempts} is below episodes {episodes}")
+    adapter = make_adapter(env_id, max_episode_steps=max_steps, **dict(env_kwargs or {}))
     try:
-        expert: Callable[[], np.ndarray] | None = getattr(env.unwrapped, "expert_action", None)
-        if expert is None:
-            raise DatasetError(f"{env_id} has no scripted expert (env.unwrapped.expert_action)")
-        limit = max_steps or (env.spec.max_episode_steps if env.spec else None)
+        limit = max_steps or time_limit(adapter)
         if limit is None:
             raise ValueError(f"{env_id} has no time limit; pass max_steps")
-        fps = int(env.metadata.get("render_fps") or 10)
+        reset_obs = adapter.reset(seed=seed)
+        if adapter.expert_action() is None:
+            raise DatasetError(f"{env_id} has no scripted expert for its control mode")
+        cameras: tuple[str, ...] = tuple(getattr(adapter, "cameras", None) or (camera,))
+        if len(cameras) != len(reset_obs.images):
+            raise DatasetError(f"{env_id}: {len(reset_obs.images)} images for cameras {cameras}")
+        metadata = getattr(getattr(adapter, "env", None), "metadata", None) or {}
+        fps = int(metadata.get("render_fps") or _DEFAULT_FPS)
 
-        def run(episode_index: int) -> EpisodeRecord:
-            obs, info = env.reset(seed=seed + episode_index)
-            if not isinstance(obs, Mapping) or not {"image", "state"} <= obs.keys():
-                raise DatasetError(f"{env_id}: record needs dict observations with image, state")
-            task = str(obs.get("instruction") or env_id)
-            states, actions, images = [], [], []
-            for _ in range(limit):
-                action = np.asarray(expert(), dtype=np.float32)
-                states.append(obs["state"])
-                images.append(obs["image"])
-                actions.append(action)
-                obs, _, terminated, truncated, info = env.step(action)
-                if terminated or truncated:
-                    break
-            success = info.get("is_success")
-            return EpisodeRecord(
-                task=task,
-                state_T_S=np.stack(states).astype(np.float32),
-                action_T_A=np.stack(actions),
-                images={camera: np.stack(images)},
-                success=None if success is None else bool(success),
+        def kept() -> Iterator[EpisodeRecord]:
+            recorded = 0
+            for attempt in range(attempts):
+                episode = _run_expert(adapter, seed + attempt, limit, cameras)
+                if on_episode is not None:
+                    on_episode(attempt, bool(episode.success))
+                if only_success and not episode.success:
+                    continue
+                yield episode
+                recorded += 1
+                if recorded == episodes:
+                    return
+            raise DatasetError(
+                f"{env_id}: only {recorded} of {attempts} expert episodes succeeded, "
+                f"{episodes} asked for"
             )
 
         return write_dataset(
             out_dir,
-            (run(i) for i in range(episodes)),
+            kept(),
             fps,
             robot_type=env_id,
             env_id=env_id,
@@ -80,4 +93,34 @@ def record(
             overwrite=overwrite,
         )
     finally:
-        env.close()
+        adapter.close()
+
+
+def _run_expert(
+    adapter: EnvAdapter, seed: int, limit: int, cameras: tuple[str, ...]
+) -> EpisodeRecord:
+    """One episode of the adapter's expert from ``reset(seed)``, at most ``limit`` steps."""
+    obs = adapter.reset(seed=seed)
+    task = obs.instruction or adapter.env_id
+    states, actions = [], []
+    frames: list[list[np.ndarray]] = [[] for _ in cameras]
+    success = False
+    for _ in range(limit):
+        action = adapter.expert_action()
+        if action is None:
+            raise DatasetError(f"{adapter.env_id}: the expert gave no action mid-episode")
+        states.append(obs.proprio)
+        for view, image in zip(frames, obs.images, strict=True):
+            view.append(image)
+        actions.append(np.asarray(action, dtype=np.float32))
+        obs, _, terminated, truncated, info = adapter.step(action)
+        success = bool(info["is_success"])
+        if terminated or truncated:
+            break
+    return EpisodeRecord(
+        task=task,
+        state_T_S=np.stack(states).astype(np.float32),
+        action_T_A=np.stack(actions),
+        images={name: np.stack(view) for name, view in zip(cameras, frames, strict=True)},
+        success=success,
+    )
