@@ -39,8 +39,12 @@ def test_expert_solves_its_task(maniskill_home: Path, env_id: str) -> None:
         outcomes, lengths = [], []
         for seed in SEEDS:
             adapter.reset(seed)
+            state = adapter.privileged_state()
+            assert state is not None and sorted(state) == ["cube_xyz", "goal_xyz", "tcp_xyz"]
+            assert all(v.shape == (3,) and np.isfinite(v).all() for v in state.values())
             success, steps = False, 0
-            for steps in range(1, 51):  # ManiSkill's time limit
+            for _ in range(50):  # ManiSkill's time limit
+                steps += 1
                 action_A = adapter.expert_action()
                 assert action_A is not None and action_A.shape == (adapter.action_dim,)
                 assert np.all(np.abs(action_A) <= 1.0)

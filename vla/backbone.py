@@ -252,15 +252,7 @@ class Backbone:
             )
         kwargs = self.model_kwargs(inputs)
         with torch.inference_mode():
-            if self._hook is None:
-                out = self._base(**kwargs, use_cache=False, return_dict=True)
-                hidden_B_T_D = out.last_hidden_state
-            else:
-                try:
-                    self._base(**kwargs, use_cache=False, return_dict=True)
-                    raise RuntimeError("the feature-layer hook did not fire")
-                except _FeatureReached as reached:
-                    hidden_B_T_D = reached.hidden_B_T_D
+            hidden_B_T_D = self.hidden_states(kwargs)
         # Outside inference mode: the copy is a normal tensor that autograd may save. It is also
         # the float32 cast for bf16 models, so it costs nothing extra there.
         prefix_B_T_D = hidden_B_T_D.to(torch.float32, copy=True)
@@ -269,6 +261,23 @@ class Backbone:
             mask_B_T=kwargs["attention_mask"],
             proprio_B_P=inputs.proprio_B_P.to(self.device),
         )
+
+    def hidden_states(self, kwargs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The feature layer's hidden states ``[B, T, D]`` for :meth:`model_kwargs` output, in
+        the model's dtype, under whatever grad mode the caller set (:meth:`encode` runs it in
+        inference mode; pretraining, :mod:`vla.pretrain`, with gradients)."""
+        if self._hook is None:
+            out = self._base(**kwargs, use_cache=False, return_dict=True)
+            return out.last_hidden_state
+        try:
+            self._base(**kwargs, use_cache=False, return_dict=True)
+        except _FeatureReached as reached:
+            return reached.hidden_B_T_D
+        raise RuntimeError("the feature-layer hook did not fire")
+
+    def image_token_mask(self, input_ids_B_T: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` bool: which prefix tokens belong to image blocks."""
+        return torch.isin(input_ids_B_T, self._block_ids_N)
 
 
 class _FeatureReached(Exception):

@@ -75,6 +75,11 @@ class EnvAdapter(Protocol):
         """The scripted expert's action in the current state, or ``None`` if there is none."""
         ...
 
+    def privileged_state(self) -> dict[str, np.ndarray] | None:
+        """True state a policy does not observe (object and goal positions: pretraining
+        targets), by name, or ``None`` when the env exposes none."""
+        ...
+
     def close(self) -> None:
         """Release the simulator."""
         ...
@@ -157,6 +162,11 @@ class GymDictAdapter:
         if expert is None:
             return None
         return np.asarray(expert(), dtype=np.float32).reshape(self.action_dim)
+
+    def privileged_state(self) -> dict[str, np.ndarray] | None:
+        """The env's ``env.unwrapped.privileged_state()``, if it has one (Reach2D does)."""
+        state = getattr(self.env.unwrapped, "privileged_state", None)
+        return None if state is None else dict(state())
 
     def close(self) -> None:
         """Close the env."""

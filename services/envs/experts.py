@@ -96,6 +96,25 @@ def pick_cube_expert(env: Any) -> np.ndarray:
     return _toward(tcp, cube, _CLOSE)
 
 
+def privileged_positions(env: Any) -> dict[str, np.ndarray] | None:
+    """The true cube, goal and tool-centre positions of a cube task's *unwrapped* env
+    (float32 xyz each), or ``None`` for a task without one cube and one goal."""
+    # Explicit ``is None``: a ManiSkill actor's truth value is not its presence.
+    cube = getattr(env, "cube", None)
+    if cube is None:
+        cube = getattr(env, "obj", None)
+    goal = getattr(env, "goal_site", None)
+    if goal is None:
+        goal = getattr(env, "goal_region", None)
+    if cube is None or goal is None:
+        return None
+    return {
+        "cube_xyz": _xyz(cube.pose.p).astype(np.float32),
+        "goal_xyz": _xyz(goal.pose.p).astype(np.float32),
+        "tcp_xyz": _xyz(env.agent.tcp.pose.p).astype(np.float32),
+    }
+
+
 #: ManiSkill task id -> its expert, called with the *unwrapped* env.
 MANISKILL_EXPERTS: dict[str, Callable[[Any], np.ndarray]] = {
     "PushCube-v1": push_cube_expert,

@@ -36,7 +36,7 @@ import numpy as np
 from gymnasium import spaces
 
 from services.envs.adapters import EnvUnavailableError, StepObs, clip_action
-from services.envs.experts import expert_for
+from services.envs.experts import expert_for, privileged_positions
 
 
 @dataclass(frozen=True)
@@ -333,6 +333,12 @@ class ManiSkillAdapter:
             return None
         with maniskill_call():
             return expert(self.env.unwrapped)
+
+    def privileged_state(self) -> dict[str, np.ndarray] | None:
+        """True object, goal and tool positions (:func:`services.envs.experts.privileged_positions`)
+        where the task has one cube and one goal; ``None`` otherwise."""
+        with maniskill_call():
+            return privileged_positions(self.env.unwrapped)
 
     def close(self) -> None:
         """Close the env and its renderer."""

@@ -210,6 +210,13 @@ class Reach2DEnv(gym.Env[dict[str, Any], np.ndarray]):
         close = 1.0 if self._distance() <= 2 * self.success_radius else -1.0
         return np.array([move[0], move[1], close], np.float32)
 
+    def privileged_state(self) -> dict[str, np.ndarray]:
+        """True positions a policy does not observe directly (pretraining targets)."""
+        return {
+            "target_xy": np.asarray(self._target, np.float32),
+            "agent_xy": np.asarray(self._agent, np.float32),
+        }
+
     #: The instruction names a colour per episode (for env descriptions).
     instruction_template = INSTRUCTION_TEMPLATE
 
