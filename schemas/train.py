@@ -59,6 +59,10 @@ class OpenSlot(msgspec.Struct, frozen=True, tag="open_slot"):
     #: and :class:`LoadState` calls, ``total_steps`` of them at most) instead of a job's
     #: batches.
     session: bool = False
+    #: Per-dimension proprio mean and std the policy standardises its proprio with (an SFT
+    #: job's dataset statistics, ``meta/stats.json``); empty: keep the init policy's, or none.
+    proprio_mean: tuple[float, ...] = ()
+    proprio_std: tuple[float, ...] = ()
 
 
 class CloseSlot(msgspec.Struct, frozen=True, tag="close_slot"):

@@ -86,10 +86,25 @@ def make_batches(norm: Normaliser, t: Tenant, seed: int) -> list[tuple[ModelInpu
 
 
 def new_slots(backbone: Backbone, tenants: list[Tenant]) -> dict[str, TenantSlot]:
-    return {
+    slots = {
         t.name: TenantSlot(t.name, t.head, t.optim, backbone.hidden_size, seed=i)
         for i, t in enumerate(tenants)
     }
+    for i, t in enumerate(tenants):
+        with_proprio_stats(slots[t.name], i)
+    return slots
+
+
+def with_proprio_stats(slot: TenantSlot, index: int) -> TenantSlot:
+    """Give a slot that reads proprio its own statistics (each tenant different), so every
+    equivalence below also covers per-tenant proprio standardisation."""
+    p = slot.head_config.proprio_dim
+    if p:
+        slot.module.set_proprio_stats(
+            [0.1 * (index + 1) * (d - 1) for d in range(p)],
+            [0.5 + 0.25 * index + 0.1 * d for d in range(p)],
+        )
+    return slot
 
 
 def snapshot(slot: TenantSlot) -> dict[str, Any]:
@@ -325,7 +340,10 @@ def test_stacked_loss_and_gradients_equal_the_modules_own_loss(head: HeadConfig)
     """Stacked over three tenants (padding in the prefix masks), each tenant's loss and
     gradients equal its module's own ``loss`` and backward within 1e-5."""
     hidden, T, B = 40, 6, 3
-    slots = [TenantSlot(f"t{i}", head, OPTIMS[0], hidden, seed=i) for i in range(3)]
+    slots = [
+        with_proprio_stats(TenantSlot(f"t{i}", head, OPTIMS[0], hidden, seed=i), i)
+        for i in range(3)
+    ]
     features: list[VLAFeature] = []
     targets: list[torch.Tensor] = []
     own_losses: list[float] = []

@@ -110,6 +110,23 @@ def test_records_written_before_sessions_still_decode_as_no_session() -> None:
     assert old_record == SAMPLES["policy_record"]
 
 
+def test_slots_written_before_proprio_statistics_decode_as_none() -> None:
+    """Rolling upgrade: an OpenSlot (alone or inside a policy record) without
+    ``proprio_mean``/``proprio_std`` carries no statistics: the policy keeps raw proprio."""
+    old_open = decode(
+        DECODERS["open_slot"],
+        (GOLDEN / "open_slot_before_proprio_stats.msgpack").read_bytes(),
+    )
+    assert isinstance(old_open, OpenSlot)
+    assert old_open.proprio_mean == () and old_open.proprio_std == ()
+    assert old_open == SAMPLES["open_slot"]
+    old_record = decode(
+        DECODERS["policy_record"],
+        (GOLDEN / "policy_record_before_proprio_stats.msgpack").read_bytes(),
+    )
+    assert old_record == SAMPLES["policy_record"]
+
+
 @pytest.mark.parametrize(
     "array",
     [

@@ -27,7 +27,7 @@ from tests.sft_helpers import (
     sft_spec,
     start_stack,
 )
-from vla.data import check_dataset
+from vla.data import check_dataset, read_meta
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +60,10 @@ async def test_two_tenants_sft_concurrently_match_their_solo_runs(
             assert last < 0.8 * first, f"loss did not fall: {first:.4f} -> {last:.4f}"
         rec_a, params_a = await final_policy(client.js, a, job_a.job_id)
         assert rec_a.step == steps and rec_a.batches_done == steps
+        # The policy standardises proprio with its dataset's statistics (serving does too).
+        stats = read_meta(datasets["reach"]).stats["observation.state"]
+        torch.testing.assert_close(params_a["proprio_mean_P"], torch.tensor(stats.mean))
+        torch.testing.assert_close(params_a["proprio_std_P"], torch.tensor(stats.std))
 
         # The same job alone (same seeds, same data; only the tenant id differs).
         solo = uid("solo")

@@ -126,7 +126,12 @@ def batched_backward(
     inputs = StackedInputs(
         prefix_N_B_T_D=torch.stack([_ready(f.prefix_B_T_D, dtype, device) for f in features]),
         mask_N_B_T=torch.stack([f.mask_B_T.to(device).bool() for f in features]),
-        proprio_N_B_P=torch.stack([_ready(f.proprio_B_P, dtype, device) for f in features]),
+        proprio_N_B_P=torch.stack(
+            [
+                m.normalise_proprio(_ready(f.proprio_B_P, dtype, device))
+                for m, f in zip(modules, features, strict=True)
+            ]
+        ),
         actions_N_B_C_A=torch.stack([_ready(a, dtype, device) for a in actions]),
         draws=tuple(torch.stack(list(d)) for d in zip(*draws, strict=True)),
     )

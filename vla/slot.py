@@ -218,7 +218,12 @@ class TenantSlot:
                 f"slot state for {head} on hidden size {state['hidden_size']} does not fit "
                 f"this slot ({self.head_config} on hidden size {self.hidden_size})"
             )
-        self.module.load_state_dict(state["module"])
+        # States written before the proprio statistics existed lack them: identity, as then.
+        module_state = dict(state["module"])
+        if self.head_config.proprio_dim and "proprio_mean_P" not in module_state:
+            module_state["proprio_mean_P"] = torch.zeros(self.head_config.proprio_dim)
+            module_state["proprio_std_P"] = torch.ones(self.head_config.proprio_dim)
+        self.module.load_state_dict(module_state)
         self.optimizer.load_state_dict(state["optimizer"])
         self.generator.set_state(state["rng"])
         self.step = int(state["step"])

@@ -26,7 +26,7 @@ from schemas.env import EnvTask, EvalTask, RolloutTask, StreamDataset
 from schemas.limits import InputLimits
 from schemas.specs import EvalJobSpec, RLJobSpec, SessionSpec, SFTJobSpec
 from schemas.train import OpenSlot, PolicyRecord
-from vla.data import DatasetError, DatasetMeta, check_dataset, read_meta
+from vla.data import STATE_KEY, DatasetError, DatasetMeta, check_dataset, read_meta
 from vla.data.limits import dataset_violation
 
 #: Batches beyond one commit interval a stream may have waiting in TRAIN.
@@ -109,6 +109,18 @@ async def check_dataset_limits(name: str, meta: DatasetMeta, limits: InputLimits
         raise PoisonError(violation)
 
 
+def _proprio_stats(
+    ds: DatasetMeta, spec: SFTJobSpec, init: PolicyRecord | None
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The dataset's proprio statistics for a new policy that reads proprio. A policy
+    fine-tuned from ``init`` keeps the statistics it was trained with; a dataset written
+    without ``meta/stats.json`` gives none (raw proprio, as before statistics existed)."""
+    stats = ds.stats.get(STATE_KEY)
+    if init is not None or stats is None or not spec.head.to_config().proprio_dim:
+        return (), ()
+    return tuple(stats.mean), tuple(stats.std)
+
+
 async def compile_sft(
     job_id: str,
     spec: SFTJobSpec,
@@ -138,6 +150,7 @@ async def compile_sft(
             f"epochs: {spec.epochs} epochs of {per_epoch} batches = {total_steps} steps "
             f"exceeds max_steps {max_steps}"
         )
+    proprio_mean, proprio_std = _proprio_stats(ds, spec, init)
     open_slot = OpenSlot(
         tenant=spec.tenant,
         job_id=job_id,
@@ -151,6 +164,8 @@ async def compile_sft(
         priority=spec.priority,
         init_object=init.object_name if init else "",
         init_sha256=init.sha256 if init else "",
+        proprio_mean=proprio_mean,
+        proprio_std=proprio_std,
     )
     env_task = StreamDataset(
         tenant=spec.tenant,

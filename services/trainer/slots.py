@@ -51,6 +51,12 @@ class Slots:
             except (RuntimeError, ValueError, KeyError) as exc:
                 self.manager.remove(key)
                 raise JobError(f"cannot initialise the slot: {exc}", spec.job_id) from exc
+        if spec.proprio_mean or spec.proprio_std:
+            try:
+                slot.module.set_proprio_stats(spec.proprio_mean, spec.proprio_std)
+            except ValueError as exc:
+                self.manager.remove(key)
+                raise JobError(f"cannot open slot: {exc}", spec.job_id) from exc
         return slot
 
     def restore(self, key: str, job_id: str, checkpoint: bytes) -> TenantSlot:

@@ -24,11 +24,13 @@ from vla.data.layout import (
     IMAGE_PREFIX,
     INFO_PATH,
     STATE_KEY,
+    STATS_PATH,
     TASKS_PATH,
     DatasetError,
     DatasetInfo,
     EpisodeMeta,
     FeatureSpec,
+    VectorStats,
 )
 from vla.data.meta import DatasetMeta, check_dataset, read_meta
 from vla.data.summary import DatasetSummary, TaskSummary, inspect
@@ -41,6 +43,7 @@ __all__ = [
     "IMAGE_PREFIX",
     "INFO_PATH",
     "STATE_KEY",
+    "STATS_PATH",
     "TASKS_PATH",
     "Dataset",
     "DatasetError",
@@ -51,6 +54,7 @@ __all__ = [
     "EpisodeRecord",
     "FeatureSpec",
     "TaskSummary",
+    "VectorStats",
     "check_dataset",
     "inspect",
     "load_dataset",

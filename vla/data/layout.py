@@ -27,6 +27,8 @@ CODEBASE_VERSION = "v3.0"
 INFO_PATH = "meta/info.json"
 TASKS_PATH = "meta/tasks.parquet"
 EPISODES_PATH = "meta/episodes.parquet"
+#: Per-dimension statistics of the vector features (LeRobot's ``meta/stats.json``).
+STATS_PATH = "meta/stats.json"
 DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
 #: Where :data:`DATA_PATH` files are found, relative to the dataset root.
 DATA_GLOB = "data/chunk-*/file-*.parquet"
@@ -69,6 +71,17 @@ class DatasetInfo(msgspec.Struct, frozen=True):
     env_id: str | None = None
     #: Who produced the actions, e.g. ``"scripted_expert"``.
     source: str | None = None
+
+
+class VectorStats(msgspec.Struct, frozen=True):
+    """Per-dimension statistics of a vector feature over all frames (``meta/stats.json``)."""
+
+    mean: list[float]
+    std: list[float]
+    min: list[float]
+    max: list[float]
+    #: Frames counted.
+    count: int
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from vla.data.layout import (
     DatasetError,
     DatasetInfo,
     EpisodeMeta,
+    VectorStats,
 )
 from vla.data.png import decode_png
 from vla.data.reader import (
@@ -34,6 +35,7 @@ from vla.data.reader import (
     data_paths,
     ints,
     read_info,
+    read_stats,
     read_table,
     read_tasks,
 )
@@ -56,6 +58,8 @@ class DatasetMeta:
     #: task_index -> task text (the instruction).
     tasks: dict[int, str]
     episodes: list[EpisodeMeta]
+    #: ``meta/stats.json`` by feature (``observation.state``, ``action``); empty if absent.
+    stats: dict[str, VectorStats] = field(default_factory=dict)
     _by_episode: dict[int, EpisodeMeta] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -146,7 +150,7 @@ def read_meta(root: str | Path) -> DatasetMeta:
     info = read_info(path)
     tasks = read_tasks(path)
     table = read_table(path / EPISODES_PATH, path, ["episode_index", "length", "task"])
-    meta = DatasetMeta(path, info, tasks, read_episodes(table, tasks))
+    meta = DatasetMeta(path, info, tasks, read_episodes(table, tasks), read_stats(path, info))
     if (info.total_episodes, info.total_frames) != (meta.num_episodes, meta.num_frames):
         raise DatasetError(
             f"{INFO_PATH}: total_episodes={info.total_episodes}, total_frames="

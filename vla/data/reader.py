@@ -21,11 +21,40 @@ from vla.data.layout import (
     FRAME_COLUMNS,
     INFO_PATH,
     STATE_KEY,
+    STATS_PATH,
     TASKS_PATH,
     DatasetError,
     DatasetInfo,
     FeatureSpec,
+    VectorStats,
 )
+
+
+def read_stats(root: Path, info: DatasetInfo) -> dict[str, VectorStats]:
+    """``meta/stats.json`` (state and action statistics), checked against ``info``'s vector
+    sizes; empty for a dataset written without one."""
+    path = root / STATS_PATH
+    if not path.is_file():
+        return {}
+    try:
+        stats = msgspec.json.decode(path.read_bytes(), type=dict[str, VectorStats])
+    except msgspec.DecodeError as exc:
+        raise DatasetError(f"{STATS_PATH}: {exc}") from exc
+    for key, entry in stats.items():
+        feature = info.features.get(key)
+        if feature is None:
+            raise DatasetError(f"{STATS_PATH}: {key!r} is not a feature of {INFO_PATH}")
+        size = feature.shape[0] if len(feature.shape) == 1 else -1
+        for name in ("mean", "std", "min", "max"):
+            values = getattr(entry, name)
+            if len(values) != size or not all(math.isfinite(v) for v in values):
+                raise DatasetError(
+                    f"{STATS_PATH}: {key}.{name} must be {size} finite numbers, got "
+                    f"{len(values)} values"
+                )
+        if any(v < 0 for v in entry.std):
+            raise DatasetError(f"{STATS_PATH}: {key}.std has a negative value")
+    return stats
 
 
 def read_info(root: Path) -> DatasetInfo:

@@ -24,10 +24,12 @@ from vla.data.layout import (
     IMAGE_PREFIX,
     INFO_PATH,
     STATE_KEY,
+    STATS_PATH,
     TASKS_PATH,
     DatasetError,
     DatasetInfo,
     FeatureSpec,
+    VectorStats,
 )
 from vla.data.png import encode_png
 
@@ -100,6 +102,7 @@ def _write(
     schema: pa.Schema | None = None
     writer: pq.ParquetWriter | None = None
     file_number, file_frames, total = 0, 0, 0
+    state_stats, action_stats = _RunningStats(), _RunningStats()
     try:
         for episode_index, ep in enumerate(episodes):
             length = len(ep.action_T_A)
@@ -140,6 +143,8 @@ def _write(
                 *[pa.array(map(encode_png, ep.images[cam]), pa.binary()) for cam in cams],
             ]
             writer.write_table(pa.Table.from_arrays(columns, schema=schema))
+            state_stats.add(ep.state_T_S)
+            action_stats.add(ep.action_T_A)
             rows.append(
                 {
                     "episode_index": episode_index,
@@ -205,7 +210,43 @@ def _write(
         source=source,
     )
     (root / INFO_PATH).write_bytes(msgspec.json.format(msgspec.json.encode(info), indent=2))
+    stats = {STATE_KEY: state_stats.result(), ACTION_KEY: action_stats.result()}
+    (root / STATS_PATH).write_bytes(msgspec.json.format(msgspec.json.encode(stats), indent=2))
     return info
+
+
+class _RunningStats:
+    """Per-dimension sums of a vector feature, accumulated episode by episode (float64)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.sum_D = np.zeros(0)
+        self.sum_sq_D = np.zeros(0)
+        self.min_D = np.zeros(0)
+        self.max_D = np.zeros(0)
+
+    def add(self, values_T_D: np.ndarray) -> None:
+        values = values_T_D.astype(np.float64)
+        if self.count == 0:
+            self.sum_D, self.sum_sq_D = values.sum(0), (values**2).sum(0)
+            self.min_D, self.max_D = values.min(0), values.max(0)
+        else:
+            self.sum_D = self.sum_D + values.sum(0)
+            self.sum_sq_D = self.sum_sq_D + (values**2).sum(0)
+            self.min_D = np.minimum(self.min_D, values.min(0))
+            self.max_D = np.maximum(self.max_D, values.max(0))
+        self.count += len(values)
+
+    def result(self) -> VectorStats:
+        mean_D = self.sum_D / self.count
+        var_D = np.maximum(self.sum_sq_D / self.count - mean_D**2, 0.0)
+        return VectorStats(
+            mean=mean_D.tolist(),
+            std=np.sqrt(var_D).tolist(),
+            min=self.min_D.tolist(),
+            max=self.max_D.tolist(),
+            count=self.count,
+        )
 
 
 def _check_episode(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,10 @@ class ActionHead(nn.Module):
     linear layer cannot absorb.
     """
 
+    #: Proprio statistics (buffers; present when ``proprio_dim`` > 0).
+    proprio_mean_P: torch.Tensor
+    proprio_std_P: torch.Tensor
+
     def __init__(self, config: HeadConfig, hidden_size: int) -> None:
         super().__init__()
         if hidden_size < 1:
@@ -70,6 +75,37 @@ class ActionHead(nn.Module):
         self.value_head = (
             ValueHead(hidden_size, config.proprio_dim, H) if config.value_head else None
         )
+        # Proprio normalisation, part of the policy (saved with it, so serving standardises
+        # as training did): ``(proprio - mean) / std`` per dimension. Identity until
+        # :meth:`set_proprio_stats` (an SFT job sets its dataset's statistics).
+        if config.proprio_dim:
+            self.register_buffer("proprio_mean_P", torch.zeros(config.proprio_dim))
+            self.register_buffer("proprio_std_P", torch.ones(config.proprio_dim))
+
+    def set_proprio_stats(self, mean_P: Sequence[float], std_P: Sequence[float]) -> None:
+        """Standardise proprio with these per-dimension statistics from now on. A spread
+        below ``1e-3`` (a constant dimension) counts as 1: it carries nothing to scale."""
+        if not self.proprio_dim:
+            raise ValueError("this head reads no proprio (proprio_dim 0): no statistics to set")
+        if len(mean_P) != self.proprio_dim or len(std_P) != self.proprio_dim:
+            raise ValueError(
+                f"proprio statistics have {len(mean_P)} means and {len(std_P)} stds for "
+                f"proprio_dim {self.proprio_dim}"
+            )
+        mean = torch.tensor(list(mean_P), dtype=torch.float64)
+        std = torch.tensor(list(std_P), dtype=torch.float64)
+        if not (torch.isfinite(mean).all() and torch.isfinite(std).all() and (std >= 0).all()):
+            raise ValueError("proprio statistics must be finite, with stds >= 0")
+        std = torch.where(std < 1e-3, torch.ones_like(std), std)
+        with torch.no_grad():
+            self.proprio_mean_P.copy_(mean)
+            self.proprio_std_P.copy_(std)
+
+    def normalise_proprio(self, proprio_B_P: torch.Tensor) -> torch.Tensor:
+        """``proprio_B_P`` standardised with the policy's statistics (identity by default)."""
+        if not self.proprio_dim:
+            return proprio_B_P
+        return (proprio_B_P - self.proprio_mean_P) / self.proprio_std_P
 
     # -- validation -------------------------------------------------------------------------
     @property
@@ -118,7 +154,7 @@ class ActionHead(nn.Module):
     def _inputs(self, feature: VLAFeature) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The feature as head-dtype tensors: ``(prefix_B_T_D, mask_B_T bool, proprio_B_P)``."""
         prefix_B_T_D = _autograd_ready(feature.prefix_B_T_D, self._dtype)
-        proprio_B_P = _autograd_ready(feature.proprio_B_P, self._dtype)
+        proprio_B_P = self.normalise_proprio(_autograd_ready(feature.proprio_B_P, self._dtype))
         return prefix_B_T_D, feature.mask_B_T.bool(), proprio_B_P
 
     def _memory(self, feature: VLAFeature) -> _Memory:

@@ -1,0 +1,100 @@
+"""Proprio standardisation as part of the policy: a dataset's statistics (meta/stats.json),
+kept in the head's buffers, saved with the slot, applied the same in training and acting."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from schemas.model import HeadConfig, OptimizerConfig
+from services.envs.datasets import record
+from services.envs.sims import REACH2D_ID
+from vla.data import STATS_PATH, DatasetError, load_dataset, read_meta
+from vla.feature import VLAFeature
+from vla.slot import TenantSlot
+
+HIDDEN = 32
+HEAD = HeadConfig(kind="oft", action_dim=2, chunk_len=2, proprio_dim=4)
+
+
+def feature(proprio_B_P: torch.Tensor) -> VLAFeature:
+    b = proprio_B_P.shape[0]
+    g = torch.Generator().manual_seed(0)
+    return VLAFeature(torch.randn(b, 5, HIDDEN, generator=g), torch.ones(b, 5), proprio_B_P)
+
+
+def test_recorded_dataset_carries_the_statistics_of_its_frames(tmp_path: Path) -> None:
+    record(REACH2D_ID, 4, tmp_path / "ds", seed=3, env_kwargs={"image_size": 32})
+    stats = read_meta(tmp_path / "ds").stats
+    ds = load_dataset(tmp_path / "ds")
+    state, action = stats["observation.state"], stats["action"]
+    assert state.count == action.count == len(ds)
+    np.testing.assert_allclose(state.mean, ds.state_N_S.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.std, ds.state_N_S.std(0), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(action.min, ds.action_N_A.min(0), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(action.max, ds.action_N_A.max(0), rtol=0, atol=1e-6)
+
+
+def test_bad_statistics_file_is_refused_naming_the_field(tmp_path: Path) -> None:
+    record(REACH2D_ID, 2, tmp_path / "ds", seed=0, env_kwargs={"image_size": 32})
+    path = tmp_path / "ds" / STATS_PATH
+    stats = json.loads(path.read_text())
+    stats["observation.state"]["std"] = [1.0]
+    path.write_text(json.dumps(stats))
+    with pytest.raises(DatasetError, match=r"observation.state.std must be 4 finite numbers"):
+        read_meta(tmp_path / "ds")
+    stats["observation.state"]["std"] = "wide"
+    path.write_text(json.dumps(stats))
+    with pytest.raises(DatasetError, match=r"meta/stats.json: Expected `array`"):
+        read_meta(tmp_path / "ds")
+    path.unlink()  # a dataset from before statistics: none, and still readable
+    assert read_meta(tmp_path / "ds").stats == {}
+
+
+def test_statistics_standardise_proprio_in_loss_and_act_and_travel_with_the_slot() -> None:
+    slot = TenantSlot("t", HEAD, OptimizerConfig(), HIDDEN, seed=0)
+    raw_B_P = torch.tensor([[10.0, -3.0, 0.5, 7.0], [12.0, -1.0, 0.5, 9.0]])
+    mean, std = [11.0, -2.0, 0.5, 8.0], [1.0, 1.0, 0.0, 2.0]
+    plain = TenantSlot("t", HEAD, OptimizerConfig(), HIDDEN, seed=0)
+    slot.module.set_proprio_stats(mean, std)
+    # A constant dimension (std 0) is centred, not divided by zero.
+    expected_B_P = (raw_B_P - torch.tensor(mean)) / torch.tensor([1.0, 1.0, 1.0, 2.0])
+    assert torch.equal(slot.module.normalise_proprio(raw_B_P), expected_B_P)
+    acted = slot.act(feature(raw_B_P), deterministic=True).actions_B_C_A
+    assert torch.equal(acted, plain.act(feature(expected_B_P), deterministic=True).actions_B_C_A)
+    targets = torch.zeros(2, 2, 2)
+    torch.manual_seed(0)
+    loss = slot.module.loss(feature(raw_B_P), targets, generator=torch.Generator())
+    torch.manual_seed(0)
+    same = plain.module.loss(feature(expected_B_P), targets, generator=torch.Generator())
+    assert torch.equal(loss, same)
+
+    again = TenantSlot.from_bytes(slot.to_bytes())
+    assert torch.equal(again.module.proprio_mean_P, torch.tensor(mean))
+    assert torch.equal(again.act(feature(raw_B_P), deterministic=True).actions_B_C_A, acted)
+
+
+def test_a_slot_saved_before_statistics_existed_loads_as_identity() -> None:
+    slot = TenantSlot("t", HEAD, OptimizerConfig(), HIDDEN, seed=0)
+    state = slot.state_dict()
+    del state["module"]["proprio_mean_P"], state["module"]["proprio_std_P"]
+    other = TenantSlot("t", HEAD, OptimizerConfig(), HIDDEN, seed=1)
+    other.module.set_proprio_stats([1.0] * 4, [2.0] * 4)
+    other.load_state_dict(state)
+    raw = torch.randn(3, 4)
+    assert torch.equal(other.module.normalise_proprio(raw), raw)
+
+
+def test_bad_statistics_are_refused() -> None:
+    module = TenantSlot("t", HEAD, OptimizerConfig(), HIDDEN).module
+    with pytest.raises(ValueError, match="3 means and 4 stds for proprio_dim 4"):
+        module.set_proprio_stats([0.0] * 3, [1.0] * 4)
+    with pytest.raises(ValueError, match="finite"):
+        module.set_proprio_stats([0.0, float("nan"), 0.0, 0.0], [1.0] * 4)
+    blind = TenantSlot("t", HeadConfig(kind="oft", action_dim=2), OptimizerConfig(), HIDDEN)
+    with pytest.raises(ValueError, match="reads no proprio"):
+        blind.module.set_proprio_stats([0.0], [1.0])
