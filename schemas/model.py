@@ -38,6 +38,9 @@ class HeadConfig(msgspec.Struct, frozen=True):
     flow_steps: int = 8
     #: Also build a value head (PPO).
     value_head: bool = False
+    #: Read the backbone's features. False: a blind policy, acting on proprio alone (its
+    #: prefix tokens are zeroed) -- the baseline a vision result is measured against.
+    vision: bool = True
 
     def __post_init__(self) -> None:
         for name in (

@@ -68,6 +68,9 @@ class HeadSpec(_Strict):
     num_bins: int = Field(32, ge=2, le=1024, description="Discrete head: bins per dim.")
     flow_steps: int = Field(8, ge=1, le=128, description="Flow head: Euler steps.")
     value_head: bool = False
+    vision: bool = Field(
+        True, description="False: a blind policy on proprio alone (a baseline for vision)."
+    )
 
     def filled(self, action_dim: int, proprio_dim: int) -> HeadSpec:
         """This head with its omitted dims taken from the env (or dataset) it trains on."""

@@ -376,3 +376,43 @@ def test_stacked_loss_and_gradients_equal_the_modules_own_loss(head: HeadConfig)
         assert mine.keys() == grads.keys()
         for n in grads:
             assert torch.allclose(mine[n], grads[n], atol=1e-5, rtol=1e-4), n
+
+
+@pytest.mark.parametrize("kind", ["oft", "discrete", "flow"])
+def test_a_blind_head_reads_proprio_alone(kind: str) -> None:
+    """``vision=False``: two features that differ only in their prefix give a blind head the
+    same loss, gradients and actions, in its own module and in the batched path."""
+    head = HeadConfig(kind=kind, action_dim=2, chunk_len=2, proprio_dim=3, vision=False)
+    hidden, B, T = 24, 2, 5
+    g = torch.Generator().manual_seed(0)
+    proprio = torch.randn(B, 3, generator=g)
+    one = VLAFeature(torch.randn(B, T, hidden, generator=g), torch.ones(B, T), proprio)
+    other = VLAFeature(torch.randn(B, T, hidden, generator=g), torch.ones(B, T), proprio)
+    targets = torch.rand(B, 2, 2, generator=g) * 2 - 1
+    losses, grads, actions = [], [], []
+    for feature in (one, other):
+        slot = TenantSlot("blind", head, OPTIMS[0], hidden, seed=0)
+        draws = [slot.module.draw(B, slot.generator)]
+        losses += vla.batched.batched_backward([slot.module], [feature], [targets], draws)
+        grads.append(
+            {n: p.grad.clone() for n, p in slot.module.named_parameters() if p.grad is not None}
+        )
+        slot.generator.manual_seed(0)
+        losses.append(float(slot.module.loss(feature, targets, generator=slot.generator).detach()))
+        actions.append(slot.act(feature, deterministic=True).actions_B_C_A)
+    assert losses[0] == losses[2] and losses[1] == losses[3]
+    assert torch.equal(actions[0], actions[1])
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        assert torch.equal(grads[0][name], grads[1][name]), name
+    seeing = TenantSlot(
+        "sees",
+        HeadConfig(kind=kind, action_dim=2, chunk_len=2, proprio_dim=3),
+        OPTIMS[0],
+        hidden,
+        seed=0,
+    )
+    assert not torch.equal(
+        seeing.act(one, deterministic=True).actions_B_C_A,
+        seeing.act(other, deterministic=True).actions_B_C_A,
+    )

@@ -110,9 +110,15 @@ def test_records_written_before_sessions_still_decode_as_no_session() -> None:
     assert old_record == SAMPLES["policy_record"]
 
 
-def test_slots_written_before_proprio_statistics_decode_as_none() -> None:
+def test_slots_written_before_proprio_statistics_and_vision_decode_as_before() -> None:
     """Rolling upgrade: an OpenSlot (alone or inside a policy record) without
-    ``proprio_mean``/``proprio_std`` carries no statistics: the policy keeps raw proprio."""
+    ``proprio_mean``/``proprio_std`` carries no statistics (the policy keeps raw proprio),
+    and a head config without ``vision`` sees."""
+    old_head = decode(
+        msgspec.msgpack.Decoder(HeadConfig),
+        (GOLDEN / "head_config_before_vision.msgpack").read_bytes(),
+    )
+    assert old_head == SAMPLES["head_config"] and old_head.vision is True
     old_open = decode(
         DECODERS["open_slot"],
         (GOLDEN / "open_slot_before_proprio_stats.msgpack").read_bytes(),

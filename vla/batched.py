@@ -124,7 +124,12 @@ def batched_backward(
     with torch.no_grad():
         params = {k: torch.stack([p[k] for p in named]).requires_grad_() for k in named[0]}
     inputs = StackedInputs(
-        prefix_N_B_T_D=torch.stack([_ready(f.prefix_B_T_D, dtype, device) for f in features]),
+        prefix_N_B_T_D=torch.stack(
+            [
+                m.see(_ready(f.prefix_B_T_D, dtype, device))
+                for m, f in zip(modules, features, strict=True)
+            ]
+        ),
         mask_N_B_T=torch.stack([f.mask_B_T.to(device).bool() for f in features]),
         proprio_N_B_P=torch.stack(
             [

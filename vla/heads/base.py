@@ -101,6 +101,12 @@ class ActionHead(nn.Module):
             self.proprio_mean_P.copy_(mean)
             self.proprio_std_P.copy_(std)
 
+    def see(self, prefix_B_T_D: torch.Tensor) -> torch.Tensor:
+        """The prefix as this head reads it: zeros for a blind head (``vision=False``), so
+        nothing of the image or instruction reaches it while shapes stay those of a seeing
+        head (same kernels, same batching)."""
+        return prefix_B_T_D if self.config.vision else torch.zeros_like(prefix_B_T_D)
+
     def normalise_proprio(self, proprio_B_P: torch.Tensor) -> torch.Tensor:
         """``proprio_B_P`` standardised with the policy's statistics (identity by default)."""
         if not self.proprio_dim:
@@ -153,7 +159,7 @@ class ActionHead(nn.Module):
     # -- shared pieces ----------------------------------------------------------------------
     def _inputs(self, feature: VLAFeature) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The feature as head-dtype tensors: ``(prefix_B_T_D, mask_B_T bool, proprio_B_P)``."""
-        prefix_B_T_D = _autograd_ready(feature.prefix_B_T_D, self._dtype)
+        prefix_B_T_D = self.see(_autograd_ready(feature.prefix_B_T_D, self._dtype))
         proprio_B_P = self.normalise_proprio(_autograd_ready(feature.proprio_B_P, self._dtype))
         return prefix_B_T_D, feature.mask_B_T.bool(), proprio_B_P
 
