@@ -217,12 +217,22 @@ def _bench_rl(args: argparse.Namespace) -> int:
     return int(rl.main(args.bench_args) or 0)
 
 
+def _bench_learn(args: argparse.Namespace) -> int:
+    from bench import learn
+
+    return int(learn.main(args.bench_args) or 0)
+
+
 #: name -> (its command, what it measures)
 BENCHES: dict[str, tuple[Command, str]] = {
     "grouping": (_bench_grouping, "one grouped backbone forward vs one per tenant, in-process"),
     "sft": (_bench_sft, "N tenants' SFT jobs on one trainer vs one after another, over the bus"),
     "inference": (_bench_inference, "the (B, T) inference scheduler vs one forward per request"),
     "rl": (_bench_rl, "one RL job over the bus: success rate and return per iteration"),
+    "learn": (
+        _bench_learn,
+        "demos -> SFT -> closed-loop success over the bus, against a blind baseline, then RL",
+    ),
     "flood": (
         _bench_flood,
         "a calm tenant's SFT and act throughput with and without another tenant's flood",
