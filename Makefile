@@ -19,10 +19,10 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/joynexus demo
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow and not stack" -q --durations=25
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow and not stack and not heavy" -q --durations=25
 
 test-stack: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "stack and not slow" -q --durations=15
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "(stack or heavy) and not slow" -q --durations=15
 
 test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m slow -q

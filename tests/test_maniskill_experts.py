@@ -31,6 +31,7 @@ def maniskill_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @pytest.mark.maniskill
+@pytest.mark.heavy
 @pytest.mark.parametrize("env_id", sorted(MANISKILL_EXPERTS))
 def test_expert_solves_its_task(maniskill_home: Path, env_id: str) -> None:
     adapter = make_adapter(env_id, image_size=32)

@@ -56,6 +56,8 @@ def test_probe_scores_a_linear_signal_and_not_noise() -> None:
     assert r2[0] > 0.99 and r2[1] < 0.1
 
 
+@pytest.mark.heavy
+@pytest.mark.timeout(300)
 def test_pretraining_puts_position_into_the_features_and_saves_a_loadable_checkpoint(
     tmp_path: Path,
 ) -> None:
