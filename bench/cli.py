@@ -304,6 +304,8 @@ def _model_pretrain(args: argparse.Namespace) -> int:
     for name in report.target_names:
         before, after = report.probe_r2_before[name], report.probe_r2_after[name]
         print(f"{name:<16} {before:>16.3f} {after:>8.3f}")
+    if report.constant_targets:
+        print(f"constant, left out: {', '.join(report.constant_targets)}")
     print(
         f"{report.train_frames} frames ({report.heldout_frames} held out) from "
         f"{', '.join(report.env_ids)}; loss {report.loss_first:.4f} -> {report.loss_last:.4f}; "

@@ -86,6 +86,7 @@ def test_pretraining_puts_position_into_the_features_and_saves_a_loadable_checkp
     assert record["base"] == "tiny" and record["env_ids"] == ["squares"]
     assert record["train_frames"] == 512 and record["config"]["steps"] == 200
     assert record["probe_r2_after"] == report.probe_r2_after
+    assert record["constant_targets"] == []
 
     loaded = Backbone.load(out)
     assert loaded.backbone_id == "seeing"
@@ -99,6 +100,25 @@ def test_pretraining_refuses_a_backbone_cut_below_its_last_layer() -> None:
     backbone = Backbone.load("tiny", feature_layer=1)
     with pytest.raises(ValueError, match="final feature layer"):
         pretrain(backbone, squares(8, 0), squares(8, 1), PretrainConfig(steps=1), base="tiny")
+
+
+def test_constant_targets_are_left_out_and_all_constant_is_refused() -> None:
+    frames = squares(64, 0)
+    flat = FrameSet(
+        frames.images_N_V_H_W_3,
+        frames.instructions,
+        np.c_[frames.targets_N_K, np.full(64, 0.001, np.float32)],
+        ("row", "col", "table_height"),
+        ("squares",),
+    )
+    report = pretrain(
+        Backbone.load("tiny"), flat, flat, PretrainConfig(steps=2, batch_size=4), base="tiny"
+    )
+    assert report.constant_targets == ["table_height"]
+    assert report.target_names == ["row", "col"] == list(report.probe_r2_after)
+    level = flat.columns(np.array([False, False, True]))
+    with pytest.raises(ValueError, match="every target is constant"):
+        pretrain(Backbone.load("tiny"), level, level, PretrainConfig(steps=1), base="tiny")
 
 
 def test_bad_configs_and_frame_sets_are_refused() -> None:

@@ -37,6 +37,8 @@ PRETRAIN_RECORD = "joynexus_pretrain.json"
 #: Text budget of the instruction during pretraining (as the services' default).
 _TOKEN_BUDGET = 16
 _FEATURE_BATCH = 128
+#: A target whose spread over the training frames is below this is constant: left out.
+CONSTANT_SPREAD = 1e-3
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,16 @@ class FrameSet:
             self.env_ids,
         )
 
+    def columns(self, keep_K: np.ndarray) -> FrameSet:
+        """The same frames with only the target columns where ``keep_K`` is True."""
+        return FrameSet(
+            self.images_N_V_H_W_3,
+            self.instructions,
+            self.targets_N_K[:, keep_K],
+            tuple(n for n, k in zip(self.target_names, keep_K, strict=True) if k),
+            self.env_ids,
+        )
+
     @staticmethod
     def concat(sets: Sequence[FrameSet]) -> FrameSet:
         """Frames of several envs as one set; their targets must have the same names."""
@@ -128,6 +140,9 @@ class PretrainReport:
     heldout_frames: int
     target_names: list[str]
     config: dict[str, Any]
+    #: Targets left out: (nearly) constant over the training frames, nothing to learn or probe
+    #: (e.g. a goal drawn on the table always has the same height).
+    constant_targets: list[str] = field(default_factory=list)
     #: Held-out probe R^2 per target, with the weights before and after.
     probe_r2_before: dict[str, float] = field(default_factory=dict)
     probe_r2_after: dict[str, float] = field(default_factory=dict)
@@ -215,6 +230,11 @@ def pretrain(
             "at an earlier layer has dropped the layers above it"
         )
     started = time.monotonic()
+    varying_K = train.targets_N_K.std(0) > CONSTANT_SPREAD
+    if not varying_K.any():
+        raise ValueError(f"every target is constant over the training frames: {train.target_names}")
+    constant = [n for n, v in zip(train.target_names, varying_K, strict=True) if not v]
+    train, heldout = train.columns(varying_K), heldout.columns(varying_K)
     report = PretrainReport(
         base=base,
         env_ids=sorted(set(train.env_ids)),
@@ -222,6 +242,7 @@ def pretrain(
         heldout_frames=len(heldout),
         target_names=list(train.target_names),
         config=asdict(config),
+        constant_targets=constant,
     )
     report.probe_r2_before = _probe(backbone, train, heldout)
     mean_K = train.targets_N_K.mean(0)
