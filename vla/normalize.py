@@ -222,7 +222,10 @@ class Normaliser:
         )
 
         # uint8 NHWC -> float NCHW; same arithmetic as the HF processors (x * scale - mean) / std.
-        u8 = torch.from_numpy(np.ascontiguousarray(pixels_B_V_S_S_3))
+        pixels = np.ascontiguousarray(pixels_B_V_S_S_3)
+        if not pixels.flags.writeable:  # decoded off the wire: torch warns on read-only memory
+            pixels = pixels.copy()  # uint8, a quarter of the float copy made next
+        u8 = torch.from_numpy(pixels)
         pixel_values = u8.permute(0, 1, 4, 2, 3).to(torch.float32)
         pixel_values.mul_(self._spec.rescale_factor).sub_(self._mean_3).div_(self._std_3)
 
