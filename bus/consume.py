@@ -68,6 +68,13 @@ DRAIN_S = 2.0
 HAND_BACK_ALLOWANCE = 20
 #: Bound on any single bus call made while stopping (nak, unsubscribe).
 STOP_CALL_S = 0.5
+#: How long after its last fetch returned a pull request of ours may still be answered: the
+#: server expires a pull request about when the client's fetch times out, so messages it sent
+#: just before land in the subscription after the fetch returned (the next fetch would take
+#: them). :meth:`Consumer.close` waits this long, then hands back what landed.
+LATE_DELIVERY_S = 0.15
+#: At most this many sweeps for late deliveries at close.
+LATE_SWEEPS = 4
 
 
 class Hold:
@@ -188,6 +195,22 @@ class Durable:
     on_dead: DeadHook | None = None
     #: Messages of this durable being handled right now.
     in_flight: int = 0
+    #: When its last fetch returned (monotonic); see :data:`LATE_DELIVERY_S`.
+    fetched_at: float = 0.0
+
+    def take_late(self) -> list[Msg]:
+        """Messages delivered to this subscription after its last fetch returned (answers to
+        a pull request that expired as the fetch timed out); status messages are dropped.
+        nats.py keeps them in the subscription's queue for the next fetch and has no public
+        call that takes them without asking the server for more, hence its queue here."""
+        queue = self.sub._sub._pending_queue
+        late: list[Msg] = []
+        while not queue.empty():
+            msg = queue.get_nowait()
+            self.sub._sub._pending_size -= len(msg.data)
+            if not JetStreamContext.is_status_msg(msg):
+                late.append(msg)
+        return late
 
     @property
     def name(self) -> str:
@@ -253,6 +276,8 @@ class Consumer:
             log.warning("fetch on %s failed: %s", durable.name, exc)
             await self._pause(min(timeout, 0.2))
             return []
+        finally:
+            durable.fetched_at = time.monotonic()
         for msg in msgs:
             self._unsettled[id(msg)] = msg
         if self.stop.is_set():
@@ -285,6 +310,12 @@ class Consumer:
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.stop.wait(), seconds)
+
+    @staticmethod
+    async def _pause_unbounded(seconds: float) -> None:
+        """Sleep ``seconds`` (if positive) even once stopping: used by the stop itself."""
+        if seconds > 0:
+            await asyncio.sleep(seconds)
 
     # -- handling ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -460,8 +491,21 @@ class Consumer:
                     task.cancel()  # their messages are already back; not awaited (see module)
 
     async def close(self) -> None:
-        """Hand back everything fetched or held and not settled; unsubscribe (bounded)."""
+        """Hand back everything fetched or held and not settled, and what the server sent
+        after the last fetch returned; unsubscribe (bounded)."""
         await self.hand_back(list(self._unsettled.values()))
+        # A pull request of ours the server still holds (it expires by the server's clock,
+        # which a loaded machine puts behind the client's timeout) takes messages, even ones
+        # just handed back; they land here. Sweep until a sweep finds none (bounded).
+        last_fetch = max((d.fetched_at for d in self.durables.values()), default=0.0)
+        await self._pause_unbounded(last_fetch + LATE_DELIVERY_S - time.monotonic())
+        for _ in range(LATE_SWEEPS):
+            late = [m for d in self.durables.values() for m in d.take_late()]
+            if not late:
+                break
+            log.info("handing back %d messages delivered after the last fetch", len(late))
+            await self.hand_back(late)
+            await self._pause_unbounded(LATE_DELIVERY_S)
         for durable in self.durables.values():
             await _bounded(durable.sub.unsubscribe())
 

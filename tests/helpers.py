@@ -89,3 +89,12 @@ def catches_sigterm(proc: subprocess.Popen[bytes]) -> bool:
         return proc.poll() is not None
     caught = next(line for line in status.splitlines() if line.startswith("SigCgt:"))
     return bool(int(caught.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+
+
+def print_log_tails(logs: Path, lines: int = 40) -> None:
+    """Print the last ``lines`` of every log under ``logs`` (pytest shows them with a failure:
+    a stack test's roles are separate processes whose logs die with its temp dir)."""
+    for path in sorted(logs.rglob("*.log")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        print(f"----- {path.relative_to(logs)} (last {len(tail)} lines)")
+        print("\n".join(tail))

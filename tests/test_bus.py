@@ -305,6 +305,39 @@ async def test_stop_hands_back_the_messages_of_handlers_that_do_not_finish(
     await sub.unsubscribe()
 
 
+async def test_close_hands_back_what_a_pull_request_outliving_its_fetch_delivered(
+    nc: NATS, js: JetStreamContext
+) -> None:
+    """A pull request the server still holds after the client's fetch timed out (its clock
+    runs behind on a loaded machine) delivers into the subscription with no fetch waiting;
+    close() must hand those back at once, not leave them to the ack wait."""
+    tenant = uid("late")
+    consumer = Consumer(js, asyncio.Event())
+    spec = ConsumerSpec("TRAIN", uid("c"), subjects.train("tiny", tenant), ack_wait_s=30.0)
+    durable = await consumer.bind(spec)
+    assert await consumer.fetch(durable, 3, 0.05) == []
+    # The orphan: a pull request for our inbox that no fetch waits on.
+    orphan = b'{"batch": 3, "expires": 5000000000}'
+    await nc.publish(
+        f"$JS.API.CONSUMER.MSG.NEXT.TRAIN.{spec.durable}", orphan, durable.sub._deliver
+    )
+    for i in range(3):
+        await js.publish(subjects.train("tiny", tenant), str(i).encode())
+
+    async def delivered() -> bool:
+        info = await js.consumer_info("TRAIN", spec.durable)
+        return info.num_ack_pending == 3
+
+    await eventually(delivered, timeout=5, what="the orphan's deliveries")
+    consumer.stop.set()
+    await consumer.close()
+    probe = await js.pull_subscribe_bind(spec.durable, stream="TRAIN")
+    msgs = await probe.fetch(3, timeout=2)
+    assert sorted(m.data for m in msgs) == [b"0", b"1", b"2"]
+    await asyncio.gather(*(m.ack() for m in msgs))
+    await probe.unsubscribe()
+
+
 async def test_kv_follower_stops_on_the_event_and_leaves_no_subscription(
     nc: NATS, js: JetStreamContext
 ) -> None:

@@ -17,7 +17,7 @@ from clients.sdk import Client, Job
 from schemas import subjects
 from schemas.events import Progress
 from services.launcher import LocalStack
-from tests.helpers import eventually, uid
+from tests.helpers import eventually, print_log_tails, uid
 from tests.sft_helpers import (
     OFT_2D,
     final_policy,
@@ -57,6 +57,9 @@ def test_a_cluster_node_sigkilled_mid_job_loses_nothing_and_rejoins(tmp_path: Pa
         asyncio.run(drive(stack, info.url, info.user, info.password, data["reach"]))
         assert all(c.proc is not None and c.proc.poll() is None for c in stack.children)
         assert all(c.restarts == 0 for c in stack.children)
+    except BaseException:
+        print_log_tails(tmp_path / "home")
+        raise
     finally:
         stack.stop()
 
