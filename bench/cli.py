@@ -335,7 +335,10 @@ def _data_record(args: argparse.Namespace) -> int:
             Path(args.out),
             seed=args.seed,
             max_steps=args.max_steps,
-            env_kwargs={"image_size": args.image_size},
+            env_kwargs={
+                "image_size": args.image_size,
+                **({"proprio_extras": args.proprio_extras} if args.proprio_extras else {}),
+            },
             only_success=args.only_success,
             on_episode=progress,
             overwrite=args.overwrite,
@@ -577,6 +580,12 @@ def add_operator_commands(sub: Subcommands) -> None:
         help="drop episodes the expert failed; record until --episodes succeeded",
     )
     dr.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
+    dr.add_argument(
+        "--proprio-extras",
+        default="",
+        help="task extras appended to the proprio, comma-separated (see `env describe`); "
+        'train and evaluate with env_kwargs {"proprio_extras": the same}',
+    )
     di = add_command(dsub, "inspect", _data_inspect, help="summarise a dataset")
     di.add_argument("dir")
 

@@ -54,6 +54,9 @@ class EnvDescription(msgspec.Struct, frozen=True):
     #: (Reach2D: ``reach the {colour} dot``).
     instruction: str
     env_kwargs: dict[str, float | int | str | bool] = msgspec.field(default_factory=dict)
+    #: Task extras the env can append to the proprio (env kwarg ``proprio_extras``, names
+    #: comma-separated); those asked for are already in ``proprio_layout`` as ``task/<name>``.
+    proprio_extras: list[ProprioPart] = msgspec.field(default_factory=list)
 
 
 class DescribeEnv(msgspec.Struct, frozen=True):

@@ -31,7 +31,7 @@ from schemas.envdesc import DescribeEnv
 from schemas.jobs import JobSubmit
 from schemas.train import TRAIN_DECODER, OpenSlot
 from services.envs.adapters import ProprioMismatchError, proprio_for_head
-from services.envs.describe import Describer, describe_env
+from services.envs.describe import Describer, describe_env, format_description
 from services.master.envfit import EnvDescriptions
 from services.master.service import Master
 from tests.helpers import uid
@@ -103,6 +103,38 @@ def test_push_cube_description(maniskill_home: Path) -> None:
     assert [(c.name, c.height) for c in d.cameras] == [("base_camera", 64)]
     assert d.max_episode_steps == 50
     assert d.instruction == "push the cube to the goal region"
+
+
+@pytest.mark.maniskill
+def test_push_cube_task_extras_are_offered_and_added_to_the_proprio_on_request(
+    maniskill_home: Path,
+) -> None:
+    from services.envs.adapters import make_adapter
+
+    plain = describe_env("PushCube-v1", image_size=32)
+    assert [(p.name, p.size) for p in plain.proprio_extras] == [("cube_pose", 7), ("goal_xyz", 3)]
+    assert "task extras:   cube_pose[7], goal_xyz[3]" in format_description(plain)
+    adapter = make_adapter("PushCube-v1", image_size=32, proprio_extras="goal_xyz, cube_pose")
+    try:
+        assert adapter.proprio_dim == 25 + 3 + 7
+        assert adapter.proprio_keys[-2:] == ("task/goal_xyz", "task/cube_pose")  # type: ignore[attr-defined]
+        obs = adapter.reset(seed=3)
+        for _ in range(3):
+            obs, *_ = adapter.step(np.array([0.5, 0.2, -0.3, -1.0], np.float32))
+        truth = adapter.privileged_state()
+        assert truth is not None
+        np.testing.assert_allclose(obs.proprio[25:28], truth["goal_xyz"], atol=1e-6)
+        np.testing.assert_allclose(obs.proprio[28:31], truth["cube_xyz"], atol=1e-6)
+        assert abs(np.linalg.norm(obs.proprio[31:35]) - 1.0) < 1e-4  # a unit quaternion
+        assert obs.proprio.shape == (35,) and obs.proprio.dtype == np.float32
+    finally:
+        adapter.close()
+    with pytest.raises(ValueError, match="has no task extra obj_vel; it offers: cube_pose"):
+        make_adapter("PushCube-v1", image_size=32, proprio_extras="obj_vel")
+    with pytest.raises(ValueError, match="given twice"):
+        make_adapter("PushCube-v1", image_size=32, proprio_extras="goal_xyz,goal_xyz")
+    with pytest.raises(ValueError, match="Reach2D-v0 offers no task extras"):
+        make_adapter(REACH, proprio_extras="goal_xyz")
 
 
 @pytest.mark.maniskill

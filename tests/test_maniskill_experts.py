@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.cli import main as joynexus
 from services.envs.adapters import make_adapter
 from services.envs.datasets import iter_batches, record
 from services.envs.experts import MANISKILL_EXPERTS
@@ -109,6 +110,19 @@ def test_record_push_cube_keeps_frames_proprio_actions_and_success(
     batch = next(iter(iter_batches(ds, batch_size=2, chunk_len=4, seed=0)))
     assert batch.images_B_V_H_W_3.shape == (2, 1, 32, 32, 3)
     assert batch.actions_B_C_A.shape == (2, 4, 4)
+
+
+@pytest.mark.maniskill
+def test_cli_records_task_extras_in_the_proprio_when_asked(
+    maniskill_home: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "push-goal"
+    argv = ["data", "record", "--env", "PushCube-v1", "--episodes", "1", "--image-size", "32"]
+    assert joynexus([*argv, "--out", str(out), "--proprio-extras", "goal_xyz"]) == 0
+    ds = load_dataset(out)
+    assert ds.info.features["observation.state"].shape == (25 + 3,)
+    # The goal does not move while the cube is pushed: the extra is the same every frame.
+    assert np.ptp(ds.state_N_S[:, 25:], axis=0).max() == 0.0
 
 
 @pytest.mark.maniskill

@@ -234,22 +234,28 @@ def make_adapter(
     ``JoyNexus/*`` ids get a :class:`GymDictAdapter` rendering ``image_size`` images; ManiSkill
     tasks get a ``services.envs.maniskill.ManiSkillAdapter``; any other registered gymnasium id
     with a dict ``image`` / ``state`` observation gets a :class:`GymDictAdapter` (its images
-    must already be ``image_size`` square). ``kwargs`` go to the adapter's constructor.
+    must already be ``image_size`` square). ``kwargs`` go to the adapter's constructor;
+    ``proprio_extras`` only to a ManiSkill task's (elsewhere a non-empty one is refused).
 
     Raises:
         EnvUnavailableError: the id is unknown, its ManiSkill assets are missing, or ManiSkill is
             not installed; the message names the id and the supported ones.
     """
     register_envs()
+    # Imported here: the ManiSkill module builds on this one's interface.
+    from services.envs.maniskill import ManiSkillAdapter, is_maniskill_task
+
+    if not is_maniskill_task(env_id) and kwargs.pop("proprio_extras", ""):
+        raise ValueError(
+            f"proprio_extras: {env_id} offers no task extras (ManiSkill cube tasks do); "
+            "its proprio already carries what the task needs"
+        )
     if env_id.startswith("JoyNexus/"):
         if env_id not in gym.registry:
             raise EnvUnavailableError(_unknown_message(env_id))
         return GymDictAdapter(
             env_id, max_episode_steps=max_episode_steps, image_size=image_size, **kwargs
         )
-    # Imported here: the ManiSkill module builds on this one's interface.
-    from services.envs.maniskill import ManiSkillAdapter, is_maniskill_task
-
     if is_maniskill_task(env_id):
         return ManiSkillAdapter(
             env_id, image_size=image_size, max_episode_steps=max_episode_steps, **kwargs

@@ -68,6 +68,7 @@ def describe_adapter(adapter: EnvAdapter, env_kwargs: EnvKwargs | None = None) -
         ]
         cameras = [Camera(c, adapter.image_size, adapter.image_size) for c in adapter.cameras]
         instruction = adapter.instruction
+        extras = [ProprioPart(n, size) for n, size in adapter.available_extras.items()]
     elif isinstance(adapter, GymDictAdapter):
         base = env.unwrapped
         control_mode = str(getattr(base, "control_mode", "") or "unspecified")
@@ -80,6 +81,7 @@ def describe_adapter(adapter: EnvAdapter, env_kwargs: EnvKwargs | None = None) -
         height, width, _ = adapter.image_shape
         cameras = [Camera("image", height, width)]
         instruction = getattr(base, "instruction_template", None) or adapter.reset(0).instruction
+        extras = []
     else:
         raise EnvUnavailableError(f"{adapter.env_id}: no description for {type(adapter).__name__}")
     return EnvDescription(
@@ -91,6 +93,7 @@ def describe_adapter(adapter: EnvAdapter, env_kwargs: EnvKwargs | None = None) -
         max_episode_steps=int(limit or 0),
         instruction=str(instruction),
         env_kwargs=dict(env_kwargs or {}),
+        proprio_extras=extras,
     )
 
 
@@ -124,12 +127,19 @@ def format_description(d: EnvDescription) -> str:
     )
     layout = ", ".join(p.name if p.size == 1 else f"{p.name}[{p.size}]" for p in d.proprio_layout)
     cameras = ", ".join(f"{c.name} {c.height}x{c.width}" for c in d.cameras)
+    extras = (
+        ", ".join(f"{p.name}[{p.size}]" for p in d.proprio_extras)
+        + ' (add to the proprio: env_kwargs {"proprio_extras": "name,name"})'
+        if d.proprio_extras
+        else "none"
+    )
     lines = [
         f"env:           {d.env_id}",
         f"env_kwargs:    {json.dumps(d.env_kwargs, sort_keys=True)}",
         f"action:        dim {d.action.dim}, control mode {d.action.control_mode}",
         f"action bounds: {bounds}",
         f"proprio:       dim {d.proprio_dim}: {layout}",
+        f"task extras:   {extras}",
         f"cameras:       {len(d.cameras)}: {cameras}",
         f"episode limit: {d.max_episode_steps} steps",
         f"instruction:   {d.instruction}",

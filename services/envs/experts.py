@@ -96,9 +96,8 @@ def pick_cube_expert(env: Any) -> np.ndarray:
     return _toward(tcp, cube, _CLOSE)
 
 
-def privileged_positions(env: Any) -> dict[str, np.ndarray] | None:
-    """The true cube, goal and tool-centre positions of a cube task's *unwrapped* env
-    (float32 xyz each), or ``None`` for a task without one cube and one goal."""
+def _cube_and_goal(env: Any) -> tuple[Any, Any] | None:
+    """The cube and goal actors of a cube task's *unwrapped* env, or ``None``."""
     # Explicit ``is None``: a ManiSkill actor's truth value is not its presence.
     cube = getattr(env, "cube", None)
     if cube is None:
@@ -108,10 +107,42 @@ def privileged_positions(env: Any) -> dict[str, np.ndarray] | None:
         goal = getattr(env, "goal_region", None)
     if cube is None or goal is None:
         return None
+    return cube, goal
+
+
+def privileged_positions(env: Any) -> dict[str, np.ndarray] | None:
+    """The true cube, goal and tool-centre positions of a cube task's *unwrapped* env
+    (float32 xyz each), or ``None`` for a task without one cube and one goal."""
+    found = _cube_and_goal(env)
+    if found is None:
+        return None
+    cube, goal = found
     return {
         "cube_xyz": _xyz(cube.pose.p).astype(np.float32),
         "goal_xyz": _xyz(goal.pose.p).astype(np.float32),
         "tcp_xyz": _xyz(env.agent.tcp.pose.p).astype(np.float32),
+    }
+
+
+#: Task extras a tenant may add to a cube task's proprio (``proprio_extras``), with their
+#: sizes: what the robot does not sense itself but the simulator knows.
+TASK_EXTRA_SIZES: dict[str, int] = {
+    "cube_pose": 7,  # position xyz + orientation quaternion wxyz
+    "goal_xyz": 3,
+}
+
+
+def task_extras(env: Any) -> dict[str, np.ndarray] | None:
+    """The :data:`TASK_EXTRA_SIZES` entries of a cube task's *unwrapped* env (float32), or
+    ``None`` for a task without one cube and one goal."""
+    found = _cube_and_goal(env)
+    if found is None:
+        return None
+    cube, goal = found
+    quaternion = np.asarray(cube.pose.q.reshape(-1)[:4].cpu().numpy(), dtype=np.float64)
+    return {
+        "cube_pose": np.concatenate([_xyz(cube.pose.p), quaternion]).astype(np.float32),
+        "goal_xyz": _xyz(goal.pose.p).astype(np.float32),
     }
 
 

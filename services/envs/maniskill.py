@@ -36,7 +36,12 @@ import numpy as np
 from gymnasium import spaces
 
 from services.envs.adapters import EnvUnavailableError, StepObs, clip_action
-from services.envs.experts import expert_for, privileged_positions
+from services.envs.experts import (
+    TASK_EXTRA_SIZES,
+    expert_for,
+    privileged_positions,
+    task_extras,
+)
 
 
 @dataclass(frozen=True)
@@ -194,7 +199,9 @@ class ManiSkillAdapter:
       task's ``extra`` entries in ManiSkill's order -- always ``tcp_pose`` (position +
       wxyz quaternion), plus ``goal_pos`` (PickCube, PullCube, PickCubeSO100; the pick goals
       are not drawn in the camera image) and ``is_grasped`` (PickCube, PickCubeSO100).
-      ``proprio_keys`` names the parts; the layout is fixed per task and control mode.
+      Then the ``task/<name>`` extras asked for with ``proprio_extras`` (the cube's pose, the
+      goal's position: what the robot does not sense). ``proprio_keys`` names the parts; the
+      layout is fixed per task, control mode and extras.
     * actions are clipped to the controller's action space; ``info["is_success"]`` is the
       task's ``success`` flag. ``expert_action`` is the task's scripted expert
       (:mod:`services.envs.experts`) where it has one.
@@ -207,6 +214,10 @@ class ManiSkillAdapter:
         cameras: sensor names to return, in order (StackCube also has ``hand_camera``).
         render_backend: ``"cpu"`` renders with SAPIEN's CPU device (software Vulkan);
             ``"gpu"`` needs CUDA.
+        proprio_extras: task extras appended to the proprio as ``task/<name>`` parts, names
+            of :data:`~services.envs.experts.TASK_EXTRA_SIZES` (a list, or one string of
+            comma-separated names as env kwargs carry it); none by default, so the proprio is
+            what the robot senses itself.
     """
 
     def __init__(
@@ -218,6 +229,7 @@ class ManiSkillAdapter:
         control_mode: str | None = None,
         cameras: Sequence[str] = ("base_camera",),
         render_backend: str = "cpu",
+        proprio_extras: str | Sequence[str] = (),
     ) -> None:
         if image_size < 8:
             raise ValueError(f"image_size must be at least 8, got {image_size}")
@@ -248,6 +260,7 @@ class ManiSkillAdapter:
         self.control_mode = control_mode or task.control_mode
         self.cameras = tuple(cameras)
         self.image_size = image_size
+        self.proprio_extras = _extra_names(proprio_extras)
         make_kwargs: dict[str, Any] = dict(
             obs_mode="rgb",
             num_envs=1,
@@ -287,13 +300,25 @@ class ManiSkillAdapter:
         self._low_A = action.low.astype(np.float32)
         self._high_A = action.high.astype(np.float32)
         self.num_views = len(self.cameras)
-        self.proprio_keys: tuple[str, ...] = tuple(
-            f"{group}/{key}" for group in ("agent", "extra") for key in obs_space[group]
+        #: Task extras this task can add to the proprio (``proprio_extras``), with sizes.
+        self.available_extras: dict[str, int] = (
+            dict(TASK_EXTRA_SIZES) if task_extras(base) is not None else {}
+        )
+        if unknown := [n for n in self.proprio_extras if n not in self.available_extras]:
+            offered = ", ".join(self.available_extras) or "none"
+            raise ValueError(
+                f"proprio_extras: {self.env_id} has no task extra {', '.join(unknown)}; "
+                f"it offers: {offered}"
+            )
+        own = [f"{group}/{key}" for group in ("agent", "extra") for key in obs_space[group]]
+        self.proprio_keys: tuple[str, ...] = (
+            *own,
+            *(f"task/{name}" for name in self.proprio_extras),
         )
         #: Size of each ``proprio_keys`` part, in order.
-        self.proprio_sizes: tuple[int, ...] = tuple(
-            int(np.prod(obs_space[group][key].shape))
-            for group, key in (k.split("/") for k in self.proprio_keys)
+        self.proprio_sizes: tuple[int, ...] = (
+            *(int(np.prod(obs_space[g][k].shape)) for g, k in (key.split("/") for key in own)),
+            *(TASK_EXTRA_SIZES[name] for name in self.proprio_extras),
         )
         self.proprio_dim = sum(self.proprio_sizes)
 
@@ -350,11 +375,25 @@ class ManiSkillAdapter:
             _numpy(obs["sensor_data"][camera]["rgb"])[0].astype(np.uint8, copy=True)
             for camera in self.cameras
         ]
+        extras: dict[str, np.ndarray] = {}
+        if self.proprio_extras:
+            with maniskill_call():
+                extras = task_extras(self.env.unwrapped) or {}
         parts = [
-            _numpy(obs[group][key]).reshape(-1).astype(np.float32)
+            extras[key] if group == "task" else _numpy(obs[group][key]).reshape(-1)
             for group, key in (k.split("/") for k in self.proprio_keys)
         ]
+        parts = [part.astype(np.float32) for part in parts]
         return StepObs(images=images, instruction=self.instruction, proprio=np.concatenate(parts))
+
+
+def _extra_names(extras: str | Sequence[str]) -> tuple[str, ...]:
+    """``"cube_pose, goal_xyz"`` or ``["cube_pose", "goal_xyz"]`` as names, in order."""
+    names = extras.split(",") if isinstance(extras, str) else list(extras)
+    cleaned = tuple(n.strip() for n in names if n.strip())
+    if len(set(cleaned)) != len(cleaned):
+        raise ValueError(f"proprio_extras: a name is given twice in {list(cleaned)}")
+    return cleaned
 
 
 def _numpy(value: Any) -> np.ndarray:
