@@ -63,6 +63,10 @@ class OpenSlot(msgspec.Struct, frozen=True, tag="open_slot"):
     #: job's dataset statistics, ``meta/stats.json``); empty: keep the init policy's, or none.
     proprio_mean: tuple[float, ...] = ()
     proprio_std: tuple[float, ...] = ()
+    #: Per-dimension action minimum and maximum the policy maps onto [-1, 1] (the SFT job's
+    #: dataset statistics); empty: keep the init policy's, or none.
+    action_min: tuple[float, ...] = ()
+    action_max: tuple[float, ...] = ()
 
 
 class CloseSlot(msgspec.Struct, frozen=True, tag="close_slot"):

@@ -96,14 +96,18 @@ def new_slots(backbone: Backbone, tenants: list[Tenant]) -> dict[str, TenantSlot
 
 
 def with_proprio_stats(slot: TenantSlot, index: int) -> TenantSlot:
-    """Give a slot that reads proprio its own statistics (each tenant different), so every
-    equivalence below also covers per-tenant proprio standardisation."""
-    p = slot.head_config.proprio_dim
+    """Give a slot its own proprio statistics (if it reads proprio) and action range (each
+    tenant different), so every equivalence below also covers per-tenant normalisation."""
+    p, a = slot.head_config.proprio_dim, slot.head_config.action_dim
     if p:
         slot.module.set_proprio_stats(
             [0.1 * (index + 1) * (d - 1) for d in range(p)],
             [0.5 + 0.25 * index + 0.1 * d for d in range(p)],
         )
+    slot.module.set_action_stats(
+        [-1.5 + 0.25 * index - 0.1 * d for d in range(a)],
+        [0.5 + 0.5 * index + 0.2 * d for d in range(a)],
+    )
     return slot
 
 

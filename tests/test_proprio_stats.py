@@ -1,5 +1,6 @@
-"""Proprio standardisation as part of the policy: a dataset's statistics (meta/stats.json),
-kept in the head's buffers, saved with the slot, applied the same in training and acting."""
+"""Proprio standardisation and action normalisation as part of the policy: a dataset's
+statistics (meta/stats.json), kept in the head's buffers, saved with the slot, applied the
+same in training and acting."""
 
 from __future__ import annotations
 
@@ -98,3 +99,44 @@ def test_bad_statistics_are_refused() -> None:
     blind = TenantSlot("t", HeadConfig(kind="oft", action_dim=2), OptimizerConfig(), HIDDEN)
     with pytest.raises(ValueError, match="reads no proprio"):
         blind.module.set_proprio_stats([0.0], [1.0])
+
+
+@pytest.mark.parametrize("kind", ["oft", "discrete", "flow"])
+def test_action_range_maps_onto_minus_one_one_in_loss_log_prob_and_act(kind: str) -> None:
+    """A head with an action range learns and samples ``(a - centre) / half_range`` and
+    returns env units: the same as an identity head fed normalised targets."""
+    head = HeadConfig(kind=kind, action_dim=3, chunk_len=2, proprio_dim=4, value_head=True)
+    low, high = [0.0, -4.0, 0.3], [2.0, 0.0, 0.3]  # the last dim is constant: centred only
+    centre, half = torch.tensor([1.0, -2.0, 0.3]), torch.tensor([1.0, 2.0, 1.0])
+    scaled = TenantSlot("t", head, OptimizerConfig(), HIDDEN, seed=0)
+    plain = TenantSlot("t", head, OptimizerConfig(), HIDDEN, seed=0)
+    scaled.module.set_action_stats(low, high)
+    f = feature(torch.randn(2, 4, generator=torch.Generator().manual_seed(1)))
+    env_B_C_A = torch.tensor([[[0.5, -3.0, 0.3], [2.0, 0.0, 0.3]]] * 2)
+    normalised_B_C_A = (env_B_C_A - centre) / half
+    assert torch.equal(scaled.module.normalise_actions(env_B_C_A), normalised_B_C_A)
+    torch.testing.assert_close(scaled.module.denormalise_actions(normalised_B_C_A), env_B_C_A)
+
+    loss = scaled.module.loss(f, env_B_C_A, generator=torch.Generator().manual_seed(2))
+    same = plain.module.loss(f, normalised_B_C_A, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(loss, same)
+
+    out = scaled.module.act(f, generator=torch.Generator().manual_seed(3))
+    ref = plain.module.act(f, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(out.actions_B_C_A, ref.actions_B_C_A * half + centre)
+    assert torch.equal(out.log_prob_B, ref.log_prob_B)
+    # What act reports is what log_prob gives for the env-unit actions it returned.
+    torch.testing.assert_close(scaled.module.log_prob(f, out.actions_B_C_A), out.log_prob_B)
+
+    again = TenantSlot.from_bytes(scaled.to_bytes())
+    assert torch.equal(again.module.action_centre_A, centre)
+    assert torch.equal(again.module.action_half_range_A, half)
+    state = scaled.state_dict()
+    del state["module"]["action_centre_A"], state["module"]["action_half_range_A"]
+    old = TenantSlot("t", head, OptimizerConfig(), HIDDEN, seed=1)
+    old.load_state_dict(state)  # saved before action statistics existed: identity
+    assert torch.equal(old.module.normalise_actions(env_B_C_A), env_B_C_A)
+    with pytest.raises(ValueError, match="2 minima and 3 maxima for action_dim 3"):
+        scaled.module.set_action_stats(low[:2], high)
+    with pytest.raises(ValueError, match="max >= min"):
+        scaled.module.set_action_stats(high, low)

@@ -133,6 +133,14 @@ def test_slots_written_before_proprio_statistics_and_vision_decode_as_before() -
     assert old_record == SAMPLES["policy_record"]
 
 
+def test_a_slot_opened_before_action_statistics_still_decodes_without_them() -> None:
+    for name in ("open_slot", "policy_record"):
+        old = decode(DECODERS[name], (GOLDEN / f"{name}_before_action_stats.msgpack").read_bytes())
+        assert old == SAMPLES[name]
+        slot = old if isinstance(old, OpenSlot) else old.slot  # type: ignore[attr-defined]
+        assert slot.action_min == () and slot.action_max == ()
+
+
 @pytest.mark.parametrize(
     "array",
     [

@@ -64,6 +64,11 @@ async def test_two_tenants_sft_concurrently_match_their_solo_runs(
         stats = read_meta(datasets["reach"]).stats["observation.state"]
         torch.testing.assert_close(params_a["proprio_mean_P"], torch.tensor(stats.mean))
         torch.testing.assert_close(params_a["proprio_std_P"], torch.tensor(stats.std))
+        # ... and maps its dataset's action range onto [-1, 1].
+        actions = read_meta(datasets["reach"]).stats["action"]
+        low, high = torch.tensor(actions.min), torch.tensor(actions.max)
+        torch.testing.assert_close(params_a["action_centre_A"], (high + low) / 2)
+        torch.testing.assert_close(params_a["action_half_range_A"], (high - low) / 2)
 
         # The same job alone (same seeds, same data; only the tenant id differs).
         solo = uid("solo")

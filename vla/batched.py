@@ -137,7 +137,12 @@ def batched_backward(
                 for m, f in zip(modules, features, strict=True)
             ]
         ),
-        actions_N_B_C_A=torch.stack([_ready(a, dtype, device) for a in actions]),
+        actions_N_B_C_A=torch.stack(
+            [
+                m.normalise_actions(_ready(a, dtype, device))
+                for m, a in zip(modules, actions, strict=True)
+            ]
+        ),
         draws=tuple(torch.stack(list(d)) for d in zip(*draws, strict=True)),
     )
     losses_N = template.stacked_loss(params, inputs)

@@ -293,7 +293,7 @@ def log_prob_and_entropy(
     if isinstance(module, DiscreteHead):
         module.check_actions(feature, actions_B_C_A)
         logp_B_C_A_K = torch.log_softmax(module.logits(feature), dim=-1)
-        idx_B_C_A = module.bin_index(actions_B_C_A)
+        idx_B_C_A = module.bin_index(module.normalise_actions(module._as_param(actions_B_C_A)))
         log_prob_B = logp_B_C_A_K.gather(-1, idx_B_C_A.unsqueeze(-1)).sum(dim=(1, 2, 3))
         entropy_B = -(logp_B_C_A_K.exp() * logp_B_C_A_K).sum(dim=(1, 2, 3))
         return log_prob_B, entropy_B

@@ -223,6 +223,10 @@ class TenantSlot:
         if self.head_config.proprio_dim and "proprio_mean_P" not in module_state:
             module_state["proprio_mean_P"] = torch.zeros(self.head_config.proprio_dim)
             module_state["proprio_std_P"] = torch.ones(self.head_config.proprio_dim)
+        # Likewise states written before the action statistics.
+        if "action_centre_A" not in module_state:
+            module_state["action_centre_A"] = torch.zeros(self.head_config.action_dim)
+            module_state["action_half_range_A"] = torch.ones(self.head_config.action_dim)
         self.module.load_state_dict(module_state)
         self.optimizer.load_state_dict(state["optimizer"])
         self.generator.set_state(state["rng"])

@@ -26,7 +26,7 @@ from schemas.env import EnvTask, EvalTask, RolloutTask, StreamDataset
 from schemas.limits import InputLimits
 from schemas.specs import EvalJobSpec, RLJobSpec, SessionSpec, SFTJobSpec
 from schemas.train import OpenSlot, PolicyRecord
-from vla.data import STATE_KEY, DatasetError, DatasetMeta, check_dataset, read_meta
+from vla.data import ACTION_KEY, STATE_KEY, DatasetError, DatasetMeta, check_dataset, read_meta
 from vla.data.limits import dataset_violation
 
 #: Batches beyond one commit interval a stream may have waiting in TRAIN.
@@ -109,6 +109,17 @@ async def check_dataset_limits(name: str, meta: DatasetMeta, limits: InputLimits
         raise PoisonError(violation)
 
 
+def _action_stats(
+    ds: DatasetMeta, init: PolicyRecord | None
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The dataset's action range for a new policy (as :func:`_proprio_stats`: none for a
+    fine-tuned policy, which keeps its own, or a dataset without statistics)."""
+    stats = ds.stats.get(ACTION_KEY)
+    if init is not None or stats is None:
+        return (), ()
+    return tuple(stats.min), tuple(stats.max)
+
+
 def _proprio_stats(
     ds: DatasetMeta, spec: SFTJobSpec, init: PolicyRecord | None
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -151,6 +162,7 @@ async def compile_sft(
             f"exceeds max_steps {max_steps}"
         )
     proprio_mean, proprio_std = _proprio_stats(ds, spec, init)
+    action_min, action_max = _action_stats(ds, init)
     open_slot = OpenSlot(
         tenant=spec.tenant,
         job_id=job_id,
@@ -166,6 +178,8 @@ async def compile_sft(
         init_sha256=init.sha256 if init else "",
         proprio_mean=proprio_mean,
         proprio_std=proprio_std,
+        action_min=action_min,
+        action_max=action_max,
     )
     env_task = StreamDataset(
         tenant=spec.tenant,

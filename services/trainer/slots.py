@@ -51,12 +51,14 @@ class Slots:
             except (RuntimeError, ValueError, KeyError) as exc:
                 self.manager.remove(key)
                 raise JobError(f"cannot initialise the slot: {exc}", spec.job_id) from exc
-        if spec.proprio_mean or spec.proprio_std:
-            try:
+        try:
+            if spec.proprio_mean or spec.proprio_std:
                 slot.module.set_proprio_stats(spec.proprio_mean, spec.proprio_std)
-            except ValueError as exc:
-                self.manager.remove(key)
-                raise JobError(f"cannot open slot: {exc}", spec.job_id) from exc
+            if spec.action_min or spec.action_max:
+                slot.module.set_action_stats(spec.action_min, spec.action_max)
+        except ValueError as exc:
+            self.manager.remove(key)
+            raise JobError(f"cannot open slot: {exc}", spec.job_id) from exc
         return slot
 
     def restore(self, key: str, job_id: str, checkpoint: bytes) -> TenantSlot:

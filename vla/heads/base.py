@@ -57,6 +57,9 @@ class ActionHead(nn.Module):
     #: Proprio statistics (buffers; present when ``proprio_dim`` > 0).
     proprio_mean_P: torch.Tensor
     proprio_std_P: torch.Tensor
+    #: Action range the head works in [-1, 1] of (buffers): centre and half-width per dim.
+    action_centre_A: torch.Tensor
+    action_half_range_A: torch.Tensor
 
     def __init__(self, config: HeadConfig, hidden_size: int) -> None:
         super().__init__()
@@ -81,6 +84,12 @@ class ActionHead(nn.Module):
         if config.proprio_dim:
             self.register_buffer("proprio_mean_P", torch.zeros(config.proprio_dim))
             self.register_buffer("proprio_std_P", torch.ones(config.proprio_dim))
+        # Action normalisation, likewise part of the policy: the head learns and samples
+        # ``(action - centre) / half_range``, the dataset's [min, max] mapped onto [-1, 1]
+        # (the discrete head's bins span [-1, 1]); what it returns is in the env's units.
+        # Identity until :meth:`set_action_stats`.
+        self.register_buffer("action_centre_A", torch.zeros(config.action_dim))
+        self.register_buffer("action_half_range_A", torch.ones(config.action_dim))
 
     def set_proprio_stats(self, mean_P: Sequence[float], std_P: Sequence[float]) -> None:
         """Standardise proprio with these per-dimension statistics from now on. A spread
@@ -100,6 +109,31 @@ class ActionHead(nn.Module):
         with torch.no_grad():
             self.proprio_mean_P.copy_(mean)
             self.proprio_std_P.copy_(std)
+
+    def set_action_stats(self, min_A: Sequence[float], max_A: Sequence[float]) -> None:
+        """Map actions' ``[min, max]`` per dimension onto [-1, 1] from now on. A dimension
+        whose range is below ``1e-6`` (constant) is only centred."""
+        if len(min_A) != self.action_dim or len(max_A) != self.action_dim:
+            raise ValueError(
+                f"action statistics have {len(min_A)} minima and {len(max_A)} maxima for "
+                f"action_dim {self.action_dim}"
+            )
+        low = torch.tensor(list(min_A), dtype=torch.float64)
+        high = torch.tensor(list(max_A), dtype=torch.float64)
+        if not (torch.isfinite(low).all() and torch.isfinite(high).all() and (high >= low).all()):
+            raise ValueError("action statistics must be finite, with max >= min")
+        half = (high - low) / 2
+        with torch.no_grad():
+            self.action_centre_A.copy_((high + low) / 2)
+            self.action_half_range_A.copy_(torch.where(half < 1e-6, torch.ones_like(half), half))
+
+    def normalise_actions(self, actions_B_C_A: torch.Tensor) -> torch.Tensor:
+        """Env-unit actions as the head learns them (identity by default)."""
+        return (actions_B_C_A - self.action_centre_A) / self.action_half_range_A
+
+    def denormalise_actions(self, actions_B_C_A: torch.Tensor) -> torch.Tensor:
+        """The head's actions in the env's units (identity by default)."""
+        return actions_B_C_A * self.action_half_range_A + self.action_centre_A
 
     def see(self, prefix_B_T_D: torch.Tensor) -> torch.Tensor:
         """The prefix as this head reads it: zeros for a blind head (``vision=False``), so
@@ -199,7 +233,8 @@ class ActionHead(nn.Module):
         """Supervised loss (scalar mean over the batch): :meth:`check_actions`, then
         :meth:`loss_from` on what :meth:`draw` takes from ``generator``."""
         self.check_actions(feature, actions_B_C_A)
-        return self.loss_from(feature, actions_B_C_A, self.draw(feature.batch_size, generator))
+        normalised_B_C_A = self.normalise_actions(self._as_param(actions_B_C_A))
+        return self.loss_from(feature, normalised_B_C_A, self.draw(feature.batch_size, generator))
 
     def draw(self, batch_size: int, generator: torch.Generator | None) -> tuple[torch.Tensor, ...]:
         """The random tensors one loss over ``batch_size`` samples needs, drawn from
@@ -231,9 +266,27 @@ class ActionHead(nn.Module):
         generator: torch.Generator | None = None,
         deterministic: bool = False,
     ) -> ActOutput:
-        """Actions for ``feature`` (sampled with ``generator``, or the policy's mode)."""
-        raise NotImplementedError
+        """Actions for ``feature`` in the env's units (sampled with ``generator``, or the
+        policy's mode); their log-probability is the head's, in its normalised space."""
+        out = self.act_normalised(feature, generator, deterministic)
+        return ActOutput(self.denormalise_actions(out.actions_B_C_A), out.log_prob_B, out.value_B)
 
     def log_prob(self, feature: VLAFeature, actions_B_C_A: torch.Tensor) -> torch.Tensor:
-        """Log-probability ``log_prob_B`` of ``actions_B_C_A`` under the policy."""
+        """Log-probability ``log_prob_B`` of env-unit ``actions_B_C_A`` under the policy (in
+        the head's normalised space, as :meth:`act` reports it)."""
+        self.check_actions(feature, actions_B_C_A)
+        normalised_B_C_A = self.normalise_actions(self._as_param(actions_B_C_A))
+        return self.log_prob_normalised(feature, normalised_B_C_A)
+
+    def act_normalised(
+        self,
+        feature: VLAFeature,
+        generator: torch.Generator | None,
+        deterministic: bool,
+    ) -> ActOutput:
+        """:meth:`act` in the head's normalised action space (the per-kind part)."""
+        raise NotImplementedError
+
+    def log_prob_normalised(self, feature: VLAFeature, actions_B_C_A: torch.Tensor) -> torch.Tensor:
+        """:meth:`log_prob` of already-checked, normalised actions (the per-kind part)."""
         raise NotImplementedError

@@ -14,7 +14,8 @@ from vla.heads.blocks import _masked_mean
 
 
 class DiscreteHead(ActionHead):
-    """Discretised-token head: ``num_bins`` uniform bins per action dimension over [-1, 1].
+    """Discretised-token head: ``num_bins`` uniform bins per action dimension over [-1, 1]
+    (of the normalised actions: the policy's action range maps onto it).
 
     The normalised prefix (masked mean-pooled) and the state token feed an MLP of
     ``num_layers`` hidden layers that outputs logits for every (chunk step, action dim, bin).
@@ -82,11 +83,11 @@ class DiscreteHead(ActionHead):
         ce = F.cross_entropy(logits, targets, reduction="none")
         return stacked.mean_per_tenant(ce.view(inputs.actions_N_B_C_A.shape[0], -1))
 
-    def act(
+    def act_normalised(
         self,
         feature: VLAFeature,
-        generator: torch.Generator | None = None,
-        deterministic: bool = False,
+        generator: torch.Generator | None,
+        deterministic: bool,
     ) -> ActOutput:
         """Sample a bin per dimension (argmax if deterministic) and return its centre."""
         logp_B_C_A_K = F.log_softmax(self.logits(feature), dim=-1)
@@ -102,9 +103,8 @@ class DiscreteHead(ActionHead):
             self.bin_centres(idx_B_C_A), lp_B_C_A.sum(dim=(1, 2)), self._maybe_value(feature)
         )
 
-    def log_prob(self, feature: VLAFeature, actions_B_C_A: torch.Tensor) -> torch.Tensor:
+    def log_prob_normalised(self, feature: VLAFeature, actions_B_C_A: torch.Tensor) -> torch.Tensor:
         """Categorical log-prob of the bins holding ``actions_B_C_A``, summed over dims."""
-        self.check_actions(feature, actions_B_C_A)
         logp_B_C_A_K = F.log_softmax(self.logits(feature), dim=-1)
-        idx_B_C_A = self.bin_index(self._as_param(actions_B_C_A))
+        idx_B_C_A = self.bin_index(actions_B_C_A)
         return logp_B_C_A_K.gather(-1, idx_B_C_A.unsqueeze(-1)).squeeze(-1).sum(dim=(1, 2))

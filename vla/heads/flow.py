@@ -135,11 +135,11 @@ class FlowHead(ActionHead):
             x_B_C_A = x_B_C_A + dt * self.velocity(x_B_C_A, t_B, memory)
         return x_B_C_A
 
-    def act(
+    def act_normalised(
         self,
         feature: VLAFeature,
-        generator: torch.Generator | None = None,
-        deterministic: bool = False,
+        generator: torch.Generator | None,
+        deterministic: bool,
     ) -> ActOutput:
         """Deterministic Euler sample, plus Gaussian exploration noise unless deterministic
         (see the class docstring for why the policy is this surrogate Gaussian)."""
@@ -151,7 +151,6 @@ class FlowHead(ActionHead):
             self._maybe_value(feature),
         )
 
-    def log_prob(self, feature: VLAFeature, actions_B_C_A: torch.Tensor) -> torch.Tensor:
+    def log_prob_normalised(self, feature: VLAFeature, actions_B_C_A: torch.Tensor) -> torch.Tensor:
         """Surrogate log-prob: Gaussian around the deterministic Euler sample (class docs)."""
-        self.check_actions(feature, actions_B_C_A)
-        return self.policy.log_prob(self.sample(feature), self._as_param(actions_B_C_A))
+        return self.policy.log_prob(self.sample(feature), actions_B_C_A)

@@ -66,11 +66,11 @@ class OFTHead(ActionHead):
         mean = stacked.linear(p, "out_proj", stacked.layer_norm(p, "out_norm", x))
         return stacked.mean_per_tenant((mean - inputs.actions_N_B_C_A).abs())
 
-    def act(
+    def act_normalised(
         self,
         feature: VLAFeature,
-        generator: torch.Generator | None = None,
-        deterministic: bool = False,
+        generator: torch.Generator | None,
+        deterministic: bool,
     ) -> ActOutput:
         """Gaussian sample around the regressed chunk (the chunk itself if deterministic)."""
         mean_B_C_A = self.mean(feature)
@@ -81,7 +81,6 @@ class OFTHead(ActionHead):
             self._maybe_value(feature),
         )
 
-    def log_prob(self, feature: VLAFeature, actions_B_C_A: torch.Tensor) -> torch.Tensor:
+    def log_prob_normalised(self, feature: VLAFeature, actions_B_C_A: torch.Tensor) -> torch.Tensor:
         """Exact diagonal-Gaussian log-density, summed over chunk and action dims."""
-        self.check_actions(feature, actions_B_C_A)
-        return self.policy.log_prob(self.mean(feature), self._as_param(actions_B_C_A))
+        return self.policy.log_prob(self.mean(feature), actions_B_C_A)
