@@ -113,6 +113,7 @@ def test_record_push_cube_keeps_frames_proprio_actions_and_success(
 
 
 @pytest.mark.maniskill
+@pytest.mark.heavy
 def test_cli_records_task_extras_in_the_proprio_when_asked(
     maniskill_home: Path, tmp_path: Path
 ) -> None:
