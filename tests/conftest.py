@@ -94,3 +94,18 @@ async def stack(fresh_server: EmbeddedServer, tmp_path: Path) -> AsyncIterator[t
     await client.close()
     await queries.close()
     await nc.close()
+
+
+@pytest.fixture(scope="session")
+def maniskill_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """An empty ManiSkill asset dir for the session (the vetted tasks need no assets, and
+    nothing may be downloaded into it). ManiSkill reads ``MS_ASSET_DIR`` once, at its first
+    import in a process, so one dir serves every test here and the services they start.
+    ``MS_SKIP_ASSET_DOWNLOAD_PROMPT`` is unset: ManiSkill's download prompt then reads stdin
+    (at EOF in our calls) instead of answering "yes", so a refusal we failed to make cannot
+    turn into a download."""
+    asset_dir = tmp_path_factory.mktemp("maniskill-assets")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MS_ASSET_DIR", str(asset_dir))
+        mp.delenv("MS_SKIP_ASSET_DOWNLOAD_PROMPT", raising=False)
+        yield asset_dir

@@ -152,19 +152,6 @@ PUSH_CUBE_STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def maniskill_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """An empty ManiSkill asset dir: asset-needing tasks must find nothing there. ManiSkill
-    reads it once at import, so this must come before any test here imports ManiSkill."""
-    asset_dir = tmp_path_factory.mktemp("maniskill-assets")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MS_ASSET_DIR", str(asset_dir))  # restored after the module
-        # Unset, ManiSkill's download prompt reads stdin (at EOF here) instead of answering
-        # "yes" and downloading: a refusal we failed to make cannot turn into a download.
-        mp.delenv("MS_SKIP_ASSET_DOWNLOAD_PROMPT", raising=False)
-        yield asset_dir
-
-
-@pytest.fixture(scope="module")
 def push_cube(maniskill_home: Path) -> Iterator[ManiSkillAdapter]:
     """One PushCube env for the module: building one costs seconds, resetting it milliseconds."""
     adapter = make_adapter("PushCube-v1", image_size=64, max_episode_steps=PUSH_CUBE_STEPS)

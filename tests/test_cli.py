@@ -243,6 +243,7 @@ def test_nats_in_a_container_when_a_docker_engine_is_reachable() -> None:
         asyncio.run(declare_twice())
 
 
+@pytest.mark.stack
 @pytest.mark.timeout(400)
 def test_scale_env_workers_up_and_down_mid_job(tmp_path: Path) -> None:
     """`joynexus scale envs N` on a running stack changes the worker count while an RL job

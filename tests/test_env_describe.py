@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -83,15 +83,6 @@ def test_proprio_is_all_or_nothing_never_truncated() -> None:
 
 
 # -- ManiSkill ------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def maniskill_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """An empty asset dir (the vetted tasks need none); read by ManiSkill at first import."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MS_ASSET_DIR", str(tmp_path_factory.mktemp("maniskill-assets")))
-        mp.delenv("MS_SKIP_ASSET_DOWNLOAD_PROMPT", raising=False)
-        yield Path()
 
 
 @pytest.mark.maniskill

@@ -12,7 +12,6 @@ against blind 0.20 on 20 seeds (here 30 demos / 300 steps, 10 seeds)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,17 +26,8 @@ from vla.pretrain import PRETRAIN_RECORD
 PUSH = "PushCube-v1"
 
 
-@pytest.fixture
-def maniskill_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """An empty asset dir (PushCube needs none), also for the stack's env workers."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MS_ASSET_DIR", str(tmp_path_factory.mktemp("maniskill-assets")))
-        mp.delenv("MS_SKIP_ASSET_DOWNLOAD_PROMPT", raising=False)
-        yield Path()
-
-
 @pytest.mark.maniskill
-@pytest.mark.heavy
+@pytest.mark.slow  # ~10 min: with `make test-slow`, not in .ci/run's 40-minute budget
 @pytest.mark.timeout(900)
 def test_a_pretrained_backbone_sees_the_cube_and_its_policy_beats_the_blind_one(
     maniskill_home: Path, tmp_path: Path

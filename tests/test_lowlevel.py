@@ -329,6 +329,7 @@ async def test_a_session_shares_grouped_forwards_with_another_tenants_sft_job(
         await service.close()
 
 
+@pytest.mark.stack
 @pytest.mark.timeout(300)
 async def test_a_trainer_sigkill_mid_session_loses_and_repeats_no_call(
     fresh_server: EmbeddedServer, bus: JetStreamContext, procs: Procs, tmp_path: Path

@@ -5,7 +5,6 @@ camera frames, proprio, actions and success flag, and drops failed attempts when
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,15 +19,6 @@ from vla.data import DatasetError, load_dataset
 
 #: Seeds far from those the experts were tried on while writing them (1000-1019).
 SEEDS = range(5000, 5005)
-
-
-@pytest.fixture(scope="module")
-def maniskill_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """An empty asset dir: these tasks need none, and nothing may be downloaded."""
-    asset_dir = tmp_path_factory.mktemp("maniskill-assets")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MS_ASSET_DIR", str(asset_dir))
-        yield asset_dir
 
 
 @pytest.mark.maniskill
@@ -64,12 +54,12 @@ def test_expert_solves_its_task(maniskill_home: Path, env_id: str) -> None:
 
 
 @pytest.mark.maniskill
-def test_no_expert_outside_its_control_mode(maniskill_home: Path) -> None:
+def test_no_expert_outside_its_control_mode(maniskill_home: Path, tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="no scripted expert"):
         record(
             "PushCube-v1",
             1,
-            maniskill_home / "none",
+            tmp_path / "none",
             seed=0,
             env_kwargs={"image_size": 32, "control_mode": "pd_joint_delta_pos"},
         )

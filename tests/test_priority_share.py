@@ -22,6 +22,7 @@ HEAD = {"kind": "oft", "action_dim": 2, "chunk_len": 4, "proprio_dim": 4}
 PRIORITIES = (1, 2, 4)
 
 
+@pytest.mark.stack
 @pytest.mark.timeout(240)
 async def test_tenants_at_priorities_1_2_4_get_steps_in_proportion(
     fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path

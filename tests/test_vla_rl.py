@@ -577,6 +577,7 @@ def learn(
     return before, after
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(60)
 def test_ppo_learns_reach2d_on_the_frozen_tiny_backbone(
     backbone: Backbone, normaliser: Normaliser
