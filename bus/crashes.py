@@ -75,13 +75,15 @@ class CrashLedger:
         included (0 for a first delivery, which is not recorded)."""
         if msg.metadata.num_delivered <= 1:
             return 0
-        kv = await self._bucket()
-        if kv is None:
-            return 0
         key = ledger_key(msg)
         # Only the one handler of this delivery writes its key (the previous one is gone, or
         # its ack wait passed), so a read then a put is enough.
         try:
+            # Finding the bucket is a JetStream API request too: while a cluster elects a new
+            # leader (a node killed) it times out, and that must not end the consumer.
+            kv = await self._bucket()
+            if kv is None:
+                return 0
             try:
                 count = int((await kv.get(key)).value or b"0") + 1
             except (KeyNotFoundError, KeyDeletedError):

@@ -13,6 +13,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar, overload
 
+from bus.server import nats_server_binary
+
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,3 +100,12 @@ def print_log_tails(logs: Path, lines: int = 40) -> None:
         tail = path.read_text(errors="replace").splitlines()[-lines:]
         print(f"----- {path.relative_to(logs)} (last {len(tail)} lines)")
         print("\n".join(tail))
+
+
+def server_without_jetstream(port: int) -> subprocess.Popen[bytes]:
+    """A plain nats-server on ``port``: every JetStream API request to it fails."""
+    return subprocess.Popen(
+        [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )

@@ -8,24 +8,35 @@ dies without settling anything (``os._exit``), restarted by the test as a superv
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from bus.codec import decode
-from bus.server import EmbeddedServer
+from bus.connect import connect
+from bus.crashes import CrashLedger
+from bus.server import EmbeddedServer, free_port
 from schemas import subjects
 from schemas.dead import DEAD_LETTER_DECODER, DeadLetter
 from tests.conftest import Procs
-from tests.helpers import ROOT, eventually, service_env, uid
+from tests.helpers import ROOT, eventually, server_without_jetstream, service_env, uid
 
 MAX_CRASHES = 2
 CRASHED = 3  # the consumer's exit status when it dies on the poison
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 async def _dead_letters(js: JetStreamContext, tenant: str) -> list[DeadLetter]:
@@ -97,3 +108,28 @@ async def test_a_message_that_kills_its_handler_is_dead_lettered_though_delivery
     except (KeyNotFoundError, KeyDeletedError):
         pass
     assert procs.stop(proc) == 0
+
+
+async def test_the_ledger_counts_nothing_but_carries_on_when_jetstream_does_not_answer(
+    procs: Procs, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Finding the ledger's bucket is a JetStream API request; while a cluster elects a new
+    leader it times out (seen: an env worker died of it when a node was killed). Counting is a
+    guard, not a gate: the redelivered message is handled uncounted and the consumer lives.
+    Here the server has no JetStream at all, so every API request fails."""
+    port = free_port()
+    procs.add(server_without_jetstream(port))
+    await eventually(lambda: _listening(port), what="the server listening")
+    nc = await connect(f"nats://127.0.0.1:{port}")
+    try:
+        ledger = CrashLedger(nc.jetstream(timeout=0.5))
+        # A second delivery of stream seq 7 to consumer c of TRAIN, as its reply subject says.
+        redelivered = Msg(nc, subject="s", reply="$JS.ACK.TRAIN.c.2.7.7.1700000000000000000.0")
+        assert redelivered.metadata.num_delivered == 2
+        with caplog.at_level(logging.WARNING, logger="bus.crashes"):
+            assert await ledger.begin(redelivered) == 0
+            assert await ledger.begin(redelivered) == 0  # looked for again, not given up on
+        assert sum("could not count TRAIN.c.7" in r.getMessage() for r in caplog.records) == 2
+        await ledger.end(redelivered)  # nothing was written: nothing to clear, no error
+    finally:
+        await nc.close()

@@ -31,7 +31,7 @@ from schemas.train import (
     SFTBatch,
 )
 from tests.conftest import Procs
-from tests.helpers import eventually, start_service, uid
+from tests.helpers import eventually, server_without_jetstream, start_service, uid
 from vla.slot import TenantSlot, lr_at
 
 IMAGE = 16  # any size: the normaliser resizes to the backbone's
@@ -251,16 +251,6 @@ async def test_a_close_triaged_after_its_jobs_batch_was_picked_does_not_crash_th
     proc = trainer(nats_server.url, log, procs)
     await eventually(partial(done, js, *other, 2), timeout=60, what="the other job's 2 steps")
     assert proc.poll() is None and "closed slot" in log.read_text(errors="replace")
-
-
-def server_without_jetstream(port: int) -> subprocess.Popen[bytes]:
-    from bus.server import nats_server_binary
-
-    return subprocess.Popen(
-        [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
 
 
 # With the slow ones: tests/test_broker_faults.py takes the broker away mid-job (every fetch
