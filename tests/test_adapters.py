@@ -315,6 +315,7 @@ def _grasping_episode(adapter: ManiSkillAdapter, seed: int, noise_seed: int) -> 
 
 
 @pytest.mark.maniskill
+@pytest.mark.heavy
 def test_a_pick_cube_episode_depends_on_its_seed_not_on_what_the_env_ran_before(
     maniskill_home: Path,
 ) -> None:

@@ -120,6 +120,7 @@ def test_env_worker_modules_and_their_work_write_nothing(tmp_path: Path) -> None
 
 
 @pytest.mark.maniskill
+@pytest.mark.heavy  # ~23 s: a fresh process imports ManiSkill and compiles its shaders
 def test_building_and_stepping_a_maniskill_task_writes_nothing_of_ours() -> None:
     result = _run(
         """

@@ -177,6 +177,7 @@ async def test_C_a_failed_rl_update_fails_the_job_with_a_clear_error(
     assert proc.poll() is None
 
 
+@pytest.mark.stack
 @pytest.mark.timeout(150)
 async def test_D_a_dropped_non_finite_batch_survives_a_crash_before_the_next_commit(
     nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs, tmp_path: Path
