@@ -195,6 +195,23 @@ def test_push_cube_same_seed_same_episode_on_cpu(push_cube: ManiSkillAdapter) ->
 
 
 @pytest.mark.maniskill
+def test_an_env_built_after_another_closed_renders_the_same_episode(maniskill_home: Path) -> None:
+    """The process keeps a render system alive so that a later build skips SAPIEN's shader
+    compilation (~12 s each otherwise); an env built on it sees what the first one saw."""
+    actions_T_A = np.random.default_rng(5).uniform(-1, 1, (3, 4))
+    episodes = []
+    for _ in range(2):
+        adapter = make_adapter("PushCube-v1", image_size=32, max_episode_steps=8)
+        try:
+            episodes.append(_rollout(adapter, 21, actions_T_A))
+        finally:
+            adapter.close()
+    assert "cpu" in maniskill._kept_renderers
+    assert _same(episodes[0], episodes[1])
+    assert episodes[0][-1].images[0].any()  # rendered, not a blank frame
+
+
+@pytest.mark.maniskill
 def test_push_cube_actions_are_clipped(push_cube: ManiSkillAdapter) -> None:
     push_cube.reset(seed=4)
     clipped, *_ = push_cube.step(np.array([1.0, -1.0, 1.0, -1.0]))

@@ -137,7 +137,7 @@ _kept_renderers: dict[str, Any] = {}
 
 def _keep_renderer(env: gym.Env[Any, Any]) -> None:
     """Hold a render system on ``env``'s render device, once per device; a no-op for an env
-    that does not render."""
+    that does not render. (``_render_device`` is mani-skill 3.0.1's, the version pinned.)"""
     device = getattr(env.unwrapped, "_render_device", None)
     if device is None:
         return
@@ -305,8 +305,8 @@ class ManiSkillAdapter:
                 ) from exc
             except SystemExit as exc:  # ManiSkill calls exit() when it gives up on assets
                 raise EnvUnavailableError(f"ManiSkill exited while building {env_id}") from exc
-        _keep_renderer(self.env)
         try:
+            _keep_renderer(self.env)
             self._init_layout()
         except BaseException:
             self.env.close()
