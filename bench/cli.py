@@ -60,8 +60,35 @@ def _up(args: argparse.Namespace) -> int:
             auth=auth,
             backbone_service=split,
             cluster=args.cluster,
+            trace_file=args.trace_file,
         )
     )
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from bench.traces import job_trace, read_spans, render
+    from bus.local import read_stack_info
+
+    path = args.trace_file
+    if path is None:
+        info = read_stack_info(home_of(args))
+        if info is None or not info.trace_file:
+            print(
+                f"joynexus trace: no running stack under {home_of(args)} writes spans; give "
+                "--trace-file FILE (the file `joynexus up --trace-file` was given)",
+                file=sys.stderr,
+            )
+            return 2
+        path = Path(info.trace_file)
+    if not path.is_file():
+        print(f"joynexus trace: no trace file {path}", file=sys.stderr)
+        return 2
+    spans = read_spans(path)
+    job = job_trace(spans.spans, args.tenant, args.job)
+    print(render(job, width=args.width, max_rows=args.max_spans))
+    if spans.unreadable:
+        print(f"({spans.unreadable} unreadable lines in {path} skipped)", file=sys.stderr)
+    return 0 if job.rows else 1
 
 
 def _tenant(args: argparse.Namespace) -> int:
@@ -394,6 +421,26 @@ def add_operator_commands(sub: Subcommands) -> None:
         metavar="N",
         help="N nats-server nodes on loopback (3 or more) with streams, KV and object store "
         "at 3 replicas: losing one node loses nothing",
+    )
+    trace = add_command(
+        sub, "trace", _trace, home=True, help="draw a job's trace from the stack's span file"
+    )
+    trace.add_argument("tenant")
+    trace.add_argument("job")
+    trace.add_argument(
+        "--trace-file",
+        type=Path,
+        metavar="FILE",
+        help="the spans to read (default: the running stack's, from `up --trace-file`)",
+    )
+    trace.add_argument("--max-spans", type=int, default=150, help="rows of the waterfall")
+    trace.add_argument("--width", type=int, default=40, help="the time bar's width")
+    up.add_argument(
+        "--trace-file",
+        type=Path,
+        metavar="FILE",
+        help="every role appends its spans to this JSON-lines file (`joynexus trace` draws "
+        "a job's); OTLP and console exporters come from the standard OTEL_* variables",
     )
     up.add_argument(
         "--no-auth",

@@ -37,6 +37,11 @@ class BusConfig(BaseModel):
     replicas: int = Field(1, ge=1, le=5, description="Stream replicas when declaring.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads.")
     log_level: str = Field("INFO", description="Python logging level.")
+    trace_file: str | None = Field(
+        None,
+        description="Append this process's finished spans to this JSON-lines file "
+        "(`joynexus trace` reads it; OTLP and console come from the OTEL_* variables).",
+    )
 
 
 def env_name(field: str) -> str:

@@ -321,7 +321,9 @@ class Consumer:
     @contextlib.contextmanager
     def span(self, msg: Msg) -> Iterator[object]:
         """The CONSUMER span of handling ``msg`` (continues the sender's trace)."""
-        with tracing.consumer_span(f"{msg.metadata.consumer} {msg.subject}", msg.headers) as s:
+        name = f"process {msg.subject}"
+        attributes = tracing.messaging_attributes(msg)
+        with tracing.consumer_span(name, msg.headers, attributes) as s:
             yield s
 
     async def process(self, msg: Msg, handler: Handler) -> Fate:

@@ -32,7 +32,9 @@ from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
+from opentelemetry.trace import SpanKind
 
+from bus import tracing
 from bus.codec import DecodeError, decode
 from bus.publish import publish
 from bus.records import get_policy
@@ -217,29 +219,39 @@ class PolicyClient:
         future: asyncio.Future[ActReply] = asyncio.get_running_loop().create_future()
         self._waiting[rid] = future  # before publishing: the reply can beat the PubAck
         deadline = time.monotonic() + timeout
-        try:
+        attributes = {
+            **tracing.job_attributes(tenant, job_id),
+            "messaging.system": "nats",
+            "messaging.destination.name": subjects.infer(self.backbone_id, tenant),
+            "messaging.message.id": rid,
+            "joynexus.observations": len(request.observations),
+        }
+        with tracing.tracer().start_as_current_span(
+            "act", kind=SpanKind.CLIENT, attributes=attributes
+        ):
             try:
-                await publish(
-                    self.js,
-                    subjects.infer(self.backbone_id, tenant),
-                    request,
-                    message_id=rid,
-                    timeout=timeout,
-                )
-            except NatsError as exc:
-                raise InferenceError(
-                    f"cannot publish act request: {exc!r}", request_id=rid, retryable=True
-                ) from exc
-            try:
-                reply = await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                raise InferenceTimeout(
-                    f"no reply to {rid} for {tenant}/{job_id} within {timeout}s",
-                    request_id=rid,
-                    retryable=True,
-                ) from None
-        finally:
-            self._waiting.pop(rid, None)
+                try:
+                    await publish(
+                        self.js,
+                        subjects.infer(self.backbone_id, tenant),
+                        request,
+                        message_id=rid,
+                        timeout=timeout,
+                    )
+                except NatsError as exc:
+                    raise InferenceError(
+                        f"cannot publish act request: {exc!r}", request_id=rid, retryable=True
+                    ) from exc
+                try:
+                    reply = await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise InferenceTimeout(
+                        f"no reply to {rid} for {tenant}/{job_id} within {timeout}s",
+                        request_id=rid,
+                        retryable=True,
+                    ) from None
+            finally:
+                self._waiting.pop(rid, None)
         if reply.error:
             raise InferenceError(reply.error, request_id=rid, reply=reply)
         return reply

@@ -28,6 +28,9 @@ class StackInfo(msgspec.Struct, frozen=True):
     #: Replicas of every stream, KV bucket and object store: 3 on a cluster
     #: (``joynexus up --cluster 3``), else 1.
     replicas: int = 1
+    #: The JSON-lines file every role appends its spans to (``joynexus up --trace-file``);
+    #: empty when the stack does not trace. ``joynexus submit`` adds its own spans there.
+    trace_file: str = ""
 
     def creds(self, name: str) -> Path | None:
         """The creds file of identity ``name`` (None in open mode)."""

@@ -46,7 +46,7 @@ from bus.config import BusConfig
 from bus.connect import connect
 from bus.consume import Consumer
 from bus.declare import BusLayout, declare
-from bus.tracing import setup_tracing
+from bus.tracing import flush_tracing, setup_tracing
 from schemas import subjects
 from schemas.health import RESTART_ORDER_DECODER, Heartbeat, restart_subject
 
@@ -312,7 +312,7 @@ async def serve(
 
     watcher = asyncio.ensure_future(watch_stop())
     try:
-        setup_tracing(f"joynexus-{role}")
+        setup_tracing(f"joynexus-{role}", trace_file=config.trace_file, environ=os.environ)
         nc = await _connect_or_stop(config, role, stop)
         if nc is None:
             log.info("%s stopped before connecting", role)
@@ -324,6 +324,7 @@ async def serve(
     finally:
         stop.set()
         await watcher
+        await asyncio.to_thread(flush_tracing)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         if not _owns_process:

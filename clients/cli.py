@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from nats.errors import Error as NatsError
 
+from bus import tracing
 from bus.codec import DecodeError, decode
 from bus.datasets import DatasetStoreError
-from bus.local import DEFAULT_HOME
+from bus.local import DEFAULT_HOME, read_stack_info
 from clients.sdk import Client, Job, JobFailed, RequestError
 from schemas.events import (
     Accepted,
@@ -134,6 +135,10 @@ async def _follow(client: Client, job: Job) -> int:
 async def _submit(args: argparse.Namespace, document: Any) -> int:
     tenant = document.get("tenant") if isinstance(document, dict) else None
     client = await _client(args, tenant if isinstance(tenant, str) else None)
+    remote = getattr(args, "url", None) or os.environ.get("JOYNEXUS_URL")
+    info = None if remote else read_stack_info(home_of(args))
+    if info is not None and info.trace_file:  # the job's trace begins with this submit
+        tracing.setup_tracing("joynexus-client", trace_file=info.trace_file)
     try:
         try:
             job = await client.submit(document, job_id=args.job_id)
@@ -144,6 +149,7 @@ async def _submit(args: argparse.Namespace, document: Any) -> int:
         return await _follow(client, job) if args.watch else 0
     finally:
         await client.close()
+        tracing.flush_tracing()
 
 
 async def _watch(args: argparse.Namespace) -> int:

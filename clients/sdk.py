@@ -31,8 +31,10 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
+from opentelemetry.trace import SpanKind
 from pydantic import BaseModel
 
+from bus import tracing
 from bus.codec import DecodeError, decode, encode
 from bus.connect import connect
 from bus.datasets import sha256_file
@@ -276,9 +278,18 @@ class Client:
         document = _document(spec)
         parsed = parse_job_spec(document)
         job_id = validate_id(job_id or new_job_id(parsed.kind), "job id")
-        await self.request(
-            parsed.tenant, SubmitJob(parsed.tenant, job_id, json.dumps(document).encode())
-        )
+        # The job's trace begins here when this process records spans (setup_tracing).
+        with tracing.tracer().start_as_current_span(
+            "submit",
+            kind=SpanKind.CLIENT,
+            attributes={
+                **tracing.job_attributes(parsed.tenant, job_id),
+                "joynexus.kind": parsed.kind,
+            },
+        ):
+            await self.request(
+                parsed.tenant, SubmitJob(parsed.tenant, job_id, json.dumps(document).encode())
+            )
         return Job(self, parsed.tenant, job_id)
 
     async def train_sft(self, spec: JobSpec | Mapping[str, Any], **kw: Any) -> Job:
@@ -356,7 +367,9 @@ class Client:
         while True:
             remaining = deadline - loop.time()
             try:
-                msg = await self.nc.request(subject, data, timeout=max(remaining, 0.01))
+                msg = await self.nc.request(
+                    subject, data, timeout=max(remaining, 0.01), headers=tracing.inject()
+                )
                 return bytes(msg.data)
             except NoRespondersError as exc:
                 if loop.time() + 0.2 >= deadline:

@@ -123,6 +123,8 @@ class LocalStack:
     #: replicas (:mod:`bus.cluster`).
     cluster: int = 1
     nodes: LocalCluster | None = None
+    #: Every role appends its finished spans to this JSON-lines file (``--trace-file``).
+    trace_file: Path | None = None
 
     def __post_init__(self) -> None:
         if self.backbone_service and "backbone" not in self.roles:
@@ -167,16 +169,30 @@ class LocalStack:
         if self.auth:
             creds_dir = str(tenantadmin.creds_dir(self.home).resolve())
             self.info = StackInfo(
-                url, os.getpid(), auth=True, creds_dir=creds_dir, replicas=self.replicas
+                url,
+                os.getpid(),
+                auth=True,
+                creds_dir=creds_dir,
+                replicas=self.replicas,
+                trace_file=self.trace_path,
             )
         else:
             self.info = StackInfo(
-                url, os.getpid(), user=user or "", password=password or "", replicas=self.replicas
+                url,
+                os.getpid(),
+                user=user or "",
+                password=password or "",
+                replicas=self.replicas,
+                trace_file=self.trace_path,
             )
         # Declare before announcing: a client that finds the stack file can submit at once.
         asyncio.run(declare_layout(self.info, self.home))
         write_stack_info(self.home, self.info)
         return self.info
+
+    @property
+    def trace_path(self) -> str:
+        return str(self.trace_file.resolve()) if self.trace_file is not None else ""
 
     def child_env(self) -> dict[str, str]:
         assert self.info is not None
@@ -197,6 +213,8 @@ class LocalStack:
         )
         env.setdefault("OMP_NUM_THREADS", "1")
         env["JOYNEXUS_REPLICAS"] = str(self.info.replicas)
+        if self.trace_file is not None:
+            env["JOYNEXUS_TRACE_FILE"] = self.trace_path
         # ManiSkill fixes its asset directory from MS_ASSET_DIR at import, so the env worker
         # gets it here, in its environment (nothing sets it in a running process); an
         # operator's own MS_ASSET_DIR wins.
@@ -453,18 +471,21 @@ def run_stack(
     auth: bool = True,
     backbone_service: bool = False,
     cluster: int = 1,
+    trace_file: Path | None = None,
 ) -> int:
     """Run the stack until Ctrl-C / SIGTERM; supervise children meanwhile. ``backbones``
     (default: the tiny one) each get their own trainer and inferencer; ``auth`` False runs
     the open mode (one generated password, every client is everyone); ``backbone_service``
     runs the backbone role, the trainers and inferencers then holding only heads;
-    ``cluster`` 3+ runs that many JetStream nodes with everything at 3 replicas."""
+    ``cluster`` 3+ runs that many JetStream nodes with everything at 3 replicas;
+    ``trace_file``, where every role appends its spans (``joynexus trace`` reads them)."""
     stack = LocalStack(
         home,
         roles=roles or {r: 1 for r in ROLES},
         auth=auth,
         backbone_service=backbone_service,
         cluster=cluster,
+        trace_file=trace_file,
     )
     stack.backbones = backbones or stack.backbones
     stopping = False
@@ -485,6 +506,8 @@ def run_stack(
                 f"serving backbone {b.backbone_id}  ({b.source}); specs name it "
                 f"`backbone: {b.backbone_id}`"
             )
+        if trace_file is not None:
+            print(f"spans: {stack.trace_path}  (joynexus trace TENANT JOB draws a job's)")
         print(f"logs: {home}/logs/   stop with Ctrl-C", flush=True)
         (home / "desired.json").unlink(missing_ok=True)
         stack.write_process_table()

@@ -25,6 +25,7 @@ reference a grouped trajectory must match (DESIGN §3).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -66,6 +67,18 @@ class ActRequest:
     slot: TenantSlot
     inputs: ModelInputs
     deterministic: bool = False
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A timed part of a grouped step (for its trace): a backbone forward over ``tenants``'
+    ``samples``, or the heads and optimizer step. Times are epoch nanoseconds."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+    tenants: tuple[str, ...]
+    samples: int
 
 
 class _Request(Protocol):
@@ -181,23 +194,40 @@ def _act(r: ActRequest, feature: VLAFeature) -> ActOutput:
 
 
 def group_train_step(
-    backbone: FeatureEncoder, requests: Sequence[TrainRequest], batch_heads: bool = True
+    backbone: FeatureEncoder,
+    requests: Sequence[TrainRequest],
+    batch_heads: bool = True,
+    timeline: list[Phase] | None = None,
 ) -> dict[str, StepResult | Exception]:
     """One optimizer step per tenant, sharing one backbone forward per compatibility key,
     one head forward/backward per head architecture (:func:`vla.batched.train_steps`; with
     ``batch_heads=False`` one per tenant) and one multi-tensor clip + AdamW step.
 
     Returns each tenant's :class:`StepResult`, or the exception its step raised (the slot is
-    then unchanged; see :meth:`TenantSlot.train_step`).
+    then unchanged; see :meth:`TenantSlot.train_step`). ``timeline``, if given, gets a
+    :class:`Phase` per backbone forward and one for the heads and optimizer.
     """
     results: dict[str, StepResult | Exception] = {}
     ready: list[tuple[TrainRequest, VLAFeature]] = []
     for group in group_by_key(requests):
-        for r, feature in zip(group, _encode_isolated(backbone, group), strict=True):
+        forward_start_ns = time.time_ns()
+        features = _encode_isolated(backbone, group)
+        if timeline is not None:
+            timeline.append(
+                Phase(
+                    "backbone forward",
+                    forward_start_ns,
+                    time.time_ns(),
+                    tuple(r.tenant for r in group),
+                    sum(r.inputs.batch_size for r in group),
+                )
+            )
+        for r, feature in zip(group, features, strict=True):
             if isinstance(feature, Exception):
                 results[r.tenant] = feature
             else:
                 ready.append((r, feature))
+    heads_start_ns = time.time_ns()
     steps = train_steps(
         [r.slot for r, _ in ready],
         [f for _, f in ready],
@@ -206,6 +236,16 @@ def group_train_step(
         modes=[r.mode for r, _ in ready],
         objectives=[r.objective for r, _ in ready],
     )
+    if timeline is not None:
+        timeline.append(
+            Phase(
+                "heads and optimizer",
+                heads_start_ns,
+                time.time_ns(),
+                tuple(r.tenant for r, _ in ready),
+                sum(r.inputs.batch_size for r, _ in ready),
+            )
+        )
     for (r, _), step in zip(ready, steps, strict=True):
         results[r.tenant] = step
     return {r.tenant: results[r.tenant] for r in requests}

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from bus import tracing
 from bus.inference import PolicyClient
 from bus.metering import BusyMeter
 from schemas.env import EvalTask, RolloutTask
@@ -203,6 +204,9 @@ class Session:
     terminated: bool = False
     truncated: bool = False
     success: bool = False
+    #: When its reset began and when it ended (epoch ns), for its span.
+    started_ns: int = 0
+    ended_ns: int = 0
 
     @property
     def done(self) -> bool:
@@ -237,10 +241,11 @@ async def run_sessions(
     """Run ``episodes`` ((index, reset seed) pairs, at most one per adapter) to the end."""
     sessions = []
     for (index, seed), adapter in zip(episodes, adapters, strict=False):
+        started_ns = time.time_ns()
         obs, seconds = await meter.simulate(partial(adapter.reset, seed))
         stats.resets += 1
         stats.reset_s += seconds
-        sessions.append(Session(index, adapter, obs))
+        sessions.append(Session(index, adapter, obs, started_ns=started_ns))
     t = 0
     while live := [s for s in sessions if not s.done]:
         asked = time.perf_counter()
@@ -270,12 +275,30 @@ async def run_sessions(
             session.log_probs.append(float(log_probs_B[b]))
             session.values.append(float(values_B[b]) if values_B is not None else 0.0)
         steps, seconds = await meter.simulate(partial(_execute_chunks, live, actions_B_C_A))
+        for session in live:
+            if session.done:
+                session.ended_ns = time.time_ns()
         stats.steps += steps
         stats.step_s += seconds
         stats.step_calls += 1
         stats.step_s2 += seconds * seconds
         t += 1
     stats.episodes += len(sessions)
+    for session, (_, seed) in zip(sessions, episodes, strict=False):
+        tracing.span_between(
+            "episode",
+            session.started_ns,
+            session.ended_ns or time.time_ns(),
+            attributes={
+                **tracing.job_attributes(tenant, job_id),
+                "joynexus.episode": session.episode,
+                "joynexus.seed": seed,
+                "joynexus.policy_version": policy_version,
+                "joynexus.chunks": len(session.actions),
+                "joynexus.return": float(sum(session.rewards)),
+                "joynexus.success": session.success,
+            },
+        )
     return sessions
 
 

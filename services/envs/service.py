@@ -29,6 +29,7 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from bus import tracing
 from bus.auth import reply_allowed
 from bus.codec import DecodeError, decode, encode
 from bus.consume import ConsumerSpec
@@ -111,6 +112,16 @@ class EnvWorker:
             ) from exc
 
     async def run_task(self, task: StreamDataset | RolloutTask | EvalTask) -> None:
+        attributes = {**tracing.job_attributes(task.tenant, task.job_id)}
+        if isinstance(task, StreamDataset):
+            name = "dataset stream"
+        else:
+            name = "env task" if isinstance(task, RolloutTask) else "env eval"
+            attributes["joynexus.env"] = task.env_id or "dataset"
+        with tracing.tracer().start_as_current_span(name, attributes=attributes):
+            await self._run_task(task)
+
+    async def _run_task(self, task: StreamDataset | RolloutTask | EvalTask) -> None:
         if isinstance(task, StreamDataset):
             # A stream spends its life waiting for the trainer (backpressure): work in hand
             # for the trainer, not for this worker's simulators.

@@ -55,6 +55,7 @@ from schemas.events import ErrorEvent
 from schemas.infer import INFER_DECODER, ActReply
 from schemas.metrics import TenantQueue
 from schemas.tensor import Tensor
+from schemas.trace import AttributeValue
 from services.inferencer.admission import answerable, envelope, expired, parse, validate
 from services.inferencer.batching import REQUEST_ERRORS, BatchRunner, BatchStats, Outcome, Work
 from services.inferencer.config import InferencerConfig
@@ -240,6 +241,7 @@ class Inferencer:
         :class:`Interrupted` once stopping, so the request is handed back."""
         arrived = asyncio.get_running_loop().time()
         request = parse(msg, self.config.limit)
+        tracing.tag_job(request.tenant, request.job_id)
         if expired(request):
             self.expired += 1  # nobody waits for it: acked, unanswered, no forward spent
             return None
@@ -304,8 +306,15 @@ class Inferencer:
             if not batch:
                 return
         links = [trace.Link(p.span) for p in batch if p.span.is_valid]
-        with tracing.tracer().start_as_current_span("inferencer forward", links=links) as span:
-            span.set_attribute("joynexus.requests", len(batch))
+        attributes: dict[str, AttributeValue] = {
+            "messaging.system": "nats",
+            "messaging.batch.message_count": len(batch),
+            "joynexus.observations": sum(p.observations for p in batch),
+            "joynexus.tenants": len({p.work.request.tenant for p in batch}),
+        }
+        with tracing.tracer().start_as_current_span(
+            "inferencer batch", links=links, attributes=attributes
+        ):
             forward = in_daemon_thread(
                 lambda: self.runner.run([p.work for p in batch]), "inferencer-batch"
             )

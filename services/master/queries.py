@@ -42,7 +42,9 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
+from opentelemetry.trace import SpanKind, StatusCode
 
+from bus import tracing
 from bus.auth import query_reply_allowed, reply_allowed
 from bus.checkpoints import CheckpointError, digest, get_checkpoint
 from bus.codec import DecodeError, decode, encode
@@ -335,14 +337,20 @@ class Queries:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), wait_s)
         async with self._heavy if heavy else self._light:
-            try:
-                if msg.subject.startswith(subjects.BACKBONES_QUERY):
-                    reply: TenantReply | BackbonesReply = await self.backbones(msg.data)
-                else:
-                    reply = await self.answer(msg.subject, msg.data)
-            except Exception as exc:  # a bug of ours: the requester still gets an answer
-                log.exception("request on %s failed", msg.subject)
-                reply = CtlError("unavailable", f"internal error: {exc}", True)
+            attributes = {"messaging.system": "nats", "messaging.destination.name": msg.subject}
+            with tracing.consumer_span(
+                f"answer {msg.subject}", msg.headers, attributes, kind=SpanKind.SERVER
+            ) as span:
+                try:
+                    if msg.subject.startswith(subjects.BACKBONES_QUERY):
+                        reply: TenantReply | BackbonesReply = await self.backbones(msg.data)
+                    else:
+                        reply = await self.answer(msg.subject, msg.data)
+                except Exception as exc:  # a bug of ours: the requester still gets an answer
+                    log.exception("request on %s failed", msg.subject)
+                    reply = CtlError("unavailable", f"internal error: {exc}", True)
+                if isinstance(reply, CtlError):
+                    span.set_status(StatusCode.ERROR, f"{reply.code}: {reply.message}")
         if not msg.reply:
             return
         if not self._reply_allowed(msg.subject, msg.reply):

@@ -18,6 +18,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from bus import tracing
 from bus.codec import DecodeError, decode, encode
 from bus.consume import ConsumerSpec
 from bus.datasets import default_cache_root
@@ -158,6 +159,7 @@ class Master:
         return None if record is None else (record, revision)
 
     async def submit(self, command: JobSubmit) -> None:
+        tracing.tag_job(command.tenant, command.job_id)
         existing = await self.record(command.tenant, command.job_id)
         if existing is not None:
             if existing[0].spec_json != command.spec_json:
@@ -238,8 +240,10 @@ class Master:
         self, job_id: str, spec: JobSpec, limits: TenantLimits | None = None
     ) -> Plan | None:
         """The job's plan (None for a pipeline), served as its tenant's ``limits`` say."""
-        plan = await self._compile(job_id, spec)
-        return None if plan is None else apply_limits(plan, limits)
+        attributes = {**tracing.job_attributes(spec.tenant, job_id), "joynexus.kind": spec.kind}
+        with tracing.tracer().start_as_current_span("plan", attributes=attributes):
+            plan = await self._compile(job_id, spec)
+            return None if plan is None else apply_limits(plan, limits)
 
     async def _compile(self, job_id: str, spec: JobSpec) -> Plan | None:
         if self.backbones is not None:
@@ -459,6 +463,7 @@ class Master:
             await self.close_slot(tenant, job_id, "failed")
 
     async def cancel(self, command: JobCancel) -> None:
+        tracing.tag_job(command.tenant, command.job_id)
         if await self.record(command.tenant, command.job_id) is None:
             raise PoisonError(f"unknown job {command.tenant}/{command.job_id}")
         reason = command.reason or "cancelled by tenant"

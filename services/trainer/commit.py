@@ -24,9 +24,10 @@ from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
+from opentelemetry import trace
 
 from bus import checkpoints as ckpt
-from bus import records
+from bus import records, tracing
 from bus.consume import Consumer
 from bus.errors import HandlerError
 from bus.metering import BusyMeter
@@ -231,7 +232,19 @@ class Committer:
         initial: bool = False,
     ) -> None:
         t0 = time.perf_counter()
-        with self.active.busy():
+        # In the job's trace: a child of the last message the version covers.
+        parent = tracing.extract(covered[-1][0].headers) if covered else None
+        attributes = {
+            **tracing.job_attributes(job.spec.tenant, job.spec.job_id),
+            "messaging.batch.message_count": len(covered),
+            "joynexus.initial": initial,
+        }
+        with (
+            tracing.tracer().start_as_current_span(
+                "checkpoint commit", context=parent, attributes=attributes
+            ),
+            self.active.busy(),
+        ):
             await self._commit_metered(job, covered, frozen, at, initial)
         self.commit_s += time.perf_counter() - t0
 
@@ -259,6 +272,9 @@ class Committer:
             at.give_back(job, covered)
             _unfreeze(job, frozen)
             return
+        trace.get_current_span().set_attributes(
+            {"joynexus.version": record.version, "joynexus.step": record.step}
+        )
         if at.save_as is not None:
             if job.save_as == at.save_as:
                 job.save_as = None  # the session's calls may go on

@@ -23,9 +23,10 @@ from services.trainer.checks import check_rollout_fits, sft_non_finite
 from services.trainer.jobs import JobSlot
 from services.trainer.ledger import Verdict, episode_verdict
 from services.trainer.sft import build_request
+from services.trainer.spans import trace_round, trace_update
 from vla.backbone import Backbone
 from vla.featurecache import FeatureCache
-from vla.grouping import FeatureEncoder, TrainRequest, group_train_step
+from vla.grouping import FeatureEncoder, Phase, TrainRequest, group_train_step
 from vla.slot import NonFiniteLossError, StepResult
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,11 @@ class Stepper:
             self.queue_wait_s += max(0.0, started - msg.metadata.timestamp.timestamp())
         self.queued += len(accepted)
         compute_t0 = time.perf_counter()
-        compute = asyncio.ensure_future(asyncio.to_thread(group_train_step, self.encoder, requests))
+        timeline: list[Phase] = []
+        compute_start_ns = time.time_ns()
+        compute = asyncio.ensure_future(
+            asyncio.to_thread(group_train_step, self.encoder, requests, timeline=timeline)
+        )
         if during is not None:
             # The compute's own outcome is awaited below; a failure of ``during`` (a fetch
             # the broker refused) must not lose it.
@@ -123,11 +128,19 @@ class Stepper:
             if isinstance(fetched, BaseException):
                 log.warning("fetch during the step failed: %s", fetched)
         results = await compute
+        compute_end_ns = compute_start_ns + int((time.perf_counter() - compute_t0) * 1e9)
         compute_s = time.perf_counter() - compute_t0
         self.compute_s += compute_s
         self.sft_fit.add(sum(r.actions_B_C_A.shape[0] for r in requests), compute_s)
         # How many of the round's batches each backbone forward took (one per group key).
         sharing = Counter(r.inputs.key for r in requests)
+        trace_round(
+            [(job.key, msg, getattr(batch, "step", 0)) for msg, batch, job in accepted],
+            results,
+            timeline,
+            compute_start_ns,
+            compute_end_ns,
+        )
         now = time.time()
         events: list[Progress] = []
         for (msg, batch, job), request in zip(accepted, requests, strict=True):
@@ -247,7 +260,9 @@ class Stepper:
                 )
             )
         t0 = time.perf_counter()
+        start_ns = time.time_ns()
         results = await asyncio.to_thread(rl.update_iterations, self.rl_encoder, iterations)
+        end_ns = time.time_ns()
         compute_s = time.perf_counter() - t0
         self.compute_s += compute_s
         steps = sum(b.rewards.shape[0] for it in iterations for b in it.episodes)
@@ -258,6 +273,8 @@ class Stepper:
             iteration = job.batches_done
             msgs = [m for m, _ in job.rollouts.values()]
             job.rollouts.clear()
+            error = str(result) if isinstance(result, Exception) else None
+            trace_update(job.key, msgs, iteration, start_ns, end_ns, error)
             if isinstance(result, RetryableError):
                 # The features did not come: nothing was applied; the episodes go back and are
                 # collected again when redelivered.
