@@ -91,6 +91,28 @@ def _trace(args: argparse.Namespace) -> int:
     return 0 if job.rows else 1
 
 
+async def _usage(args: argparse.Namespace) -> int:
+    import json
+
+    from bench.usage import collect, parse_since, render
+
+    try:
+        since = parse_since(args.since) if args.since else None
+    except ValueError as exc:
+        print(f"joynexus usage: {exc}", file=sys.stderr)
+        return 2
+    client = await _client(args)
+    try:
+        document = await collect(client.js, since, args.tenant)
+    finally:
+        await client.close()
+    if args.json:
+        print(json.dumps(document, indent=2, sort_keys=True))
+    else:
+        print(render(document, whole_bill=args.tenant is None))
+    return 0
+
+
 def _tenant(args: argparse.Namespace) -> int:
     """``joynexus tenant add|list|rotate|revoke|set``: change the home's registry, then
     apply it to the running stack (reload + tenants KV + bucket) if one runs there."""
@@ -422,6 +444,19 @@ def add_operator_commands(sub: Subcommands) -> None:
         help="N nats-server nodes on loopback (3 or more) with streams, KV and object store "
         "at 3 replicas: losing one node loses nothing",
     )
+    usage = add_command(
+        sub,
+        "usage",
+        lambda a: asyncio.run(_usage(a)),
+        bus=True,
+        help="what each tenant used: compute seconds per service, samples, env steps, act "
+        "requests, checkpoint bytes (the operator's bill)",
+    )
+    usage.add_argument("--tenant", help="only this tenant's lines")
+    usage.add_argument(
+        "--since", help="from this point on: a duration back (30m, 2h, 7d) or an ISO date"
+    )
+    usage.add_argument("--json", action="store_true", help="the bill as JSON")
     trace = add_command(
         sub, "trace", _trace, home=True, help="draw a job's trace from the stack's span file"
     )

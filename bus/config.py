@@ -37,6 +37,9 @@ class BusConfig(BaseModel):
     replicas: int = Field(1, ge=1, le=5, description="Stream replicas when declaring.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads.")
     log_level: str = Field("INFO", description="Python logging level.")
+    usage_report_s: float = Field(
+        10.0, gt=0, description="How often a service reports its usage per tenant (USAGE)."
+    )
     trace_file: str | None = Field(
         None,
         description="Append this process's finished spans to this JSON-lines file "

@@ -31,6 +31,8 @@ class BusLayout:
     events_max_age_s: float = 7 * DAY
     dead_max_age_s: float = 30 * DAY
     jobs_max_age_s: float = 30 * DAY
+    #: How long usage reports are kept (``joynexus usage --since`` reaches back this far).
+    usage_max_age_s: float = 90 * DAY
     heartbeat_ttl_s: float = 5.0
     #: How long a crash-ledger count outlives its last update (:mod:`bus.crashes`).
     crash_ledger_ttl_s: float = DAY
@@ -57,6 +59,7 @@ class BusLayout:
             cfg(s.STREAM_ENV, RetentionPolicy.WORK_QUEUE, None),
             cfg(s.STREAM_EVENTS, RetentionPolicy.LIMITS, self.events_max_age_s),
             cfg(s.STREAM_DEAD, RetentionPolicy.LIMITS, self.dead_max_age_s),
+            cfg(s.STREAM_USAGE, RetentionPolicy.LIMITS, self.usage_max_age_s),
         ]
 
     def kv_buckets(self) -> dict[str, dict[str, float | int | None]]:

@@ -6,6 +6,7 @@ tenant can address another tenant's subjects with ``.``, ``*`` or ``>``.
 
 from __future__ import annotations
 
+import re
 from typing import Literal, NamedTuple
 
 from schemas.ids import InvalidIdError, validate_id
@@ -18,6 +19,7 @@ STREAM_INFER = "INFER"
 STREAM_ENV = "ENV"
 STREAM_EVENTS = "EVENTS"
 STREAM_DEAD = "DEAD"
+STREAM_USAGE = "USAGE"
 
 KV_JOBS = "jobs"
 KV_POLICIES = "policies"
@@ -197,6 +199,13 @@ def feature_cache_bucket(backbone: str) -> str:
     return f"featcache-{validate_id(backbone, 'backbone')}"
 
 
+def usage(service: str, instance: str) -> str:
+    """Where a service instance reports its usage per tenant (:mod:`schemas.usage`); an
+    instance id's characters other than letters, digits, ``-`` and ``_`` become ``_``."""
+    instance_token = re.sub(r"[^A-Za-z0-9_-]", "_", instance) or "_"
+    return f"{PREFIX}.usage.{validate_id(service, 'service')}.{instance_token}"
+
+
 def tenant_bucket(tenant: str) -> str:
     """The tenant's own object store bucket: its pushed datasets and exported policies."""
     return f"data-{validate_id(tenant, 'tenant')}"
@@ -215,6 +224,7 @@ STREAM_SUBJECTS: dict[str, list[str]] = {
     STREAM_ENV: [f"{PREFIX}.env.>"],
     STREAM_EVENTS: [f"{PREFIX}.event.>"],
     STREAM_DEAD: [f"{PREFIX}.dead.>"],
+    STREAM_USAGE: [f"{PREFIX}.usage.>"],
 }
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from bus import tracing
 from bus.inference import PolicyClient
 from bus.metering import BusyMeter
+from bus.usage import UsageMeter
 from schemas.env import EvalTask, RolloutTask
 from schemas.model import Observation
 from schemas.tensor import Tensor
@@ -65,6 +66,13 @@ class EnvMeter:
 
     sim: BusyMeter = field(default_factory=BusyMeter)
     envs: dict[str, EnvStats] = field(default_factory=dict)
+    #: Each simulator call's seconds and steps, charged to the tenant it ran for (USAGE).
+    usage: UsageMeter = field(default_factory=UsageMeter)
+
+    @property
+    def call_s(self) -> float:
+        """Seconds of simulator calls, each counted whole (what the tenants are charged)."""
+        return sum(s.step_s + s.reset_s for s in self.envs.values())
 
     def of(self, env_id: str) -> EnvStats:
         return self.envs.setdefault(env_id, EnvStats())
@@ -245,6 +253,7 @@ async def run_sessions(
         obs, seconds = await meter.simulate(partial(adapter.reset, seed))
         stats.resets += 1
         stats.reset_s += seconds
+        meter.usage.charge(tenant, compute_s=seconds)
         sessions.append(Session(index, adapter, obs, started_ns=started_ns))
     t = 0
     while live := [s for s in sessions if not s.done]:
@@ -280,6 +289,7 @@ async def run_sessions(
                 session.ended_ns = time.time_ns()
         stats.steps += steps
         stats.step_s += seconds
+        meter.usage.charge(tenant, compute_s=seconds, env_steps=steps)
         stats.step_calls += 1
         stats.step_s2 += seconds * seconds
         t += 1

@@ -40,6 +40,7 @@ from bus.metering import BusyMeter
 from bus.publish import Outgoing, msg_id, publish, publish_all
 from bus.records import get_job, get_policy
 from bus.service import Runtime, serve
+from bus.usage import UsageReporter
 from schemas import subjects
 from schemas.env import ENV_DECODER, EvalTask, RolloutTask, StreamDataset
 from schemas.envctl import PREWARM_DECODER, EnvPrewarmed
@@ -476,6 +477,15 @@ async def run(config: EnvsConfig) -> None:
             Path(config.dataset_cache) if config.dataset_cache else None,
         )
         rt.gauges = worker.gauges
+        usage = UsageReporter(
+            rt.js,
+            "envs",
+            rt.instance,
+            worker.meter.usage,
+            lambda: worker.meter.call_s,
+            config.usage_report_s,
+        )
+        rt.spawn(usage.loop(rt.stop), "usage report")
         rt.busy_with = lambda: worker.busy_with(describer.building)
         worker.pool.on_build = describer.on_build = rt.beat_now
         rt.progress = worker.progress
@@ -498,6 +508,7 @@ async def run(config: EnvsConfig) -> None:
         )
         try:
             await rt.consumer.run(tasks, worker.handle, concurrency=config.concurrency)
+            await usage.report(timeout=1.0)  # what the last tasks charged
         finally:
             with contextlib.suppress(NatsError):
                 await prewarms.unsubscribe()

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -50,6 +50,7 @@ from bus.placement import placed
 from bus.publish import msg_id, publish
 from bus.queues import per_tenant, publish_queues
 from bus.service import Runtime, in_daemon_thread, serve
+from bus.usage import UsageMeter, UsageReporter
 from schemas import subjects
 from schemas.events import ErrorEvent
 from schemas.infer import INFER_DECODER, ActReply
@@ -161,6 +162,8 @@ class Inferencer:
         self.batch_fit = LinearFit()
         #: Time with at least one request admitted and not yet answered or handed back.
         self.active = BusyMeter()
+        #: What each tenant is charged: batch compute, act requests, observations (USAGE).
+        self.usage = UsageMeter()
         #: Seconds requests spent here, from their pull to their answer (served ones).
         self.residence_s = 0.0
 
@@ -338,6 +341,14 @@ class Inferencer:
             self.batch_fit.add(stats.observations, stats.seconds)
         self.forwards += stats.forwards
         self.batch_s += stats.seconds
+        shares: Counter[str] = Counter()
+        for p, outcome in zip(batch, outcomes, strict=True):
+            shares[p.work.request.tenant] += p.observations
+            if outcome.error is None:
+                self.usage.charge(
+                    p.work.request.tenant, act_requests=1, observations=p.observations
+                )
+        self.usage.split(stats.seconds, shares)
         if self.rt.stop.is_set():
             await self.finish(batch, outcomes)  # answered before the stop goes on
             return
@@ -504,11 +515,21 @@ async def serve_inferencer(rt: Runtime, config: InferencerConfig) -> None:
         publish_queues(rt.nc, rt.stop, "inferencer", rt.instance, "infer", inferencer.queue),
         "queue report",
     )
+    usage = UsageReporter(
+        rt.js,
+        "inferencer",
+        rt.instance,
+        inferencer.usage,
+        lambda: inferencer.batch_s,
+        config.usage_report_s,
+    )
+    rt.spawn(usage.loop(rt.stop), "usage report")
     log.info(
         "serving %s (B=%d, T=%.1f ms)", inferencer.name, config.target_batch, config.max_wait_ms
     )
     async with placed(rt, backbone):
         await inferencer.run()
+    await usage.report(timeout=1.0)  # what the last batches charged
 
 
 async def run(config: InferencerConfig) -> None:

@@ -31,6 +31,7 @@ from bus import records, tracing
 from bus.consume import Consumer
 from bus.errors import HandlerError
 from bus.metering import BusyMeter
+from bus.usage import UsageMeter
 from schemas.events import CallResult, PolicyPublished
 from schemas.train import OpenSlot, PolicyRecord
 from vla.slot import TenantSlot
@@ -168,6 +169,7 @@ class Committer:
         keep_versions: int,
         crash_after_commits: int = 0,
         active: BusyMeter | None = None,
+        usage: UsageMeter | None = None,
     ) -> None:
         self.registry = registry
         self.consumer = consumer
@@ -184,6 +186,7 @@ class Committer:
         #: work-in-hand meter, which counts a commit's time too.
         self.commit_s = 0.0
         self.active = active or BusyMeter()
+        self.usage = usage or UsageMeter()
 
     def busy(self, job: JobSlot) -> bool:
         """Whether a commit of ``job`` is in flight."""
@@ -275,6 +278,7 @@ class Committer:
         trace.get_current_span().set_attributes(
             {"joynexus.version": record.version, "joynexus.step": record.step}
         )
+        self.usage.charge(job.spec.tenant, checkpoint_bytes=len(frozen.data))
         if at.save_as is not None:
             if job.save_as == at.save_as:
                 job.save_as = None  # the session's calls may go on

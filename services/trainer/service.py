@@ -41,6 +41,7 @@ from bus.metering import BusyMeter
 from bus.placement import placed
 from bus.queues import per_tenant, publish_queues
 from bus.service import Runtime, serve
+from bus.usage import UsageMeter, UsageReporter
 from bus.watch import follow_kv
 from schemas import subjects
 from schemas.cachectl import CACHE_QUERY_DECODER, CacheQuery, CacheStats
@@ -93,6 +94,8 @@ class Trainer:
         self.announcer = Announcer(rt.js)
         self.emit = self.announcer.emit
         self.stepper = Stepper(self, backbone)
+        #: What each tenant is charged: compute, samples, checkpoint bytes (USAGE).
+        self.usage = UsageMeter()
         #: Time with work in hand: a step, an update or a commit (the heartbeat's active_s).
         self.active = BusyMeter()
         #: The backbone role's encoder, with ``--backbone-service`` (set by :func:`run`).
@@ -106,6 +109,7 @@ class Trainer:
             config.keep_versions,
             config.crash_after_commits,
             active=self.active,
+            usage=self.usage,
         )
         self.tenants = DurableSet(
             rt.consumer,
@@ -495,7 +499,17 @@ async def run(config: TrainerConfig) -> None:
             publish_queues(rt.nc, rt.stop, "trainer", rt.instance, "train", trainer.queue),
             "queue report",
         )
+        usage = UsageReporter(
+            rt.js,
+            "trainer",
+            rt.instance,
+            trainer.usage,
+            lambda: trainer.stepper.compute_s,
+            config.usage_report_s,
+        )
+        rt.spawn(usage.loop(rt.stop), "usage report")
         async with placed(rt, backbone):
             await trainer.run()
+        await usage.report(timeout=1.0)  # what the last rounds and commits charged
 
     await serve("trainer", config, body)

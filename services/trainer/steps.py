@@ -132,6 +132,11 @@ class Stepper:
         compute_s = time.perf_counter() - compute_t0
         self.compute_s += compute_s
         self.sft_fit.add(sum(r.actions_B_C_A.shape[0] for r in requests), compute_s)
+        usage = self.trainer.usage
+        shares: Counter[str] = Counter()
+        for (_, _, job), request in zip(accepted, requests, strict=True):
+            shares[job.spec.tenant] += request.actions_B_C_A.shape[0]
+        usage.split(compute_s, shares)
         # How many of the round's batches each backbone forward took (one per group key).
         sharing = Counter(r.inputs.key for r in requests)
         trace_round(
@@ -152,6 +157,8 @@ class Stepper:
                 await consumer.settle(msg, backing_off(result, msg))
                 continue
             if isinstance(batch, ForwardBackward):
+                if not isinstance(result, Exception):
+                    usage.charge(job.spec.tenant, samples=request.actions_B_C_A.shape[0])
                 self.book_call(msg, batch, job, result, sharing[request.inputs.key])
                 calls.append((msg, batch, job))
                 continue
@@ -170,6 +177,7 @@ class Stepper:
             job.held.append((msg, None))
             samples = request.actions_B_C_A.shape[0]
             self.samples += samples
+            usage.charge(job.spec.tenant, samples=samples)
             job.metrics = {
                 "loss": result.loss,
                 "grad_norm": result.grad_norm,
@@ -267,6 +275,10 @@ class Stepper:
         self.compute_s += compute_s
         steps = sum(b.rewards.shape[0] for it in iterations for b in it.episodes)
         self.rl_fit.add(steps, compute_s)
+        shares: Counter[str] = Counter()
+        for job, it in zip(ready, iterations, strict=True):
+            shares[job.spec.tenant] += sum(b.rewards.shape[0] for b in it.episodes)
+        trainer.usage.split(compute_s, shares)
         events = []
         for job in ready:
             result = results[job.key]
@@ -298,7 +310,9 @@ class Stepper:
             job.batches_done += 1
             job.held.extend((m, None) for m in msgs)
             job.metrics = result
-            self.samples += int(result.get("episode_length", 0) * result.get("episodes", 0))
+            learned = int(result.get("episode_length", 0) * result.get("episodes", 0))
+            self.samples += learned
+            trainer.usage.charge(job.spec.tenant, samples=learned)
             events.append(self.progress(job, job.batches_done, time.time()))
         await self.announce(events)
 

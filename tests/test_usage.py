@@ -1,0 +1,156 @@
+"""Usage accounting per tenant: the meter's split, the bill's arithmetic, and a real stack whose
+services report what two tenants used (an SFT and an RL job) and whose bill reconciles with
+the services' own busy time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench.usage import as_document, parse_since, render
+from bus.connect import connect
+from bus.declare import declare
+from bus.server import EmbeddedServer
+from bus.usage import Bill, UsageMeter, _report, read_bill
+from clients.sdk import Client
+from tests.conftest import Procs
+from tests.helpers import ROOT, print_log_tails, start_service, uid
+from tests.sft_helpers import OFT_2D, record_datasets, registered, sft_spec
+from tests.test_rl import rl_spec
+
+
+def test_a_shared_forward_is_split_by_each_tenants_share_and_kept_when_unreported() -> None:
+    meter = UsageMeter(period_start=100.0)
+    meter.split(3.0, {"a": 8, "b": 16})
+    meter.split(1.0, {})  # nothing shared: nobody is charged
+    meter.charge("a", samples=8, checkpoint_bytes=1000)
+    start, taken = meter.take(200.0)
+    assert start == 100.0 and meter.period_start == 200.0 and not meter.tenants
+    assert taken["a"].compute_s == pytest.approx(1.0) and taken["b"].compute_s == pytest.approx(2.0)
+    assert (taken["a"].samples, taken["a"].checkpoint_bytes, taken["b"].samples) == (8, 1000, 0)
+    meter.charge("b", act_requests=2, observations=8)
+    meter.give_back(start, taken)  # the broker did not take the report: merged into the next
+    _, merged = meter.take(300.0)
+    assert merged["b"].compute_s == pytest.approx(2.0) and merged["b"].act_requests == 2
+
+
+def test_a_bill_adds_reports_per_tenant_and_service_and_checks_them() -> None:
+    meter = UsageMeter(period_start=0.0)
+    meter.split(4.0, {"a": 1, "b": 3})
+    bill = Bill()
+    bill.add(_report("trainer", "t-1", 1, 0.0, 10.0, 4.0, meter.take(10.0)[1]))
+    meter.charge("a", compute_s=0.5, env_steps=40)
+    bill.add(_report("envs", "e-1", 1, 0.0, 10.0, 0.5, meter.take(10.0)[1]))
+    document = as_document(bill, {"a": 2_000_000}, None, None)
+    assert document["services"] == {
+        "envs": {"busy_s": 0.5, "charged_s": 0.5},
+        "trainer": {"busy_s": 4.0, "charged_s": 4.0},
+    }
+    a = document["tenants"]["a"]
+    assert a["services"]["trainer"]["compute_s"] == pytest.approx(1.0)
+    assert a["services"]["envs"]["env_steps"] == 40 and a["checkpoint_bytes_stored"] == 2_000_000
+    text = render(document)
+    assert "a                      trainer" in text and "25.0%" in text and "100.0%" in text
+    only_b = as_document(bill, {}, None, "b")
+    assert list(only_b["tenants"]) == ["b"]
+
+
+def test_since_takes_a_duration_or_a_date_and_names_what_it_takes() -> None:
+    assert parse_since("30m", now=10_000.0) == 8_200.0
+    assert parse_since("2026-12-03T00:00") == parse_since("2026-12-03T00:00+00:00")
+    with pytest.raises(ValueError, match=r"--since 'yesterday': give a duration"):
+        parse_since("yesterday")
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
+    """A server of this test's own: its USAGE stream holds only this test's reports."""
+    server = EmbeddedServer(tmp_path / "nats").start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.timeout(300)
+async def test_two_tenants_usage_is_reported_and_reconciles_with_the_services_busy_time(
+    own_server: EmbeddedServer, procs: Procs, tmp_path: Path
+) -> None:
+    url = own_server.url
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    roles = {}
+    for role in ("master", "envs", "inferencer", "trainer"):
+        args = ["--deterministic"] if role == "trainer" else []
+        roles[role] = procs.add(
+            start_service(role, url, logs / f"{role}.log", *args, JOYNEXUS_USAGE_REPORT_S="1")
+        )
+    datasets = record_datasets(tmp_path / "datasets")
+    sft_tenant, rl_tenant = uid("bill-sft"), uid("bill-rl")
+    nc = await connect(url, name="test-usage")
+    js = nc.jetstream()
+    try:
+        await declare(js)
+        spec = sft_spec(sft_tenant, await registered(js, sft_tenant, datasets["reach"]), OFT_2D, 10)
+        async with await Client.connect(url) as client:
+            sft_job, rl_job = await asyncio.gather(
+                client.train_sft(spec), client.train_rl(rl_spec(rl_tenant, iterations=1))
+            )
+            assert (await sft_job.wait(180)).status == "succeeded"
+            assert (await rl_job.wait(180)).status == "succeeded"
+        # A clean stop reports what was charged since the last report.
+        for proc in roles.values():
+            proc.send_signal(signal.SIGTERM)
+        assert [await asyncio.to_thread(p.wait, 30) for p in roles.values()] == [0, 0, 0, 0]
+        bill = await read_bill(js)
+    except BaseException:
+        print_log_tails(logs)
+        raise
+    finally:
+        await nc.close()
+
+    sft = bill.of(sft_tenant)
+    assert set(sft) == {"trainer"}  # streaming a dataset runs no simulator, asks no inferencer
+    assert sft["trainer"].samples == 10 * 8 and sft["trainer"].compute_s > 0
+    assert sft["trainer"].checkpoint_bytes > 0
+    rl = bill.of(rl_tenant)
+    assert set(rl) == {"trainer", "inferencer", "envs"}
+    assert rl["envs"].env_steps > 0 and rl["envs"].compute_s > 0
+    assert rl["inferencer"].act_requests > 0 and rl["inferencer"].observations >= 8
+    assert rl["trainer"].samples > 0 and rl["trainer"].checkpoint_bytes > 0
+    # Reconciled: what the tenants were charged is what each service measured itself.
+    for service in ("trainer", "inferencer", "envs"):
+        charged = sum(c.compute_s for (_, s), c in bill.usage.items() if s == service)
+        assert charged == pytest.approx(bill.busy_s[service], rel=1e-6, abs=1e-9), service
+        assert bill.busy_s[service] > 0
+
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "bench.cli", "usage", "--url", url, "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    document = json.loads(out.stdout)
+    assert document["tenants"][sft_tenant]["services"]["trainer"]["samples"] == 80
+    assert document["tenants"][sft_tenant]["checkpoint_bytes_stored"] > 0
+    table = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "bench.cli", "usage", "--url", url, "--tenant", rl_tenant],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    print(out.stdout, table.stdout)
+    assert table.returncode == 0, table.stderr
+    assert rl_tenant in table.stdout and sft_tenant not in table.stdout
