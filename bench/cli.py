@@ -91,6 +91,26 @@ def _trace(args: argparse.Namespace) -> int:
     return 0 if job.rows else 1
 
 
+async def _top(args: argparse.Namespace) -> int:
+    from bench.top import run_top
+
+    client = await _client(args)
+    try:
+        url = client.nc.connected_url.netloc if client.nc.connected_url else ""
+        return await run_top(
+            client.nc, interval_s=args.interval, frames=args.frames, once=args.once, url=url
+        )
+    finally:
+        await client.close()
+
+
+def _top_command(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(_top(args))
+    except KeyboardInterrupt:
+        return 0
+
+
 async def _usage(args: argparse.Namespace) -> int:
     import json
 
@@ -444,6 +464,17 @@ def add_operator_commands(sub: Subcommands) -> None:
         help="N nats-server nodes on loopback (3 or more) with streams, KV and object store "
         "at 3 replicas: losing one node loses nothing",
     )
+    top = add_command(
+        sub,
+        "top",
+        _top_command,
+        bus=True,
+        help="live view of the stack: jobs and progress, each role's utilisation, queues per "
+        "tenant (Ctrl-C stops it)",
+    )
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    top.add_argument("--frames", type=int, help="stop after this many refreshes")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
     usage = add_command(
         sub,
         "usage",

@@ -1,11 +1,12 @@
 """Usage accounting per tenant: the meter's split, the bill's arithmetic, and a real stack whose
 services report what two tenants used (an SFT and an RL job) and whose bill reconciles with
-the services' own busy time."""
+the services' own busy time; ``joynexus top`` draws the same stack."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -103,6 +104,21 @@ async def test_two_tenants_usage_is_reported_and_reconciles_with_the_services_bu
             )
             assert (await sft_job.wait(180)).status == "succeeded"
             assert (await rl_job.wait(180)).status == "succeeded"
+        top = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "bench.cli", "top", "--url", url, "--once"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env={**os.environ, "COLUMNS": "200"},
+        )
+        print(top.stdout)
+        assert top.returncode == 0, top.stderr
+        for shown in (sft_job.job_id, rl_job.job_id, "10/10", "1/1", "succeeded", "inferencer"):
+            assert shown in top.stdout, shown
+        assert "%" in top.stdout  # the roles' utilisation over the frame's interval
         # A clean stop reports what was charged since the last report.
         for proc in roles.values():
             proc.send_signal(signal.SIGTERM)
