@@ -40,6 +40,14 @@ class BusConfig(BaseModel):
     usage_report_s: float = Field(
         10.0, gt=0, description="How often a service reports its usage per tenant (USAGE)."
     )
+    metrics_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Serve Prometheus metrics on this port (0: none; needs "
+        "opentelemetry-exporter-prometheus).",
+    )
+    metrics_host: str = Field("127.0.0.1", description="Address the metrics endpoint binds.")
     trace_file: str | None = Field(
         None,
         description="Append this process's finished spans to this JSON-lines file "

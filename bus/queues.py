@@ -13,6 +13,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 
 from bus.codec import encode
+from bus.metrics import observe_queue
 from schemas import subjects
 from schemas.metrics import QueueName, QueueReport, TenantQueue
 
@@ -43,6 +44,7 @@ async def publish_queues(
     """Until ``stop``: publish ``snapshot()`` on ``nexus.metrics.queues.<service>`` every
     ``every_s`` (core NATS: a report the broker cannot take now is skipped)."""
     subject = f"{subjects.QUEUE_METRICS}.{service}"
+    observe_queue(service, instance, queue, snapshot)
     while not stop.is_set():
         report = QueueReport(service, instance, queue, time.time(), snapshot())
         try:

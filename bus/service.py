@@ -46,6 +46,7 @@ from bus.config import BusConfig
 from bus.connect import connect
 from bus.consume import Consumer
 from bus.declare import BusLayout, declare
+from bus.metrics import observe_service, setup_metrics
 from bus.tracing import flush_tracing, setup_tracing
 from schemas import subjects
 from schemas.health import RESTART_ORDER_DECODER, Heartbeat, restart_subject
@@ -313,6 +314,7 @@ async def serve(
     watcher = asyncio.ensure_future(watch_stop())
     try:
         setup_tracing(f"joynexus-{role}", trace_file=config.trace_file, environ=os.environ)
+        setup_metrics(f"joynexus-{role}", config.metrics_port, config.metrics_host, os.environ)
         nc = await _connect_or_stop(config, role, stop)
         if nc is None:
             log.info("%s stopped before connecting", role)
@@ -351,6 +353,7 @@ async def _serve_connected(
         Consumer(js, stop),
     )
     rt.in_flight = rt.consumer.in_flight
+    observe_service(role, rt.instance, rt.started_at, lambda: rt.gauges())
     try:
         if not stop.is_set():
             await declare(js, BusLayout(replicas=config.replicas))

@@ -8,8 +8,10 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +27,28 @@ from tests.conftest import Procs
 from tests.helpers import ROOT, print_log_tails, start_service, uid
 from tests.sft_helpers import OFT_2D, record_datasets, registered, sft_spec
 from tests.test_rl import rl_spec
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return str(response.read().decode())
+
+
+def prometheus_value(text: str, name: str) -> float:
+    """The sum of ``name``'s samples in a Prometheus text page."""
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    ]
+    assert values, f"{name} not in the page"
+    return sum(values)
 
 
 def test_a_shared_forward_is_split_by_each_tenants_share_and_kept_when_unreported() -> None:
@@ -86,10 +110,18 @@ async def test_two_tenants_usage_is_reported_and_reconciles_with_the_services_bu
     logs = tmp_path / "logs"
     logs.mkdir()
     roles = {}
-    for role in ("master", "envs", "inferencer", "trainer"):
+    ports = {role: free_port() for role in ("master", "envs", "inferencer", "trainer")}
+    for role, port in ports.items():
         args = ["--deterministic"] if role == "trainer" else []
         roles[role] = procs.add(
-            start_service(role, url, logs / f"{role}.log", *args, JOYNEXUS_USAGE_REPORT_S="1")
+            start_service(
+                role,
+                url,
+                logs / f"{role}.log",
+                *args,
+                JOYNEXUS_USAGE_REPORT_S="1",
+                JOYNEXUS_METRICS_PORT=str(port),
+            )
         )
     datasets = record_datasets(tmp_path / "datasets")
     sft_tenant, rl_tenant = uid("bill-sft"), uid("bill-rl")
@@ -119,6 +151,10 @@ async def test_two_tenants_usage_is_reported_and_reconciles_with_the_services_bu
         for shown in (sft_job.job_id, rl_job.job_id, "10/10", "1/1", "succeeded", "inferencer"):
             assert shown in top.stdout, shown
         assert "%" in top.stdout  # the roles' utilisation over the frame's interval
+        scraped = {
+            role: await asyncio.to_thread(scrape, f"http://127.0.0.1:{port}/metrics")
+            for role, port in ports.items()
+        }
         # A clean stop reports what was charged since the last report.
         for proc in roles.values():
             proc.send_signal(signal.SIGTERM)
@@ -144,6 +180,17 @@ async def test_two_tenants_usage_is_reported_and_reconciles_with_the_services_bu
         charged = sum(c.compute_s for (_, s), c in bill.usage.items() if s == service)
         assert charged == pytest.approx(bill.busy_s[service], rel=1e-6, abs=1e-9), service
         assert bill.busy_s[service] > 0
+
+    # The same measurements through the OpenTelemetry metrics API, on Prometheus endpoints.
+    for role, text in scraped.items():
+        assert f'joynexus_role="{role}"' in text, role
+        assert "joynexus_service_held_seconds_total{" in text, role
+    for role in ("trainer", "inferencer", "envs"):
+        busy = prometheus_value(scraped[role], "joynexus_service_busy_seconds_total")
+        assert busy > 0, role
+    assert prometheus_value(scraped["trainer"], "joynexus_trainer_samples_total") >= 80 + 1
+    assert f'joynexus_tenant="{rl_tenant}"' in scraped["inferencer"]
+    assert prometheus_value(scraped["inferencer"], "joynexus_act_latency_seconds_count") > 0
 
     out = await asyncio.to_thread(
         subprocess.run,

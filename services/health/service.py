@@ -41,8 +41,10 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js.kv import KeyValue
+from opentelemetry.metrics import Observation
 from pydantic import Field
 
+from bus import metrics
 from bus.auth import any_inbox
 from bus.codec import DecodeError, decode, encode
 from bus.config import BusConfig
@@ -269,6 +271,17 @@ class HealthManager:
         self.config = config
         self.table = LivenessTable(config.stale_after_s, config.stall_after_s)
         self.restarts = Restarts(config.restart_budget, config.budget_window_s, config.backoff_s)
+        metrics.meter().create_observable_counter(
+            "joynexus.restarts",
+            [
+                lambda _: [
+                    Observation(n, {"joynexus.role": role})
+                    for role, n in self.restarts.total.items()
+                ]
+            ],
+            unit="{restart}",
+            description="Restarts the health manager ordered, per role.",
+        )
         self.events: deque[OpsEvent] = deque(maxlen=EVENTS_KEPT)
         #: Roles whose exhausted budget was reported (once until it recovers).
         self.exhausted: set[str] = set()

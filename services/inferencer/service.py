@@ -40,7 +40,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from opentelemetry import trace
 
-from bus import tracing
+from bus import metrics, tracing
 from bus.codec import DecodeError, decode, encode
 from bus.consume import HOLD, ConsumerSpec, Durable, Fate, Hold
 from bus.encoding import FeatureClient
@@ -164,6 +164,11 @@ class Inferencer:
         self.active = BusyMeter()
         #: What each tenant is charged: batch compute, act requests, observations (USAGE).
         self.usage = UsageMeter()
+        self.act_latency = metrics.meter().create_histogram(
+            "joynexus.act.latency",
+            unit="s",
+            description="From an act request's sending to its answer.",
+        )
         #: Seconds requests spent here, from their pull to their answer (served ones).
         self.residence_s = 0.0
 
@@ -399,6 +404,10 @@ class Inferencer:
                 group_size=outcome.group_size,
             )
             await self.reply(request.reply_to, reply)
+            if request.sent_at > 0:  # the requester's clock: on one host, the whole wait
+                self.act_latency.record(
+                    max(0.0, time.time() - request.sent_at), {"joynexus.tenant": request.tenant}
+                )
             self.served += 1
             self.observations += pending.observations
             self.residence_s += asyncio.get_running_loop().time() - pending.arrived
