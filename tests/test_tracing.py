@@ -182,6 +182,15 @@ def _of_job(spans: list[SpanRecord], tenant: str, job_id: str) -> list[SpanRecor
     return job_trace(spans, tenant, job_id).spans
 
 
+def _orphans(spans: list[SpanRecord], trace_ids: set[str]) -> list[SpanRecord]:
+    """Spans of these traces whose parent is not in the file (and roots past the first)."""
+    mine = [s for s in spans if s.trace_id in trace_ids]
+    ids = {(s.trace_id, s.span_id) for s in mine}
+    parentless = [s for s in mine if s.parent_span_id and (s.trace_id, s.parent_span_id) not in ids]
+    roots = [s for s in mine if not s.parent_span_id]
+    return parentless + roots[len(trace_ids) :]
+
+
 @pytest.mark.timeout(300)
 async def test_an_sft_and_an_rl_job_are_each_one_trace_across_the_services(
     nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs, tmp_path: Path
@@ -200,35 +209,66 @@ async def test_an_sft_and_an_rl_job_are_each_one_trace_across_the_services(
     exporter = tracing.JsonLinesSpanExporter(path)
     tracing.setup_tracing("joynexus-client", exporter)
     datasets = record_datasets(tmp_path / "datasets")
-    sft_tenant, rl_tenant = uid("trace-sft"), uid("trace-rl")
+    sft_tenant, other_tenant, rl_tenant = uid("trace-sft"), uid("trace-sft2"), uid("trace-rl")
     try:
         spec = sft_spec(sft_tenant, await registered(js, sft_tenant, datasets["reach"]), OFT_2D, 10)
+        other = sft_spec(
+            other_tenant, await registered(js, other_tenant, datasets["reach"]), OFT_2D, 10
+        )
         async with await Client.connect(nats_server.url) as client:
-            sft_job, rl_job = await asyncio.gather(
-                client.train_sft(spec), client.train_rl(rl_spec(rl_tenant, iterations=1))
+            sft_job, other_job, rl_job = await asyncio.gather(
+                client.train_sft(spec),
+                client.train_sft(other),
+                client.train_rl(rl_spec(rl_tenant, iterations=1)),
             )
-            assert (await sft_job.wait(180)).status == "succeeded"
-            assert (await rl_job.wait(180)).status == "succeeded"
+            for job in (sft_job, other_job, rl_job):
+                assert (await job.wait(180)).status == "succeeded"
 
-        def sft_complete() -> list[SpanRecord] | None:
-            spans = _of_job(read_spans(path).spans, sft_tenant, sft_job.job_id)
-            commits = [s for s in spans if s.name == "checkpoint commit"]
-            steps = [s for s in spans if s.name == "train step"]
-            done = any(s.attributes.get("joynexus.step") == 10 for s in commits)
-            return spans if done and len(steps) == 10 else None
+        def complete(tenant: str, job_id: str, last: str) -> list[SpanRecord] | None:
+            """The job's spans once its last span is written and none lacks its parent."""
+            spans = read_spans(path).spans
+            drawn = job_trace(spans, tenant, job_id)
+            done = any(
+                s.name == last
+                and (last != "checkpoint commit" or s.attributes.get("joynexus.step") == 10)
+                for s in drawn.spans
+            )
+            return drawn.spans if done and not _orphans(spans, set(drawn.trace_ids)) else None
 
-        sft_spans = await eventually(sft_complete, timeout=30, what="the SFT job's spans")
-
-        def rl_complete() -> list[SpanRecord] | None:
-            spans = _of_job(read_spans(path).spans, rl_tenant, rl_job.job_id)
-            return spans if any(s.name == "rl update" for s in spans) else None
-
-        rl_spans = await eventually(rl_complete, timeout=30, what="the RL job's rl update span")
+        sft_spans = await eventually(
+            lambda: complete(sft_tenant, sft_job.job_id, "checkpoint commit"),
+            timeout=30,
+            what="the SFT job's spans, none without its parent",
+        )
+        other_spans = await eventually(
+            lambda: complete(other_tenant, other_job.job_id, "checkpoint commit"),
+            timeout=30,
+            what="the other SFT job's spans",
+        )
+        rl_spans = await eventually(
+            lambda: complete(rl_tenant, rl_job.job_id, "rl update"),
+            timeout=30,
+            what="the RL job's spans, none without its parent",
+        )
     except BaseException:
         print_log_tails(logs)
         raise
     finally:
         exporter.shutdown()
+
+    # Each job is one connected trace (drawn from one submit; no span without its parent).
+    all_spans = read_spans(path).spans
+    for tenant, job in ((sft_tenant, sft_job), (other_tenant, other_job), (rl_tenant, rl_job)):
+        drawn = job_trace(all_spans, tenant, job.job_id)
+        assert len(drawn.trace_ids) == 1, (tenant, drawn.trace_ids)
+        assert _orphans(all_spans, set(drawn.trace_ids)) == []
+    # A grouped backbone forward served both SFT tenants: it links into both traces.
+    both = {sft_spans[0].trace_id, other_spans[0].trace_id}
+    assert any(
+        both <= {link.trace_id for link in s.links}
+        for s in all_spans
+        if s.name == "backbone forward"
+    ), "no backbone forward linked the requests of both SFT tenants"
 
     # SFT: one trace from the client's submit to the last commit, through every role.
     mine = [s for s in sft_spans if s.trace_id == sft_spans[0].trace_id]
@@ -248,7 +288,7 @@ async def test_an_sft_and_an_rl_job_are_each_one_trace_across_the_services(
     rounds = [s for s in sft_spans if s.name == "trainer round"]
     forwards = [s for s in sft_spans if s.name == "backbone forward"]
     assert rounds and forwards and all(s.trace_id != root.trace_id for s in rounds)
-    assert all(link.trace_id == root.trace_id for s in forwards for link in s.links)
+    assert all(root.trace_id in {link.trace_id for link in s.links} for s in forwards)
 
     # RL: episodes, act requests, inferencer batches (linked), the update.
     rl_root = rl_spans[0]
