@@ -61,6 +61,7 @@ def _up(args: argparse.Namespace) -> int:
             backbone_service=split,
             cluster=args.cluster,
             trace_file=args.trace_file,
+            metrics_port=args.metrics_port,
         )
     )
 
@@ -507,6 +508,14 @@ def add_operator_commands(sub: Subcommands) -> None:
         metavar="FILE",
         help="every role appends its spans to this JSON-lines file (`joynexus trace` draws "
         "a job's); OTLP and console exporters come from the standard OTEL_* variables",
+    )
+    up.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="each role serves Prometheus metrics on its own port from PORT up (printed at "
+        "start; needs opentelemetry-exporter-prometheus)",
     )
     up.add_argument(
         "--no-auth",

@@ -95,6 +95,8 @@ class Child:
     retired: bool = False
     #: The backbone id it serves (trainer and inferencer only).
     backbone: str = ""
+    #: Its Prometheus endpoint's port (0: none), kept across its restarts.
+    metrics_port: int = 0
 
 
 @dataclass
@@ -125,6 +127,10 @@ class LocalStack:
     nodes: LocalCluster | None = None
     #: Every role appends its finished spans to this JSON-lines file (``--trace-file``).
     trace_file: Path | None = None
+    #: Each role process serves Prometheus metrics on its own port from this one up
+    #: (``--metrics-port``; 0: none).
+    metrics_port: int = 0
+    _ports_given: int = 0
 
     def __post_init__(self) -> None:
         if self.backbone_service and "backbone" not in self.roles:
@@ -226,9 +232,12 @@ class LocalStack:
         logs = self.home / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         with open(logs / f"{child.name}.log", "ab") as out:
+            env = self.child_env()
+            if child.metrics_port:
+                env["JOYNEXUS_METRICS_PORT"] = str(child.metrics_port)
             child.proc = subprocess.Popen(
                 [sys.executable, "-m", f"services.{child.role}", *child.args],
-                env=self.child_env(),
+                env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -260,6 +269,9 @@ class LocalStack:
     def new_child(self, role: str, backbone: ServedBackbone | None, name: str) -> Child:
         child = Child(role, name, self.args_of(role, backbone))
         child.backbone = backbone.backbone_id if backbone else ""
+        if self.metrics_port:
+            child.metrics_port = self.metrics_port + self._ports_given
+            self._ports_given += 1
         return child
 
     def start_roles(self) -> None:
@@ -472,13 +484,15 @@ def run_stack(
     backbone_service: bool = False,
     cluster: int = 1,
     trace_file: Path | None = None,
+    metrics_port: int = 0,
 ) -> int:
     """Run the stack until Ctrl-C / SIGTERM; supervise children meanwhile. ``backbones``
     (default: the tiny one) each get their own trainer and inferencer; ``auth`` False runs
     the open mode (one generated password, every client is everyone); ``backbone_service``
     runs the backbone role, the trainers and inferencers then holding only heads;
     ``cluster`` 3+ runs that many JetStream nodes with everything at 3 replicas;
-    ``trace_file``, where every role appends its spans (``joynexus trace`` reads them)."""
+    ``trace_file``, where every role appends its spans (``joynexus trace`` reads them);
+    ``metrics_port``, the first of the roles' Prometheus ports (one each, in start order)."""
     stack = LocalStack(
         home,
         roles=roles or {r: 1 for r in ROLES},
@@ -486,6 +500,7 @@ def run_stack(
         backbone_service=backbone_service,
         cluster=cluster,
         trace_file=trace_file,
+        metrics_port=metrics_port,
     )
     stack.backbones = backbones or stack.backbones
     stopping = False
@@ -508,6 +523,9 @@ def run_stack(
             )
         if trace_file is not None:
             print(f"spans: {stack.trace_path}  (joynexus trace TENANT JOB draws a job's)")
+        for child in stack.children:
+            if child.metrics_port:
+                print(f"metrics of {child.name}: http://127.0.0.1:{child.metrics_port}/metrics")
         print(f"logs: {home}/logs/   stop with Ctrl-C", flush=True)
         (home / "desired.json").unlink(missing_ok=True)
         stack.write_process_table()
