@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bench.observe import add_observe_commands
 from clients import cli as tenant_cli
 from clients.cli import Command, _client, add_command, home_of
 
@@ -64,74 +65,6 @@ def _up(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
         )
     )
-
-
-def _trace(args: argparse.Namespace) -> int:
-    from bench.traces import job_trace, read_spans, render
-    from bus.local import read_stack_info
-
-    path = args.trace_file
-    if path is None:
-        info = read_stack_info(home_of(args))
-        if info is None or not info.trace_file:
-            print(
-                f"joynexus trace: no running stack under {home_of(args)} writes spans; give "
-                "--trace-file FILE (the file `joynexus up --trace-file` was given)",
-                file=sys.stderr,
-            )
-            return 2
-        path = Path(info.trace_file)
-    if not path.is_file():
-        print(f"joynexus trace: no trace file {path}", file=sys.stderr)
-        return 2
-    spans = read_spans(path)
-    job = job_trace(spans.spans, args.tenant, args.job)
-    print(render(job, width=args.width, max_rows=args.max_spans))
-    if spans.unreadable:
-        print(f"({spans.unreadable} unreadable lines in {path} skipped)", file=sys.stderr)
-    return 0 if job.rows else 1
-
-
-async def _top(args: argparse.Namespace) -> int:
-    from bench.top import run_top
-
-    client = await _client(args)
-    try:
-        url = client.nc.connected_url.netloc if client.nc.connected_url else ""
-        return await run_top(
-            client.nc, interval_s=args.interval, frames=args.frames, once=args.once, url=url
-        )
-    finally:
-        await client.close()
-
-
-def _top_command(args: argparse.Namespace) -> int:
-    try:
-        return asyncio.run(_top(args))
-    except KeyboardInterrupt:
-        return 0
-
-
-async def _usage(args: argparse.Namespace) -> int:
-    import json
-
-    from bench.usage import collect, parse_since, render
-
-    try:
-        since = parse_since(args.since) if args.since else None
-    except ValueError as exc:
-        print(f"joynexus usage: {exc}", file=sys.stderr)
-        return 2
-    client = await _client(args)
-    try:
-        document = await collect(client.js, since, args.tenant)
-    finally:
-        await client.close()
-    if args.json:
-        print(json.dumps(document, indent=2, sort_keys=True))
-    else:
-        print(render(document, whole_bill=args.tenant is None))
-    return 0
 
 
 def _tenant(args: argparse.Namespace) -> int:
@@ -465,43 +398,6 @@ def add_operator_commands(sub: Subcommands) -> None:
         help="N nats-server nodes on loopback (3 or more) with streams, KV and object store "
         "at 3 replicas: losing one node loses nothing",
     )
-    top = add_command(
-        sub,
-        "top",
-        _top_command,
-        bus=True,
-        help="live view of the stack: jobs and progress, each role's utilisation, queues per "
-        "tenant (Ctrl-C stops it)",
-    )
-    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
-    top.add_argument("--frames", type=int, help="stop after this many refreshes")
-    top.add_argument("--once", action="store_true", help="print one frame and exit")
-    usage = add_command(
-        sub,
-        "usage",
-        lambda a: asyncio.run(_usage(a)),
-        bus=True,
-        help="what each tenant used: compute seconds per service, samples, env steps, act "
-        "requests, checkpoint bytes (the operator's bill)",
-    )
-    usage.add_argument("--tenant", help="only this tenant's lines")
-    usage.add_argument(
-        "--since", help="from this point on: a duration back (30m, 2h, 7d) or an ISO date"
-    )
-    usage.add_argument("--json", action="store_true", help="the bill as JSON")
-    trace = add_command(
-        sub, "trace", _trace, home=True, help="draw a job's trace from the stack's span file"
-    )
-    trace.add_argument("tenant")
-    trace.add_argument("job")
-    trace.add_argument(
-        "--trace-file",
-        type=Path,
-        metavar="FILE",
-        help="the spans to read (default: the running stack's, from `up --trace-file`)",
-    )
-    trace.add_argument("--max-spans", type=int, default=150, help="rows of the waterfall")
-    trace.add_argument("--width", type=int, default=40, help="the time bar's width")
     up.add_argument(
         "--trace-file",
         type=Path,
@@ -718,6 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
         "JoyNexus: multi-tenant VLA post-training over NATS JetStream."
     )
     add_operator_commands(sub)
+    add_observe_commands(sub)
     return parser
 
 
