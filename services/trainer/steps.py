@@ -128,8 +128,8 @@ class Stepper:
             if isinstance(fetched, BaseException):
                 log.warning("fetch during the step failed: %s", fetched)
         results = await compute
-        compute_end_ns = compute_start_ns + int((time.perf_counter() - compute_t0) * 1e9)
         compute_s = time.perf_counter() - compute_t0
+        compute_end_ns = compute_start_ns + int(compute_s * 1e9)
         self.compute_s += compute_s
         self.sft_fit.add(sum(r.actions_B_C_A.shape[0] for r in requests), compute_s)
         usage = self.trainer.usage
