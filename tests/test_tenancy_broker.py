@@ -247,6 +247,8 @@ async def test_bob_reaches_nothing_of_alice(secured: Secured, master: Queries) -
         await bob.attempt(s.tenant_ctl("alice", "events"), encode(ReadEvents("alice", job)))
         # the operators' controls of the services: an env worker's sessions
         await bob.attempt(s.ENVS_PREWARM, b"")
+        # the bill: a forged usage report would charge alice (or clear bob's own)
+        await bob.attempt(s.usage("trainer", "forged"), b"{}")
         # on his own subject, claiming alice: the master refuses it by name
         claim = await _ask(bob, s.tenant_ctl("bob", "cancel"), encode(CancelJob("alice", job)))
         assert isinstance(claim, CtlError) and claim.code == "tenant_mismatch"
@@ -282,6 +284,7 @@ async def test_bob_reaches_nothing_of_alice(secured: Secured, master: Queries) -
             "_INBOX.>",
             ">",
             "nexus.train.>",
+            "nexus.usage.>",  # every tenant's usage, as the services report it
             f"$O.{s.tenant_bucket('alice')}.>",
         ):
             await bob.nc.subscribe(subject, cb=collect)
