@@ -81,7 +81,7 @@ async def _usage(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(document, indent=2, sort_keys=True))
     else:
-        print(render(document, whole_bill=args.tenant is None))
+        print(render(document, whole_bill=args.tenant is None, by_job=args.by_job))
     return 0
 
 
@@ -111,6 +111,7 @@ def add_observe_commands(sub: Subcommands) -> None:
         "--since", help="from this point on: a duration back (30m, 2h, 7d) or an ISO date"
     )
     usage.add_argument("--json", action="store_true", help="the bill as JSON")
+    usage.add_argument("--by-job", action="store_true", help="a line per job and service")
     trace = add_command(
         sub, "trace", _trace, home=True, help="draw a job's trace from the stack's span file"
     )

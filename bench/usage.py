@@ -73,6 +73,10 @@ def as_document(
         "tenants": {
             t: {
                 "services": {service: asdict(c) for service, c in bill.of(t).items()},
+                "jobs": {
+                    job_id: {service: asdict(c) for service, c in services.items()}
+                    for job_id, services in bill.jobs_of(t).items()
+                },
                 "checkpoint_bytes_stored": stored.get(t, 0),
             }
             for t in tenants
@@ -95,14 +99,17 @@ def _when(epoch: float | None) -> str:
     return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def render(document: dict[str, Any], whole_bill: bool = True) -> str:
-    """The bill as a table: one line per tenant and service, a total per tenant; with
-    ``whole_bill``, each service's measured busy time against what was charged."""
+def render(document: dict[str, Any], whole_bill: bool = True, by_job: bool = False) -> str:
+    """The bill as a table: one line per tenant and service (``by_job``: per tenant, job and
+    service), a total per tenant; with ``whole_bill``, each service's measured busy time
+    against what was charged."""
+    width = 30 if by_job else 11
+    label = "job service" if by_job else "service"
     lines = [
         f"usage from {_when(document['since'])} to {_when(document['until'])} "
         f"({document['reports']} reports)",
         "",
-        f"{'tenant':<22} {'service':<11} {'compute s':>10} {'share':>6} {'samples':>9} "
+        f"{'tenant':<22} {label:<{width}} {'compute s':>10} {'share':>6} {'samples':>9} "
         f"{'env steps':>9} {'acts':>7} {'obs':>8} {'ckpt MB':>8} {'stored MB':>9}",
     ]
     busy = {s: v["busy_s"] for s, v in document["services"].items()}
@@ -112,9 +119,15 @@ def render(document: dict[str, Any], whole_bill: bool = True) -> str:
             charges = Charges(**c)
             total.add(charges)
             share = f"{charges.compute_s / busy[service]:>5.1%}" if busy.get(service) else ""
-            lines.append(_line(tenant, service, charges, share, ""))
+            if not by_job:
+                lines.append(_line(tenant, service, charges, share, ""))
+        if by_job:
+            for job_id, services in entry["jobs"].items():
+                for service, c in services.items():
+                    row = _line(tenant, f"{job_id} {service}", Charges(**c), "", "", width)
+                    lines.append(row)
         stored = f"{entry['checkpoint_bytes_stored'] / 1e6:>9.2f}"
-        lines.append(_line(tenant, "total", total, "", stored))
+        lines.append(_line(tenant, "total", total, "", stored, width))
     if whole_bill and document["services"]:
         lines += ["", f"{'service':<11} {'busy s (measured)':>18} {'charged s':>10} {'charged':>8}"]
         for service, v in document["services"].items():
@@ -127,9 +140,9 @@ def render(document: dict[str, Any], whole_bill: bool = True) -> str:
     return "\n".join(lines)
 
 
-def _line(tenant: str, service: str, c: Charges, share: str, stored: str) -> str:
+def _line(tenant: str, label: str, c: Charges, share: str, stored: str, width: int = 11) -> str:
     return (
-        f"{tenant:<22} {service:<11} {c.compute_s:>10.3f} {share:>6} {int(c.samples):>9} "
+        f"{tenant:<22} {label:<{width}} {c.compute_s:>10.3f} {share:>6} {int(c.samples):>9} "
         f"{int(c.env_steps):>9} {int(c.act_requests):>7} {int(c.observations):>8} "
         f"{c.checkpoint_bytes / 1e6:>8.2f} {stored:>9}"
     ).rstrip()

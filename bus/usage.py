@@ -53,39 +53,43 @@ class Charges:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
+#: Who is charged: (tenant, job id).
+JobKey = tuple[str, str]
+
+
 @dataclass
 class UsageMeter:
-    """A service instance's charges per tenant since its last report."""
+    """A service instance's charges per tenant and job since its last report."""
 
     period_start: float = field(default_factory=time.time)
-    tenants: dict[str, Charges] = field(default_factory=lambda: defaultdict(Charges))
+    jobs: dict[JobKey, Charges] = field(default_factory=lambda: defaultdict(Charges))
 
-    def charge(self, tenant: str, **amounts: float) -> None:
-        """Add ``amounts`` (names of :class:`Charges`) to ``tenant``'s."""
-        charges = self.tenants[tenant]
+    def charge(self, tenant: str, job_id: str, **amounts: float) -> None:
+        """Add ``amounts`` (names of :class:`Charges`) to the tenant's job's."""
+        charges = self.jobs[(tenant, job_id)]
         for name, amount in amounts.items():
             setattr(charges, name, getattr(charges, name) + amount)
 
-    def split(self, seconds: float, shares: Mapping[str, float]) -> None:
-        """Charge ``seconds`` of compute to the tenants of ``shares`` in proportion to their
+    def split(self, seconds: float, shares: Mapping[JobKey, float]) -> None:
+        """Charge ``seconds`` of compute to the jobs of ``shares`` in proportion to their
         share (samples, observations, steps); none if nothing was shared."""
         total = sum(shares.values())
         if total <= 0:
             return
-        for tenant, share in shares.items():
-            self.charge(tenant, compute_s=seconds * share / total)
+        for (tenant, job_id), share in shares.items():
+            self.charge(tenant, job_id, compute_s=seconds * share / total)
 
-    def take(self, now: float) -> tuple[float, dict[str, Charges]]:
+    def take(self, now: float) -> tuple[float, dict[JobKey, Charges]]:
         """The period's start and charges, and a new period from ``now``."""
-        taken = (self.period_start, dict(self.tenants))
-        self.period_start, self.tenants = now, defaultdict(Charges)
+        taken = (self.period_start, dict(self.jobs))
+        self.period_start, self.jobs = now, defaultdict(Charges)
         return taken
 
-    def give_back(self, start: float, tenants: dict[str, Charges]) -> None:
+    def give_back(self, start: float, jobs: dict[JobKey, Charges]) -> None:
         """Merge charges that could not be reported into the period in progress."""
         self.period_start = min(self.period_start, start)
-        for tenant, charges in tenants.items():
-            self.tenants[tenant].add(charges)
+        for key, charges in jobs.items():
+            self.jobs[key].add(charges)
 
 
 def _report(
@@ -95,7 +99,7 @@ def _report(
     start: float,
     end: float,
     busy_s: float,
-    tenants: dict[str, Charges],
+    jobs: dict[JobKey, Charges],
 ) -> UsageReport:
     return UsageReport(
         service,
@@ -113,8 +117,9 @@ def _report(
                 int(c.act_requests),
                 int(c.observations),
                 int(c.checkpoint_bytes),
+                job_id,
             )
-            for tenant, c in sorted(tenants.items())
+            for (tenant, job_id), c in sorted(jobs.items())
         ],
     )
 
@@ -149,13 +154,13 @@ class UsageReporter:
         """Publish what was charged since the last report (nothing if nothing was); a report
         the broker does not take is merged into the next."""
         now = time.time()
-        start, tenants = self.meter.take(now)
+        start, jobs = self.meter.take(now)
         busy_now = self.busy()
         busy_s = busy_now - self.reported_busy
-        if not tenants and busy_s <= 0:
+        if not jobs and busy_s <= 0:
             return
         seq = self.seq + 1
-        report = _report(self.service, self.instance, seq, start, now, busy_s, tenants)
+        report = _report(self.service, self.instance, seq, start, now, busy_s, jobs)
         try:
             await publish(
                 self.js,
@@ -166,17 +171,21 @@ class UsageReporter:
             )
         except (NatsError, TimeoutError) as exc:
             log.warning("usage report not published (kept for the next): %s", exc)
-            self.meter.give_back(start, tenants)
+            self.meter.give_back(start, jobs)
             return
         self.seq, self.reported_busy = seq, busy_now
 
 
 @dataclass
 class Bill:
-    """Usage summed per (tenant, service) over the reports read, and each service's measured
-    busy seconds (what the tenants' ``compute_s`` must add up to)."""
+    """Usage summed per (tenant, service) and per (tenant, job, service) over the reports
+    read, and each service's measured busy seconds (what the tenants' ``compute_s`` must add
+    up to)."""
 
     usage: dict[tuple[str, str], Charges] = field(default_factory=lambda: defaultdict(Charges))
+    by_job: dict[tuple[str, str, str], Charges] = field(
+        default_factory=lambda: defaultdict(Charges)
+    )
     busy_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     reports: int = 0
     first: float | None = None
@@ -190,22 +199,31 @@ class Bill:
         )
         self.last = report.period_end if self.last is None else max(self.last, report.period_end)
         for t in report.tenants:
-            self.usage[(t.tenant, report.service)].add(
-                Charges(
-                    t.compute_s,
-                    t.samples,
-                    t.env_steps,
-                    t.act_requests,
-                    t.observations,
-                    t.checkpoint_bytes,
-                )
+            charges = Charges(
+                t.compute_s,
+                t.samples,
+                t.env_steps,
+                t.act_requests,
+                t.observations,
+                t.checkpoint_bytes,
             )
+            self.usage[(t.tenant, report.service)].add(charges)
+            self.by_job[(t.tenant, t.job_id, report.service)].add(charges)
 
     def tenants(self) -> list[str]:
         return sorted({tenant for tenant, _ in self.usage})
 
     def of(self, tenant: str) -> dict[str, Charges]:
+        """The tenant's charges per service."""
         return {service: c for (t, service), c in sorted(self.usage.items()) if t == tenant}
+
+    def jobs_of(self, tenant: str) -> dict[str, dict[str, Charges]]:
+        """The tenant's charges per job, then service."""
+        jobs: dict[str, dict[str, Charges]] = defaultdict(dict)
+        for (t, job_id, service), c in sorted(self.by_job.items()):
+            if t == tenant:
+                jobs[job_id][service] = c
+        return dict(jobs)
 
 
 async def read_bill(

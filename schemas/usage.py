@@ -22,7 +22,7 @@ UsageService = Literal["trainer", "inferencer", "envs"]
 
 
 class TenantUsage(msgspec.Struct, frozen=True):
-    """One tenant's use of one service instance in one period."""
+    """One tenant's use of one service instance in one period, for one of its jobs."""
 
     tenant: str
     #: Seconds of the service's compute charged to the tenant.
@@ -36,6 +36,8 @@ class TenantUsage(msgspec.Struct, frozen=True):
     observations: int = 0
     #: Bytes of checkpoint versions written to the object store.
     checkpoint_bytes: int = 0
+    #: The job the work was for.
+    job_id: str = ""
 
 
 class UsageReport(msgspec.Struct, frozen=True, tag="usage"):

@@ -53,25 +53,27 @@ def prometheus_value(text: str, name: str) -> float:
 
 def test_a_shared_forward_is_split_by_each_tenants_share_and_kept_when_unreported() -> None:
     meter = UsageMeter(period_start=100.0)
-    meter.split(3.0, {"a": 8, "b": 16})
+    meter.split(3.0, {("a", "j1"): 8, ("b", "j2"): 16})
     meter.split(1.0, {})  # nothing shared: nobody is charged
-    meter.charge("a", samples=8, checkpoint_bytes=1000)
+    meter.charge("a", "j1", samples=8, checkpoint_bytes=1000)
     start, taken = meter.take(200.0)
-    assert start == 100.0 and meter.period_start == 200.0 and not meter.tenants
-    assert taken["a"].compute_s == pytest.approx(1.0) and taken["b"].compute_s == pytest.approx(2.0)
-    assert (taken["a"].samples, taken["a"].checkpoint_bytes, taken["b"].samples) == (8, 1000, 0)
-    meter.charge("b", act_requests=2, observations=8)
+    assert start == 100.0 and meter.period_start == 200.0 and not meter.jobs
+    a, b = taken[("a", "j1")], taken[("b", "j2")]
+    assert a.compute_s == pytest.approx(1.0) and b.compute_s == pytest.approx(2.0)
+    assert (a.samples, a.checkpoint_bytes, b.samples) == (8, 1000, 0)
+    meter.charge("b", "j2", act_requests=2, observations=8)
     meter.give_back(start, taken)  # the broker did not take the report: merged into the next
     _, merged = meter.take(300.0)
-    assert merged["b"].compute_s == pytest.approx(2.0) and merged["b"].act_requests == 2
+    assert merged[("b", "j2")].compute_s == pytest.approx(2.0)
+    assert merged[("b", "j2")].act_requests == 2
 
 
 def test_a_bill_adds_reports_per_tenant_and_service_and_checks_them() -> None:
     meter = UsageMeter(period_start=0.0)
-    meter.split(4.0, {"a": 1, "b": 3})
+    meter.split(4.0, {("a", "j1"): 1, ("b", "j2"): 3})
     bill = Bill()
     bill.add(_report("trainer", "t-1", 1, 0.0, 10.0, 4.0, meter.take(10.0)[1]))
-    meter.charge("a", compute_s=0.5, env_steps=40)
+    meter.charge("a", "j3", compute_s=0.5, env_steps=40)
     bill.add(_report("envs", "e-1", 1, 0.0, 10.0, 0.5, meter.take(10.0)[1]))
     document = as_document(bill, {"a": 2_000_000}, None, None)
     assert document["services"] == {
@@ -81,8 +83,11 @@ def test_a_bill_adds_reports_per_tenant_and_service_and_checks_them() -> None:
     a = document["tenants"]["a"]
     assert a["services"]["trainer"]["compute_s"] == pytest.approx(1.0)
     assert a["services"]["envs"]["env_steps"] == 40 and a["checkpoint_bytes_stored"] == 2_000_000
+    assert a["jobs"]["j1"]["trainer"]["compute_s"] == pytest.approx(1.0)
+    assert a["jobs"]["j3"]["envs"]["env_steps"] == 40 and set(a["jobs"]) == {"j1", "j3"}
     text = render(document)
     assert "a                      trainer" in text and "25.0%" in text and "100.0%" in text
+    assert "a                      j3 envs" in render(document, by_job=True)
     only_b = as_document(bill, {}, None, "b")
     assert list(only_b["tenants"]) == ["b"]
 
@@ -168,6 +173,7 @@ async def test_two_tenants_usage_is_reported_and_reconciles_with_the_services_bu
 
     sft = bill.of(sft_tenant)
     assert set(sft) == {"trainer"}  # streaming a dataset runs no simulator, asks no inferencer
+    assert bill.jobs_of(sft_tenant) == {sft_job.job_id: sft}  # one job: its lines are the same
     assert sft["trainer"].samples == 10 * 8 and sft["trainer"].compute_s > 0
     assert sft["trainer"].checkpoint_bytes > 0
     rl = bill.of(rl_tenant)

@@ -253,7 +253,7 @@ async def run_sessions(
         obs, seconds = await meter.simulate(partial(adapter.reset, seed))
         stats.resets += 1
         stats.reset_s += seconds
-        meter.usage.charge(tenant, compute_s=seconds)
+        meter.usage.charge(tenant, job_id, compute_s=seconds)
         sessions.append(Session(index, adapter, obs, started_ns=started_ns))
     t = 0
     while live := [s for s in sessions if not s.done]:
@@ -289,7 +289,7 @@ async def run_sessions(
                 session.ended_ns = time.time_ns()
         stats.steps += steps
         stats.step_s += seconds
-        meter.usage.charge(tenant, compute_s=seconds, env_steps=steps)
+        meter.usage.charge(tenant, job_id, compute_s=seconds, env_steps=steps)
         stats.step_calls += 1
         stats.step_s2 += seconds * seconds
         t += 1

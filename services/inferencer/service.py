@@ -346,12 +346,13 @@ class Inferencer:
             self.batch_fit.add(stats.observations, stats.seconds)
         self.forwards += stats.forwards
         self.batch_s += stats.seconds
-        shares: Counter[str] = Counter()
+        shares: Counter[tuple[str, str]] = Counter()
         for p, outcome in zip(batch, outcomes, strict=True):
-            shares[p.work.request.tenant] += p.observations
+            request = p.work.request
+            shares[(request.tenant, request.job_id)] += p.observations
             if outcome.error is None:
                 self.usage.charge(
-                    p.work.request.tenant, act_requests=1, observations=p.observations
+                    request.tenant, request.job_id, act_requests=1, observations=p.observations
                 )
         self.usage.split(stats.seconds, shares)
         if self.rt.stop.is_set():

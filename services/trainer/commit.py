@@ -278,7 +278,7 @@ class Committer:
         trace.get_current_span().set_attributes(
             {"joynexus.version": record.version, "joynexus.step": record.step}
         )
-        self.usage.charge(job.spec.tenant, checkpoint_bytes=len(frozen.data))
+        self.usage.charge(job.spec.tenant, job.spec.job_id, checkpoint_bytes=len(frozen.data))
         if at.save_as is not None:
             if job.save_as == at.save_as:
                 job.save_as = None  # the session's calls may go on

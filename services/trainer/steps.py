@@ -133,9 +133,9 @@ class Stepper:
         self.compute_s += compute_s
         self.sft_fit.add(sum(r.actions_B_C_A.shape[0] for r in requests), compute_s)
         usage = self.trainer.usage
-        shares: Counter[str] = Counter()
+        shares: Counter[tuple[str, str]] = Counter()
         for (_, _, job), request in zip(accepted, requests, strict=True):
-            shares[job.spec.tenant] += request.actions_B_C_A.shape[0]
+            shares[(job.spec.tenant, job.spec.job_id)] += request.actions_B_C_A.shape[0]
         usage.split(compute_s, shares)
         # How many of the round's batches each backbone forward took (one per group key).
         sharing = Counter(r.inputs.key for r in requests)
@@ -158,7 +158,8 @@ class Stepper:
                 continue
             if isinstance(batch, ForwardBackward):
                 if not isinstance(result, Exception):
-                    usage.charge(job.spec.tenant, samples=request.actions_B_C_A.shape[0])
+                    samples = request.actions_B_C_A.shape[0]
+                    usage.charge(job.spec.tenant, job.spec.job_id, samples=samples)
                 self.book_call(msg, batch, job, result, sharing[request.inputs.key])
                 calls.append((msg, batch, job))
                 continue
@@ -177,7 +178,7 @@ class Stepper:
             job.held.append((msg, None))
             samples = request.actions_B_C_A.shape[0]
             self.samples += samples
-            usage.charge(job.spec.tenant, samples=samples)
+            usage.charge(job.spec.tenant, job.spec.job_id, samples=samples)
             job.metrics = {
                 "loss": result.loss,
                 "grad_norm": result.grad_norm,
@@ -275,9 +276,11 @@ class Stepper:
         self.compute_s += compute_s
         steps = sum(b.rewards.shape[0] for it in iterations for b in it.episodes)
         self.rl_fit.add(steps, compute_s)
-        shares: Counter[str] = Counter()
+        shares: Counter[tuple[str, str]] = Counter()
         for job, it in zip(ready, iterations, strict=True):
-            shares[job.spec.tenant] += sum(b.rewards.shape[0] for b in it.episodes)
+            shares[(job.spec.tenant, job.spec.job_id)] += sum(
+                b.rewards.shape[0] for b in it.episodes
+            )
         trainer.usage.split(compute_s, shares)
         events = []
         for job in ready:
@@ -312,7 +315,7 @@ class Stepper:
             job.metrics = result
             learned = int(result.get("episode_length", 0) * result.get("episodes", 0))
             self.samples += learned
-            trainer.usage.charge(job.spec.tenant, samples=learned)
+            trainer.usage.charge(job.spec.tenant, job.spec.job_id, samples=learned)
             events.append(self.progress(job, job.batches_done, time.time()))
         await self.announce(events)
 
