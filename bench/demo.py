@@ -35,13 +35,22 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from bench import scenario
-from bench.demo_results import CURVE_METRICS, JobTrace, PhaseRun, print_table, summarise
+from bench.demo_results import (
+    CURVE_METRICS,
+    JobTrace,
+    PhaseRun,
+    print_bills,
+    print_table,
+    summarise,
+    tenant_bills,
+)
 from bench.gauges import SERVICES, Sampler
 from bench.scenario import Budget, DemoConfig, DemoTenant, config_of
 from bus.codec import DecodeError, decode, encode
 from bus.connect import connect
 from bus.identity import OPERATOR_NAME
 from bus.local import StackInfo
+from bus.usage import Bill, read_bill
 from clients.sdk import Client, Job
 from schemas import subjects
 from schemas.envctl import PREWARMED_DECODER, EnvPrewarmed, PrewarmEnv
@@ -56,6 +65,8 @@ log = logging.getLogger(__name__)
 PHASES = ("isolated", "shared")
 #: A worker builds the sessions one at a time (ManiSkill: 1-6 s each).
 PREWARM_TIMEOUT_S = 300.0
+#: How often the roles report their usage per job during the demo (seconds).
+USAGE_REPORT_S = 1.0
 
 
 class Progressor:
@@ -245,7 +256,7 @@ async def prewarm(
 
 async def run_phases(
     config: DemoConfig, info: StackInfo, data: Path
-) -> tuple[dict[str, PhaseRun], Sampler, dict[str, int]]:
+) -> tuple[dict[str, PhaseRun], Sampler, dict[str, int], Bill]:
     budget = config.budget
     tenants = list(scenario.TENANTS)
     progress = Progressor(budget, sys.stdout.isatty())
@@ -295,7 +306,9 @@ async def run_phases(
             await measured(sampler, phases["shared"], instances, together)
             progress.show(force=True)
             progress.end_line()
-            return phases, sampler, instances
+            # Each role reports its usage every USAGE_REPORT_S: wait for the last reports.
+            await asyncio.sleep(2 * USAGE_REPORT_S)
+            return phases, sampler, instances, await read_bill(nc.jetstream())
     finally:
         sampler.stop()
         await sampling
@@ -327,7 +340,10 @@ def run(config: DemoConfig) -> int:
         tenants=tuple(t.name for t in scenario.TENANTS),
         roles={"master": 1, "trainer": 1, "inferencer": 1, "envs": config.env_workers, "health": 1},
         # Twice a second: the utilisation timeline's resolution.
-        extra_env={"JOYNEXUS_HEARTBEAT_INTERVAL_S": "0.5"},
+        extra_env={
+            "JOYNEXUS_HEARTBEAT_INTERVAL_S": "0.5",
+            "JOYNEXUS_USAGE_REPORT_S": str(USAGE_REPORT_S),
+        },
     )
     try:
         info = stack.start_server()
@@ -340,11 +356,12 @@ def run(config: DemoConfig) -> int:
             if missing:
                 print(f"roles did not come up: {missing}; see {config.home}/logs", file=sys.stderr)
                 return 1
-            phases, sampler, instances = asyncio.run(run_phases(config, info, data))
+            phases, sampler, instances, bill = asyncio.run(run_phases(config, info, data))
     finally:
         stack.stop()
     write_raw(phases, sampler, config.out_dir / "raw.json")
     result = summarise(config, phases)
+    result["usage"] = tenant_bills(bill, phases)
     from bench import demo_costs, report
 
     costs = demo_costs.measure(phases, instances, budget)
@@ -356,6 +373,7 @@ def run(config: DemoConfig) -> int:
     report.write(result, phases, sampler, report_path)
     result["report"] = str(report_path)
     print_table(result)
+    print_bills(result["usage"])
     print(f"\nreport: {report_path}\ncosts (for `joynexus simulate --costs`): {costs_path}")
     if config.json_path:
         config.json_path.parent.mkdir(parents=True, exist_ok=True)

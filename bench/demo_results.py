@@ -11,6 +11,7 @@ from typing import Any
 from bench import scenario
 from bench.gauges import SERVICES
 from bench.scenario import DemoConfig, DemoTenant
+from bus.usage import Bill
 
 #: The per-iteration (RL) or per-step (SFT) metrics compared between the two phases.
 CURVE_METRICS = {"rl": ("return_mean", "policy_loss", "episode_length"), "sft": ("loss",)}
@@ -273,3 +274,34 @@ def print_table(result: dict[str, Any]) -> None:
             f"{w['act_in_inferencer_ms']:>15.1f}{w['act_forward_ms']:>9.1f}"
             f"{w['observations_per_forward']:>13.1f}"
         )
+
+
+def tenant_bills(bill: Bill, phases: dict[str, PhaseRun]) -> list[dict[str, Any]]:
+    """Each tenant's compute seconds per service, as the services charged them
+    (:mod:`bus.usage`), for its job alone and for its job shared."""
+    rows = []
+    for name, alone in phases["isolated"].jobs.items():
+        jobs = bill.jobs_of(name)
+        row: dict[str, Any] = {"tenant": name}
+        for label, trace in (("alone", alone), ("shared", phases["shared"].jobs[name])):
+            row[label] = {s: c.compute_s for s, c in jobs.get(trace.job_id, {}).items()}
+        rows.append(row)
+    return rows
+
+
+def print_bills(rows: list[dict[str, Any]]) -> None:
+    print()
+    print("compute charged to each tenant's job (joynexus usage --by-job), seconds alone / shared")
+    print(f"{'tenant':<15}{'trainer':>16}{'inferencer':>16}{'envs':>16}{'total':>16}")
+    for row in rows:
+        cells = []
+        for service in ("trainer", "inferencer", "envs"):
+            alone, shared = row["alone"].get(service, 0.0), row["shared"].get(service, 0.0)
+            cells.append(f"{alone:>7.2f} /{shared:>6.2f}")
+        total = (sum(row["alone"].values()), sum(row["shared"].values()))
+        cells.append(f"{total[0]:>7.2f} /{total[1]:>6.2f}")
+        print(f"{row['tenant']:<15}" + "".join(f"{c:>16}" for c in cells))
+    print(
+        "(the seconds each service measured, split by each job's share of the work it shared; "
+        "where the roles contend for few cores the same work takes longer shared)"
+    )

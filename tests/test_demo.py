@@ -72,6 +72,15 @@ def test_the_quick_demo_measures_shared_against_isolated(demo: tuple[dict, Path,
         assert tenant["final_metric"] == pytest.approx(
             sum(curve[-10:]) / len(curve[-10:]) if tenant["kind"] == "sft" else curve[-1]
         )
+    # What each tenant's job was charged, alone and shared (the usage reports, per job).
+    bills = {row["tenant"]: row for row in result["usage"]}
+    assert list(bills) == names
+    for tenant in result["tenants"]:
+        services = {"trainer", "inferencer", "envs"} if tenant["kind"] == "rl" else {"trainer"}
+        for phase in ("alone", "shared"):
+            charged = bills[tenant["name"]][phase]
+            assert set(charged) == services, (tenant["name"], phase, charged)
+            assert all(seconds > 0 for seconds in charged.values())
 
 
 @pytest.mark.maniskill
