@@ -63,9 +63,7 @@ def as_document(
     bill: Bill, stored: dict[str, int], since: float | None, tenant: str | None
 ) -> dict[str, Any]:
     tenants = [tenant] if tenant else sorted(set(bill.tenants()) | set(stored))
-    charged: dict[str, float] = {}
-    for (_, service), charges in bill.usage.items():
-        charged[service] = charged.get(service, 0.0) + charges.compute_s
+    charged = bill.charged_s()
     document = {
         "since": since if since is not None else bill.first,
         "until": bill.last,

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 
+import msgspec
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -51,6 +52,16 @@ class Charges:
     def add(self, other: Charges) -> None:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    @classmethod
+    def of(cls, usage: TenantUsage) -> Charges:
+        """The charges a report line holds."""
+        return cls(**{f.name: getattr(usage, f.name) for f in fields(cls)})
+
+    def line(self, tenant: str, job_id: str) -> TenantUsage:
+        """These charges as a report line (counts as integers)."""
+        counts = {f.name: int(getattr(self, f.name)) for f in fields(self) if f.name != "compute_s"}
+        return TenantUsage(tenant, self.compute_s, job_id=job_id, **counts)
 
 
 #: Who is charged: (tenant, job id).
@@ -108,19 +119,7 @@ def _report(
         start,
         end,
         busy_s,
-        [
-            TenantUsage(
-                tenant,
-                c.compute_s,
-                int(c.samples),
-                int(c.env_steps),
-                int(c.act_requests),
-                int(c.observations),
-                int(c.checkpoint_bytes),
-                job_id,
-            )
-            for (tenant, job_id), c in sorted(jobs.items())
-        ],
+        [c.line(tenant, job_id) for (tenant, job_id), c in sorted(jobs.items())],
     )
 
 
@@ -178,11 +177,9 @@ class UsageReporter:
 
 @dataclass
 class Bill:
-    """Usage summed per (tenant, service) and per (tenant, job, service) over the reports
-    read, and each service's measured busy seconds (what the tenants' ``compute_s`` must add
-    up to)."""
+    """Usage summed per (tenant, job, service) over the reports read, and each service's
+    measured busy seconds (what the tenants' ``compute_s`` must add up to)."""
 
-    usage: dict[tuple[str, str], Charges] = field(default_factory=lambda: defaultdict(Charges))
     by_job: dict[tuple[str, str, str], Charges] = field(
         default_factory=lambda: defaultdict(Charges)
     )
@@ -199,23 +196,25 @@ class Bill:
         )
         self.last = report.period_end if self.last is None else max(self.last, report.period_end)
         for t in report.tenants:
-            charges = Charges(
-                t.compute_s,
-                t.samples,
-                t.env_steps,
-                t.act_requests,
-                t.observations,
-                t.checkpoint_bytes,
-            )
-            self.usage[(t.tenant, report.service)].add(charges)
-            self.by_job[(t.tenant, t.job_id, report.service)].add(charges)
+            self.by_job[(t.tenant, t.job_id, report.service)].add(Charges.of(t))
 
     def tenants(self) -> list[str]:
-        return sorted({tenant for tenant, _ in self.usage})
+        return sorted({tenant for tenant, _, _ in self.by_job})
 
     def of(self, tenant: str) -> dict[str, Charges]:
-        """The tenant's charges per service."""
-        return {service: c for (t, service), c in sorted(self.usage.items()) if t == tenant}
+        """The tenant's charges per service, over its jobs."""
+        services: dict[str, Charges] = defaultdict(Charges)
+        for (t, _, service), c in sorted(self.by_job.items()):
+            if t == tenant:
+                services[service].add(c)
+        return dict(sorted(services.items()))
+
+    def charged_s(self) -> dict[str, float]:
+        """Compute seconds charged per service, over every tenant."""
+        charged: dict[str, float] = defaultdict(float)
+        for (_, _, service), c in self.by_job.items():
+            charged[service] += c.compute_s
+        return dict(charged)
 
     def jobs_of(self, tenant: str) -> dict[str, dict[str, Charges]]:
         """The tenant's charges per job, then service."""
@@ -278,20 +277,10 @@ async def read_bill(
 
 
 def _add_for(bill: Bill, report: UsageReport, tenant: str | None) -> None:
-    if tenant is None:
-        bill.add(report)
-        return
-    bill.add(
-        UsageReport(
-            report.service,
-            report.instance,
-            report.seq,
-            report.period_start,
-            report.period_end,
-            report.busy_s,
-            [t for t in report.tenants if t.tenant == tenant],
-        )
-    )
+    if tenant is not None:
+        lines = [t for t in report.tenants if t.tenant == tenant]
+        report = msgspec.structs.replace(report, tenants=lines)
+    bill.add(report)
 
 
 def stored_checkpoint_bytes(names_and_sizes: Iterable[tuple[str, int]]) -> dict[str, int]:

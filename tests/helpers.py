@@ -109,3 +109,19 @@ def server_without_jetstream(port: int) -> subprocess.Popen[bytes]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+async def joynexus(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60.0
+) -> subprocess.CompletedProcess[str]:
+    """``joynexus ARGS`` (``python -m bench.cli``) in a worker thread; its output captured."""
+    return await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "bench.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=env,
+    )

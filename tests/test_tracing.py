@@ -26,7 +26,7 @@ from bus.server import EmbeddedServer
 from clients.sdk import Client
 from schemas.trace import SpanRecord
 from tests.conftest import Procs
-from tests.helpers import ROOT, eventually, print_log_tails, start_service, uid
+from tests.helpers import ROOT, eventually, joynexus, print_log_tails, start_service, uid
 from tests.sft_helpers import OFT_2D, record_datasets, registered, sft_spec
 from tests.test_rl import rl_spec
 
@@ -302,25 +302,8 @@ async def test_an_sft_and_an_rl_job_are_each_one_trace_across_the_services(
     assert acts
 
     # The command draws it.
-    out = await asyncio.to_thread(
-        subprocess.run,
-        [
-            sys.executable,
-            "-m",
-            "bench.cli",
-            "trace",
-            rl_tenant,
-            rl_job.job_id,
-            "--trace-file",
-            str(path),
-            "--max-spans",
-            "40",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    out = await joynexus(
+        "trace", rl_tenant, rl_job.job_id, "--trace-file", str(path), "--max-spans", "40"
     )
     print(out.stdout)  # shown with -s, or when an assertion below fails
     assert out.returncode == 0, out.stderr

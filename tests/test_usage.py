@@ -9,8 +9,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +22,7 @@ from bus.server import EmbeddedServer
 from bus.usage import Bill, UsageMeter, _report, read_bill
 from clients.sdk import Client
 from tests.conftest import Procs
-from tests.helpers import ROOT, print_log_tails, start_service, uid
+from tests.helpers import joynexus, print_log_tails, start_service, uid
 from tests.sft_helpers import OFT_2D, record_datasets, registered, sft_spec
 from tests.test_rl import rl_spec
 
@@ -141,16 +139,7 @@ async def test_two_tenants_usage_is_reported_and_reconciles_with_the_services_bu
             )
             assert (await sft_job.wait(180)).status == "succeeded"
             assert (await rl_job.wait(180)).status == "succeeded"
-        top = await asyncio.to_thread(
-            subprocess.run,
-            [sys.executable, "-m", "bench.cli", "top", "--url", url, "--once"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-            env={**os.environ, "COLUMNS": "200"},
-        )
+        top = await joynexus("top", "--url", url, "--once", env={**os.environ, "COLUMNS": "200"})
         print(top.stdout)
         assert top.returncode == 0, top.stderr
         for shown in (sft_job.job_id, rl_job.job_id, "10/10", "1/1", "succeeded", "inferencer"):
@@ -183,7 +172,7 @@ async def test_two_tenants_usage_is_reported_and_reconciles_with_the_services_bu
     assert rl["trainer"].samples > 0 and rl["trainer"].checkpoint_bytes > 0
     # Reconciled: what the tenants were charged is what each service measured itself.
     for service in ("trainer", "inferencer", "envs"):
-        charged = sum(c.compute_s for (_, s), c in bill.usage.items() if s == service)
+        charged = bill.charged_s()[service]
         assert charged == pytest.approx(bill.busy_s[service], rel=1e-6, abs=1e-9), service
         assert bill.busy_s[service] > 0
 
@@ -198,28 +187,12 @@ async def test_two_tenants_usage_is_reported_and_reconciles_with_the_services_bu
     assert f'joynexus_tenant="{rl_tenant}"' in scraped["inferencer"]
     assert prometheus_value(scraped["inferencer"], "joynexus_act_latency_seconds_count") > 0
 
-    out = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "bench.cli", "usage", "--url", url, "--json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    out = await joynexus("usage", "--url", url, "--json")
     assert out.returncode == 0, out.stderr
     document = json.loads(out.stdout)
     assert document["tenants"][sft_tenant]["services"]["trainer"]["samples"] == 80
     assert document["tenants"][sft_tenant]["checkpoint_bytes_stored"] > 0
-    table = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "bench.cli", "usage", "--url", url, "--tenant", rl_tenant],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    table = await joynexus("usage", "--url", url, "--tenant", rl_tenant)
     print(out.stdout, table.stdout)
     assert table.returncode == 0, table.stderr
     assert rl_tenant in table.stdout and sft_tenant not in table.stdout
