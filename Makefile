@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-stack test-slow lint fmt bench-grouping clean
+.PHONY: demo test test-stack test-compose test-slow lint fmt bench-grouping clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -19,10 +19,16 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/joynexus demo
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow and not stack and not heavy" -q --durations=25
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow and not stack and not heavy and not compose" -q --durations=25
 
 test-stack: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "(stack or heavy) and not slow" -q --durations=15
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "(stack or heavy) and not slow and not compose" -q --durations=15
+
+# docker compose for real: an engine (installed and started when absent), the images built
+# offline, the stack up, an SFT job through it, a role killed and restarted.
+test-compose: $(STAMP)
+	bash scripts/docker-engine.sh
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m compose -q --durations=5
 
 test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m slow -q

@@ -68,8 +68,10 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _tenant(args: argparse.Namespace) -> int:
-    """``joynexus tenant add|list|rotate|revoke|set``: change the home's registry, then
+    """``joynexus tenant add|list|rotate|revoke|set|sync``: change the home's registry, then
     apply it to the running stack (reload + tenants KV + bucket) if one runs there."""
+    from nats.errors import Error as NatsError
+
     from bus import tenantadmin
     from bus.auth import load_registry
     from bus.local import read_stack_info
@@ -113,6 +115,14 @@ def _tenant(args: argparse.Namespace) -> int:
     except (tenantadmin.TenantAdminError, ValueError) as exc:
         print(f"joynexus tenant {op}: {exc}", file=sys.stderr)
         return 2
+    except (NatsError, OSError, TimeoutError) as exc:
+        print(
+            f"joynexus tenant {op}: saved in {home}, but the bus at {url} was not reached "
+            f"({type(exc).__name__}: {exc}); `joynexus tenant sync --url URL` writes it "
+            "once the bus answers",
+            file=sys.stderr,
+        )
+        return 1
     if applied.reloaded:
         print("the local stack's server reloaded its authorization config")
     else:
@@ -463,6 +473,7 @@ def add_operator_commands(sub: Subcommands) -> None:
         ("revoke", "revoke a tenant (its connections are closed; its data is kept)"),
         ("set", "change a tenant's limits"),
         ("server-limits", "change the per-connection limits (the same for every identity)"),
+        ("sync", "apply the registry again: reload the server, write records and buckets"),
     ):
         tp = add_command(tsub, name, _tenant, home=True, help=summary)
         tp.add_argument(
@@ -476,7 +487,7 @@ def add_operator_commands(sub: Subcommands) -> None:
                 ("--max-connections", "connections on the server (0 = unlimited)"),
             ):
                 tp.add_argument(flag, type=int, help=what)
-        if name not in ("list", "init", "server-limits"):
+        if name not in ("list", "init", "server-limits", "sync"):
             tp.add_argument("name", help="tenant id")
         if name in ("add", "set"):
             for flag, what in (

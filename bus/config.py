@@ -48,6 +48,11 @@ class BusConfig(BaseModel):
         "opentelemetry-exporter-prometheus).",
     )
     metrics_host: str = Field("127.0.0.1", description="Address the metrics endpoint binds.")
+    health_file: str | None = Field(
+        None,
+        description="Touch this file at each heartbeat the bus took (a container's health "
+        "check reads its age: python -m bus.liveness FILE).",
+    )
     trace_file: str | None = Field(
         None,
         description="Append this process's finished spans to this JSON-lines file "

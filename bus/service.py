@@ -40,7 +40,7 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from bus import stopping
+from bus import liveness, stopping
 from bus.codec import DecodeError, decode, encode
 from bus.config import BusConfig
 from bus.connect import connect
@@ -206,6 +206,9 @@ async def _heartbeat_loop(rt: Runtime) -> None:
         except (NatsError, OSError, TimeoutError) as exc:
             # A broker restart must not kill the service; the next tick retries.
             log.warning("heartbeat failed: %s", exc)
+        else:
+            if rt.config.health_file:
+                liveness.mark_alive(rt.config.health_file)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(rt.stop.wait(), rt.config.heartbeat_interval_s)
 

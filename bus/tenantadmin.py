@@ -33,6 +33,7 @@ from bus.auth import (
 )
 from bus.codec import encode
 from bus.connect import connect
+from bus.declare import BusLayout, declare
 from bus.identity import CREDS_DIR, OPERATOR_NAME, creds_path, new_identity, write_creds
 from bus.server import auth_file, reload_running, running_pid, write_auth_file
 from schemas import subjects as s
@@ -283,6 +284,9 @@ async def apply(
         max_reconnect_attempts=2,
     )
     try:
+        # The layout first: a bus whose services have not started yet (compose's, right
+        # after `up`) has no tenants KV; declaring is idempotent and safe beside them.
+        await declare(nc.jetstream(), BusLayout(replicas=replicas))
         await sync_bus(nc, registry, replicas)
     finally:
         await nc.close()

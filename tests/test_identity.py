@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import stat
 import subprocess
 import sys
@@ -20,7 +21,10 @@ from bus.auth import (
     reply_allowed,
     save_registry,
 )
+from bus.connect import connect
 from bus.identity import IdentityError, load_creds, new_identity, write_creds
+from bus.server import EmbeddedServer, free_port
+from schemas import subjects
 from schemas.ids import InvalidIdError
 from schemas.tenants import TenantLimits
 
@@ -146,3 +150,45 @@ def test_services_answer_only_into_inboxes() -> None:
     assert not reply_allowed("_INBOX_alicex.abc", "alice")
     assert not reply_allowed("nexus.event.alice.j.state", "bob")
     assert not reply_allowed("nexus.job.alice.cancel")
+
+
+def test_tenant_add_writes_to_a_bus_before_its_services_start_or_says_it_was_not_reached(
+    tmp_path: Path, fresh_server: EmbeddedServer
+) -> None:
+    """compose's order: NATS is up, the roles have not declared the layout yet; and a bus
+    that does not answer is named with the command that finishes the job later."""
+    joynexus = str(Path(sys.executable).parent / "joynexus")
+    home = tmp_path / "home"
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [joynexus, "tenant", *args, "--home", str(home)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    added = run("add", "acme", "--url", fresh_server.url)
+    assert added.returncode == 0, added.stderr
+    assert f"tenant records and buckets written to {fresh_server.url}" in added.stdout
+
+    async def records() -> tuple[bytes, list[str]]:
+        nc = await connect(fresh_server.url)
+        try:
+            js = nc.jetstream()
+            entry = await (await js.key_value(subjects.KV_TENANTS)).get("acme")
+            assert entry.value is not None
+            return entry.value, [info.config.name for info in await js.streams_info()]
+        finally:
+            await nc.close()
+
+    record, streams = asyncio.run(records())
+    assert b"acme" in record and "OBJ_data-acme" in streams and "KV_tenants" in streams
+
+    dead = f"nats://127.0.0.1:{free_port()}"
+    unreached = run("add", "bob", "--url", dead)
+    assert unreached.returncode == 1
+    assert f"saved in {home}, but the bus at {dead} was not reached" in unreached.stderr
+    assert "joynexus tenant sync --url URL" in unreached.stderr
+    synced = run("sync", "--url", fresh_server.url)
+    assert synced.returncode == 0, synced.stderr
