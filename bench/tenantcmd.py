@@ -58,7 +58,7 @@ def _tenant(args: argparse.Namespace) -> int:
             print(f"tenant {args.name}: {limits}")
         info = read_stack_info(home)
         url = args.url or (info.url if info and info.auth else None)
-        replicas = info.replicas if info else 1
+        replicas = args.replicas or (info.replicas if info else 1)
         applied = asyncio.run(tenantadmin.apply(home, url, replicas=replicas))
     except (tenantadmin.TenantAdminError, ValueError) as exc:
         print(f"joynexus tenant {op}: {exc}", file=sys.stderr)
@@ -97,6 +97,13 @@ def add_tenant_commands(sub: Subcommands) -> None:
         tp = add_command(tsub, name, _tenant, home=True, help=summary)
         tp.add_argument(
             "--url", help="also write tenant records and buckets to this bus (as the operator)"
+        )
+        tp.add_argument(
+            "--replicas",
+            type=int,
+            choices=(1, 3, 5),
+            help="replicas of a new bucket (default: the local stack's; 3 for compose's "
+            "cluster profile)",
         )
         if name == "server-limits":
             for flag, what in (

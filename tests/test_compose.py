@@ -1,7 +1,8 @@
 """`docker compose up` for real: the images built the offline way (scripts/compose-images.sh),
 the stack of compose.yaml started, an SFT job submitted from the host with the SDK as a
 tenant, a role's process killed and restarted by the restart policy, the job finished; and
-the cluster profile's three NATS nodes forming one JetStream cluster.
+the cluster profile's three NATS nodes forming one JetStream cluster, a tenant's bucket on it
+replicated three times.
 
 Marker ``compose`` (``make test-compose``; .ci/run runs it last, after
 scripts/docker-engine.sh has made an engine reachable). Everything runs under a compose
@@ -307,3 +308,15 @@ async def test_cluster_profile_forms_one_jetstream_cluster(project: Project) -> 
             await nc.close()
 
     await eventually(declared, timeout=90, interval=2, what="an R3 stream with a leader")
+
+    tenant = uid("acme")
+    added = await joynexus(
+        "tenant", "add", tenant, "--home", str(project.home), "--url", url, "--replicas", "3"
+    )
+    assert added.returncode == 0, added.stdout + added.stderr
+    nc = await connect(url, creds=project.home / "creds" / "service.creds")
+    try:
+        bucket = await nc.jetstream().stream_info(f"OBJ_data-{tenant}")
+        assert bucket.config.num_replicas == 3
+    finally:
+        await nc.close()
