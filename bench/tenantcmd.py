@@ -27,6 +27,7 @@ def _tenant(args: argparse.Namespace) -> int:
 
     home = home_of(args)
     op = args.tenant_cmd
+    url: str | None = None
     try:
         if op == "list":
             print("\n".join(tenantadmin.describe(load_registry(home))))
@@ -64,6 +65,9 @@ def _tenant(args: argparse.Namespace) -> int:
         print(f"joynexus tenant {op}: {exc}", file=sys.stderr)
         return 2
     except (NatsError, OSError, TimeoutError) as exc:
+        if url is None:  # the home itself (its files), before any bus was asked
+            print(f"joynexus tenant {op}: {exc}", file=sys.stderr)
+            return 1
         print(
             f"joynexus tenant {op}: saved in {home}, but the bus at {url} was not reached "
             f"({type(exc).__name__}: {exc}); `joynexus tenant sync --url URL` writes it "

@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nats.errors import Error as NatsError
@@ -115,18 +116,17 @@ class Project:
         return self.run("ps", "-q").stdout.split()
 
 
-def inspect(container: str) -> dict[str, object]:
+def docker_inspect(container: str) -> dict[str, Any]:
+    """``docker inspect``'s record of one container (State, RestartCount, NetworkSettings)."""
     out = subprocess.run(
         ["docker", "inspect", container], capture_output=True, text=True, check=True
     )
-    state: dict[str, object] = json.loads(out.stdout)[0]
-    return state
+    record: dict[str, Any] = json.loads(out.stdout)[0]
+    return record
 
 
 def health(container: str) -> str:
-    state = inspect(container)["State"]
-    assert isinstance(state, dict)
-    return str(state.get("Health", {}).get("Status", "none"))
+    return str(docker_inspect(container)["State"].get("Health", {}).get("Status", "none"))
 
 
 @pytest.fixture
@@ -227,24 +227,20 @@ async def test_compose_stack_trains_sft_and_restarts_a_killed_role(
         assert await asyncio.wait_for(step_reached(10), 300), "the job ended before step 10"
 
         trainer = project.container("trainer")
-        before = inspect(trainer)
-        state = before["State"]
-        assert isinstance(state, dict)
+        before = docker_inspect(trainer)
         # SIGKILL from the host to the container's process: a crash, not `docker kill`
         # (which compose's restart policy counts as a manual stop and leaves stopped).
-        os.kill(int(state["Pid"]), signal.SIGKILL)
+        os.kill(int(before["State"]["Pid"]), signal.SIGKILL)
         killed_at = time.monotonic()
         job_record = await client.status(tenant, job.job_id)
         assert job_record is not None and job_record.status == "running", "killed too late"
 
         def restarted() -> bool:
-            after = inspect(trainer)
-            state = after["State"]
-            assert isinstance(state, dict)
+            after = docker_inspect(trainer)
             return bool(
-                int(str(after["RestartCount"])) > int(str(before["RestartCount"]))
-                and state["Running"]
-                and state["Pid"] != before["State"]["Pid"]  # type: ignore[index]
+                after["RestartCount"] > before["RestartCount"]
+                and after["State"]["Running"]
+                and after["State"]["Pid"] != before["State"]["Pid"]
             )
 
         await eventually(
@@ -278,8 +274,8 @@ async def test_cluster_profile_forms_one_jetstream_cluster(project: Project) -> 
     containers = [project.container(node) for node in nodes]
 
     def address(container: str) -> str:
-        networks = inspect(container)["NetworkSettings"]["Networks"]  # type: ignore[index]
-        return str(next(iter(networks.values()))["IPAddress"])  # type: ignore[union-attr]
+        networks = docker_inspect(container)["NetworkSettings"]["Networks"]
+        return str(next(iter(networks.values()))["IPAddress"])
 
     url = ",".join(f"nats://{address(c)}:4222" for c in containers)
     await eventually(
