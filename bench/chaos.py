@@ -53,7 +53,8 @@ from schemas import subjects
 from schemas.health import HEARTBEAT_DECODER
 from services.envs.datasets import record
 from services.envs.sims import REACH2D_ID
-from services.launcher import LocalStack, wait_healthy
+from services.launcher import LocalStack
+from services.stackops import wait_healthy
 
 #: The roles a kill picks from (the health manager is left to watch them).
 TARGETS = ("trainer", "inferencer", "envs", "master")

@@ -105,9 +105,9 @@ async def _queues(args: argparse.Namespace) -> int:
 
 
 def _scale(args: argparse.Namespace) -> int:
-    from services import launcher
+    from services import stackops
 
-    return int(launcher.request_scale(home_of(args), args.role, args.count))
+    return int(stackops.request_scale(home_of(args), args.role, args.count))
 
 
 def _demo(args: argparse.Namespace) -> int:

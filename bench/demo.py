@@ -58,7 +58,8 @@ from schemas.events import PolicyPublished, Progress, Rejected, StateChanged
 from schemas.jobs import TERMINAL_STATUSES
 from services.envs.datasets import record
 from services.envs.sims import REACH2D_ID
-from services.launcher import LocalStack, wait_healthy
+from services.launcher import LocalStack
+from services.stackops import wait_healthy
 
 log = logging.getLogger(__name__)
 
