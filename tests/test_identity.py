@@ -6,6 +6,7 @@ import asyncio
 import stat
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import msgspec
@@ -107,17 +108,18 @@ def test_registry_rejects_unknown_fields(tmp_path: Path) -> None:
         load_registry(tmp_path)
 
 
+def tenant_command(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``joynexus tenant ARGS --home HOME`` as the operator runs it; output captured."""
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "joynexus"), "tenant", *args, "--home", str(home)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_tenant_commands_on_a_stopped_home(tmp_path: Path) -> None:
-    joynexus = str(Path(sys.executable).parent / "joynexus")
-
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [joynexus, "tenant", *args, "--home", str(tmp_path)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-
+    run = partial(tenant_command, tmp_path)
     added = run("add", "acme", "--max-jobs", "2", "--max-storage", "5000")
     assert added.returncode == 0, added.stderr
     assert str(tmp_path / "creds" / "acme.creds") in added.stdout
@@ -157,22 +159,13 @@ def test_tenant_add_writes_to_a_bus_before_its_services_start_or_says_it_was_not
 ) -> None:
     """compose's order: NATS is up, the roles have not declared the layout yet; and a bus
     that does not answer is named with the command that finishes the job later."""
-    joynexus = str(Path(sys.executable).parent / "joynexus")
     home = tmp_path / "home"
-
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [joynexus, "tenant", *args, "--home", str(home)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-
+    run = partial(tenant_command, home)
     added = run("add", "acme", "--url", fresh_server.url)
     assert added.returncode == 0, added.stderr
     assert f"tenant records and buckets written to {fresh_server.url}" in added.stdout
 
-    async def records() -> tuple[bytes, list[str]]:
+    async def records() -> tuple[bytes, list[str | None]]:
         nc = await connect(fresh_server.url)
         try:
             js = nc.jetstream()
