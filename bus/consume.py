@@ -157,7 +157,9 @@ class ConsumerSpec:
 
     stream: str
     durable: str
-    filter_subject: str
+    #: The subject filter, or several: the consumer then gets only messages on those (a
+    #: role that would ignore most of a stream does not fetch and ack them at all).
+    filter_subject: str | tuple[str, ...]
     #: Redelivery after this long without an ack or in-progress ack.
     ack_wait_s: float = 30.0
     #: Deliveries before a retried message is dead-lettered (decided by the runtime; the
@@ -174,16 +176,29 @@ class ConsumerSpec:
     def crash_limit(self) -> int:
         return self.max_crashes or self.max_deliver
 
+    @property
+    def filters(self) -> tuple[str, ...]:
+        """Every subject filter, however given."""
+        f = self.filter_subject
+        return (f,) if isinstance(f, str) else f
+
     def config(self) -> ConsumerConfig:
+        one = len(self.filters) == 1
         return ConsumerConfig(
             durable_name=self.durable,
-            filter_subject=self.filter_subject,
+            filter_subject=self.filters[0] if one else None,
+            filter_subjects=None if one else list(self.filters),
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.ALL,
             ack_wait=self.ack_wait_s,
             max_deliver=self.max_deliver + HAND_BACK_ALLOWANCE if self.max_deliver > 0 else -1,
             max_ack_pending=self.max_ack_pending,
         )
+
+
+def _filters(config: ConsumerConfig) -> set[str]:
+    one = [config.filter_subject] if config.filter_subject else []
+    return {*(config.filter_subjects or ()), *one}
 
 
 @dataclass
@@ -244,9 +259,12 @@ class Consumer:
 
     # -- binding and fetching ----------------------------------------------------------------
     async def bind(self, spec: ConsumerSpec, on_dead: DeadHook | None = None) -> Durable:
-        """Bind ``spec``'s durable, creating it on first use."""
+        """Bind ``spec``'s durable, creating it on first use. One left by an older layout with
+        other subject filters is updated to ``spec``'s (the server keeps its position)."""
         try:
-            await self.js.consumer_info(spec.stream, spec.durable)
+            info = await self.js.consumer_info(spec.stream, spec.durable)
+            if _filters(info.config) != set(spec.filters):
+                await self.js.add_consumer(spec.stream, spec.config())  # create-or-update
         except NotFoundError:
             try:
                 await self.js.add_consumer(spec.stream, spec.config())
@@ -256,7 +274,7 @@ class Consumer:
                 raise RuntimeError(
                     f"cannot create consumer {spec.durable} on {spec.stream} "
                     f"({exc.description}); remove consumers whose filter overlaps "
-                    f"{spec.filter_subject}"
+                    f"{' '.join(spec.filters)}"
                 ) from exc
         sub = await self.js.pull_subscribe_bind(spec.durable, stream=spec.stream)
         durable = Durable(spec, sub, on_dead)

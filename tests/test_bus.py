@@ -338,6 +338,34 @@ async def test_close_hands_back_what_a_pull_request_outliving_its_fetch_delivere
     await probe.unsubscribe()
 
 
+async def test_a_durable_with_several_filters_gets_only_those_and_an_old_one_is_narrowed(
+    js: JetStreamContext,
+) -> None:
+    """The master's event durable fetches only the kinds it acts on; one declared by an older
+    layout with a broader filter is narrowed in place when bound (its position kept)."""
+    tenant, job = uid("ev"), uid("job")
+    durable = uid("evc")
+    old = ConsumerSpec(subjects.STREAM_EVENTS, durable, subjects.events_of_job(tenant, job))
+    await js.add_consumer(old.stream, old.config())
+    await js.publish(subjects.event(tenant, job, "policy"), b"before")
+    narrow = ConsumerSpec(
+        subjects.STREAM_EVENTS,
+        durable,
+        tuple(subjects.event(tenant, job, kind) for kind in ("policy", "error")),
+    )
+    consumer = Consumer(js, asyncio.Event())
+    bound = await consumer.bind(narrow)
+    info = await js.consumer_info(subjects.STREAM_EVENTS, durable)
+    assert set(info.config.filter_subjects or ()) == set(narrow.filters)
+    for kind in ("progress", "policy", "progress", "error", "state"):
+        await js.publish(subjects.event(tenant, job, kind), kind.encode())
+    got = await consumer.fetch(bound, 10, 2.0)
+    assert [m.data for m in got] == [b"before", b"policy", b"error"]
+    await asyncio.gather(*(m.ack() for m in got))
+    assert await consumer.fetch(bound, 10, 0.2) == []
+    await js.delete_consumer(subjects.STREAM_EVENTS, durable)
+
+
 async def test_kv_follower_stops_on_the_event_and_leaves_no_subscription(
     nc: NATS, js: JetStreamContext
 ) -> None:

@@ -60,6 +60,7 @@ from schemas.specs import (
     SFTJobSpec,
     parse_job_spec,
 )
+from schemas.subjects import EventKind
 from schemas.tenants import TenantLimits
 from schemas.train import CloseSlot, PolicyRecord
 from services.master.admission import Admissions
@@ -87,6 +88,9 @@ from services.master.plans import (
 from services.master.queries import Queries
 
 log = logging.getLogger(__name__)
+
+#: The event kinds :meth:`Master.handle_event` acts on, the only ones its durable fetches.
+MASTER_EVENT_KINDS: tuple[EventKind, ...] = ("policy", "error", "metrics")
 
 
 async def publish_event(js: JetStreamContext, event: Event, *identity: object) -> None:
@@ -535,7 +539,8 @@ async def run(config: MasterConfig) -> None:
             ConsumerSpec(
                 subjects.STREAM_EVENTS,
                 "master-events",
-                f"{subjects.PREFIX}.event.*.*.>",
+                # Only the kinds handle_event acts on: a step's progress never reaches the master.
+                tuple(f"{subjects.PREFIX}.event.*.*.{kind}" for kind in MASTER_EVENT_KINDS),
                 max_deliver=config.max_deliver,
             )
         )

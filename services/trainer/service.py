@@ -180,6 +180,7 @@ class Trainer:
             for sub in (doorbell, cache_ctl):
                 with contextlib.suppress(NatsError):
                     await sub.unsubscribe()
+            await self.stepper.announced()
             await self.committer.commit_applied(self.registry.jobs.values(), STOP_COMMIT_S)
             if self.store is not None:
                 await self.store.drain(within_s=1.0)  # what is not written is computed again

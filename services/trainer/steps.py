@@ -52,6 +52,8 @@ class Stepper:
         #: What the grouped step encodes with: the backbone, or a vla.costmodel.SplitEncoder
         #: over it where a cost table says smaller forwards are faster (set by the service).
         self.encoder: FeatureEncoder = backbone
+        #: The last round's progress events, still being published.
+        self._announcing: asyncio.Future[None] | None = None
         #: What RL updates encode with (no cache: every observation is new): the backbone, or
         #: the backbone role's encoder (set by the service).
         self.rl_encoder: FeatureEncoder = backbone
@@ -320,8 +322,20 @@ class Stepper:
         await self.announce(events)
 
     async def announce(self, events: list[Progress]) -> None:
-        """Progress events; one the broker cannot take now is skipped (the next step's, and
-        the commit's policy event, carry the job on)."""
+        """Progress events, published while the next round computes: a round does not wait
+        for their acks. One round's events at most are in flight, so a job's progress stays
+        in order. One the broker cannot take now is skipped (the next step's, and the
+        commit's policy event, carry the job on)."""
+        await self.announced()
+        self._announcing = asyncio.ensure_future(self._publish_progress(events))
+
+    async def announced(self) -> None:
+        """Wait until the progress events in flight are published (or skipped)."""
+        if self._announcing is not None:
+            await self._announcing
+            self._announcing = None
+
+    async def _publish_progress(self, events: list[Progress]) -> None:
         results = await asyncio.gather(
             *(self.trainer.emit(ev, step_id=ev.step) for ev in events), return_exceptions=True
         )
