@@ -78,6 +78,24 @@ def lr_at(config: OptimizerConfig, step: int) -> float:
     return config.lr * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
 
 
+def _copied(value: Any) -> Any:
+    """``value`` (a state dict's tree of dicts, lists and tensors) with every tensor copied."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_copied(v) for v in value)
+    return value
+
+
+def state_bytes(state: dict[str, Any]) -> bytes:
+    """A :meth:`TenantSlot.state_dict` serialised as :meth:`TenantSlot.to_bytes` does."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
 def _fields(config: HeadConfig | OptimizerConfig) -> dict[str, Any]:
     """A config Struct as a dict of primitives (str, int, float, bool, tuple), which
     ``torch.load(weights_only=True)`` reads back; ``Config(**d)`` rebuilds and re-validates."""
@@ -236,11 +254,14 @@ class TenantSlot:
         for name, p in self.module.named_parameters():
             p.grad = grads[name].to(p.device) if name in grads else None
 
+    def snapshot(self) -> dict[str, Any]:
+        """:meth:`state_dict` with every tensor copied: it stays as it is while training goes
+        on, so it can be serialised (:func:`state_bytes`) in another thread."""
+        return _copied(self.state_dict())
+
     def to_bytes(self) -> bytes:
         """Serialise for the object store (``torch.save``; loadable with ``weights_only``)."""
-        buf = io.BytesIO()
-        torch.save(self.state_dict(), buf)
-        return buf.getvalue()
+        return state_bytes(self.state_dict())
 
     @classmethod
     def from_bytes(cls, data: bytes, device: torch.device | str = "cpu") -> TenantSlot:

@@ -17,7 +17,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
@@ -34,7 +34,7 @@ from bus.metering import BusyMeter
 from bus.usage import UsageMeter
 from schemas.events import CallResult, PolicyPublished
 from schemas.train import OpenSlot, PolicyRecord
-from vla.slot import TenantSlot
+from vla.slot import TenantSlot, state_bytes
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +66,11 @@ async def write_version(
     here. ``saved``: a session's named states; ``save_as`` names this version among them."""
     if frozen is None:
         # Versions count from 1 (the initial weights): 0 means "none" / "latest" elsewhere.
-        slot.publish_version()
-        frozen = Frozen(slot.version, slot.step, await asyncio.to_thread(slot.to_bytes))
-    sha = ckpt.digest(frozen.data)
+        frozen = freeze(slot)
+    data = await frozen.serialised()
+    sha = ckpt.digest(data)
     name = ckpt.object_name(spec.tenant, spec.job_id, frozen.version, sha)
-    await ckpt.put_checkpoint(store, name, frozen.data)
+    await ckpt.put_checkpoint(store, name, data)
     named = dict(saved or {})
     if save_as:
         named[save_as] = name
@@ -127,13 +127,21 @@ def save_result(job: JobSlot, call: int, record: PolicyRecord) -> CallResult:
     )
 
 
-@dataclass(frozen=True)
+@dataclass
 class Frozen:
-    """A slot's next version, serialised: what its checkpoint will hold."""
+    """A slot's next version: a copy of its state taken at the round boundary (what its
+    checkpoint will hold), serialised in a worker thread when the commit writes it."""
 
     version: int
     step: int
-    data: bytes
+    state: dict[str, Any]
+    #: The serialised state, once :meth:`serialised` has made it.
+    data: bytes = b""
+
+    async def serialised(self) -> bytes:
+        if not self.data:
+            self.data = await asyncio.to_thread(state_bytes, self.state)
+        return self.data
 
 
 def _unfreeze(job: JobSlot, frozen: Frozen) -> None:
@@ -145,9 +153,9 @@ def _unfreeze(job: JobSlot, frozen: Frozen) -> None:
 
 
 def freeze(slot: TenantSlot) -> Frozen:
-    """Take the slot's next version now (its bytes are copied: training may go on)."""
+    """Take the slot's next version now (its state is copied: training may go on)."""
     slot.publish_version()
-    return Frozen(slot.version, slot.step, slot.to_bytes())
+    return Frozen(slot.version, slot.step, slot.snapshot())
 
 
 class Committer:
