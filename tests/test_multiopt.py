@@ -148,3 +148,70 @@ def test_unsupported_optimizers_are_stepped_on_their_own() -> None:
 def test_clip_norms_reject_mismatched_lengths() -> None:
     with pytest.raises(ValueError, match="2 tenants but 1 max norms"):
         clip_grad_norms([[], []], [1.0])
+
+
+def flat_moments(slot: TenantSlot) -> set[int]:
+    """The storages under the slot's AdamW moments (one: they are views of flat tensors)."""
+    state = slot.optimizer.state
+    return {
+        state[p][k].untyped_storage().data_ptr()
+        for p in slot.module.parameters()
+        if p in state
+        for k in ("exp_avg", "exp_avg_sq")
+    }
+
+
+def test_the_shared_step_keeps_a_tenants_moments_in_two_flat_tensors() -> None:
+    """What makes the shared step cheap: parameters and moments are views of flat tensors,
+    so a tenant is a few tensors in each multi-tensor call, not one per parameter."""
+    (s,) = slots()[:1]
+    params = list(s.module.parameters())
+    assert len({p.untyped_storage().data_ptr() for p in params}) == 1
+    backward(s, 0, 0)
+    adamw_step([s.optimizer])
+    assert len(flat_moments(s)) == 2
+    # Every parameter with a gradient was stepped (an OFT head's log-std has none in SFT).
+    assert len(s.optimizer.state) == sum(p.grad is not None for p in params) == len(params) - 1
+
+
+def test_a_restored_slot_continues_bitwise_and_goes_flat_again() -> None:
+    """A checkpoint's state (separate tensors once loaded) is copied into the flat moments
+    at the next shared step; the trajectory is the same bits as torch's own steps."""
+    own, shared = slots(), slots()
+    for step in range(2):
+        for i, (a, b) in enumerate(zip(own, shared, strict=True)):
+            backward(a, step, i)
+            backward(b, step, i)
+            a.optimizer.step()
+        adamw_step([s.optimizer for s in shared])
+    restored = [TenantSlot.from_bytes(s.to_bytes()) for s in shared]
+    for step in range(2, 4):
+        for i, (a, b) in enumerate(zip(own, restored, strict=True)):
+            backward(a, step, i)
+            backward(b, step, i)
+            a.optimizer.step()
+        adamw_step([s.optimizer for s in restored])
+    for a, b in zip(own, restored, strict=True):
+        assert_same_state(a, b)
+        assert len(flat_moments(b)) == 2
+
+
+def test_a_parameter_that_starts_late_keeps_its_own_step_count() -> None:
+    """A parameter without gradients for a while (a value head during SFT) joins later at
+    step 1 while the others are further on: its bias correction is its own, as in AdamW."""
+    own, shared = slots()[3:], slots()[3:]
+    for step in range(3):
+        for a, b in zip(own, shared, strict=True):
+            backward(a, step, 3)
+            backward(b, step, 3)
+            if step == 2:  # now the value head learns too
+                for s in (a, b):
+                    for p in s.module.parameters():
+                        if p.grad is None:
+                            p.grad = torch.full_like(p, 0.1)
+            a.optimizer.step()
+        adamw_step([s.optimizer for s in shared])
+    for a, b in zip(own, shared, strict=True):
+        assert_same_state(a, b)
+        steps = {float(st["step"]) for st in b.optimizer.state.values()}
+        assert steps == {1.0, 3.0}

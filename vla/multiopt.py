@@ -11,6 +11,15 @@ would leave them (tested against both in ``tests/test_multiopt.py``). State is k
 tenant's own ``AdamW.state``, so checkpoints, restores and later per-tenant steps see
 nothing different.
 
+Flat buffers: a tenant's parameters can live in one flat tensor (:func:`flatten_parameters`,
+each parameter a view of it; :class:`vla.slot.TenantSlot` does this), and then its AdamW
+moments are flat tensors too, each parameter's ``exp_avg`` / ``exp_avg_sq`` in ``AdamW.state``
+a view of them. A step in which every parameter of such a tenant has a gradient updates the
+four flat tensors with one kernel per operation (not one per parameter tensor): the same
+elementwise arithmetic, so the same bits. Any other step (a parameter without a gradient,
+state loaded from a checkpoint) goes per tensor through the same views, and the next flat
+step picks the state up again.
+
 Supported: the AdamW configuration :class:`vla.slot.TenantSlot` builds (``foreach``, no
 ``amsgrad`` / ``maximize`` / ``capturable`` / ``fused`` / ``differentiable``, real tensors);
 an optimizer outside that is stepped by itself (:func:`adamw_step` says which).
@@ -18,13 +27,74 @@ an optimizer outside that is stepped by itself (:func:`adamw_step` says which).
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["adamw_step", "clip_grad_norms", "supported"]
+__all__ = ["adamw_step", "clip_grad_norms", "flatten_parameters", "supported"]
+
+
+@dataclass
+class _Flat:
+    """An optimizer whose parameters are views of one flat tensor, in its param order."""
+
+    params: list[Tensor]
+    #: Where each parameter starts in the flat tensors, and (last) their total length.
+    offsets: list[int]
+    param_flat: Tensor
+    #: The flat moments once a flat step made them; each parameter's state holds views.
+    exp_avg: Tensor | None = None
+    exp_avg_sq: Tensor | None = None
+
+
+#: Optimizers over flat parameters (:func:`flatten_parameters` registers them).
+_FLAT: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Flat] = weakref.WeakKeyDictionary()
+
+
+@torch.no_grad()
+def flatten_parameters(module: nn.Module) -> Tensor | None:
+    """Move ``module``'s parameters into one flat tensor, each parameter a view of it (same
+    values, same ``Parameter`` objects), and return it. Build the optimizer afterwards and
+    :func:`register_flat` it. Parameters of several dtypes or devices are left as they are
+    (None)."""
+    params = list(module.parameters())
+    if not params or len({(p.dtype, p.device) for p in params}) != 1:
+        return None
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    at = 0
+    for p in params:
+        n = p.numel()
+        p.data = flat[at : at + n].view_as(p)
+        at += n
+    return flat
+
+
+def register_flat(optimizer: torch.optim.Optimizer, flat: Tensor) -> bool:
+    """Let :func:`adamw_step` update ``optimizer`` through flat tensors: its parameters must
+    be, in order, the views of ``flat`` :func:`flatten_parameters` made. Returns whether it
+    is registered."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if len(optimizer.param_groups) != 1 or not _views_in_order(params, flat):
+        return False
+    offsets = [0]
+    for p in params:
+        offsets.append(offsets[-1] + p.numel())
+    _FLAT[optimizer] = _Flat(params, offsets, flat)
+    return True
+
+
+def _views_in_order(params: Sequence[Tensor], flat: Tensor) -> bool:
+    base, size = flat.data_ptr(), flat.element_size()
+    at = 0
+    for p in params:
+        if p.data_ptr() != base + at * size or not p.is_contiguous():
+            return False
+        at += p.numel()
+    return at == flat.numel()
 
 
 def _grads(params: Sequence[Tensor]) -> list[Tensor]:
@@ -124,9 +194,15 @@ def adamw_step(optimizers: Sequence[torch.optim.AdamW]) -> None:
     exp_avg_sqs: list[Tensor] = []
     steps: list[Tensor] = []
     hyper: list[tuple[float, float, float, float, float]] = []  # lr, beta1, beta2, wd, eps
+    runs: list[_Run] = []
     for opt in optimizers:
         if not supported(opt):
             opt.step()
+            continue
+        fl = _FLAT.get(opt)
+        found = _flat_runs(opt, fl) if fl is not None else None
+        if found is not None:
+            runs.extend(found)
             continue
         for group in opt.param_groups:
             beta1, beta2 = group["betas"]
@@ -151,6 +227,8 @@ def adamw_step(optimizers: Sequence[torch.optim.AdamW]) -> None:
                 exp_avg_sqs.append(state["exp_avg_sq"])
                 steps.append(state["step"])
                 hyper.append(h)
+    if runs:
+        _step_runs(runs)
     if not params:
         return
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
@@ -167,6 +245,101 @@ def adamw_step(optimizers: Sequence[torch.optim.AdamW]) -> None:
         )
 
 
+@dataclass
+class _Run:
+    """Consecutive parameters of one flat optimizer, all with a gradient and at one step
+    count: one tensor (a view of the flat parameters and of each flat moment) in the shared
+    AdamW calls."""
+
+    optimizer: torch.optim.Optimizer
+    flat: _Flat
+    first: int
+    end: int
+    step: float
+
+    def span(self, t: Tensor) -> Tensor:
+        """This run's elements of a flat tensor ``t``."""
+        return t[self.flat.offsets[self.first] : self.flat.offsets[self.end]]
+
+
+def _flat_runs(opt: torch.optim.Optimizer, fl: _Flat) -> list[_Run] | None:
+    """``opt``'s parameters with a gradient as runs of :class:`_Run`, their state made views
+    of the flat moments (created fresh as AdamW creates it; a loaded state is copied in); or
+    None when the flat buffers no longer hold the parameters (the step then goes per
+    tensor)."""
+    if not _views_in_order(fl.params, fl.param_flat):
+        return None
+    if fl.exp_avg is None or fl.exp_avg_sq is None:
+        fl.exp_avg = torch.zeros_like(fl.param_flat)
+        fl.exp_avg_sq = torch.zeros_like(fl.param_flat)
+    runs: list[_Run] = []
+    run: _Run | None = None
+    size = fl.param_flat.element_size()
+    for i, p in enumerate(fl.params):
+        if p.grad is None:
+            run = None  # skipped, as AdamW skips it
+            continue
+        st = opt.state[p]
+        at, n = fl.offsets[i], p.numel()
+        if not st:
+            st["step"] = torch.tensor(0.0, dtype=_scalar_dtype(), device="cpu")
+            st["exp_avg"] = fl.exp_avg[at : at + n].view_as(p).zero_()
+            st["exp_avg_sq"] = fl.exp_avg_sq[at : at + n].view_as(p).zero_()
+        elif set(st) != {"step", "exp_avg", "exp_avg_sq"}:
+            return None
+        else:
+            for key, flat in (("exp_avg", fl.exp_avg), ("exp_avg_sq", fl.exp_avg_sq)):
+                moment = st[key]
+                if moment.data_ptr() != flat.data_ptr() + at * size or not moment.is_contiguous():
+                    # A state from elsewhere (a loaded checkpoint): copied into place once.
+                    view = flat[at : at + n].view_as(p)
+                    view.copy_(moment)
+                    st[key] = view
+        step = float(st["step"])
+        if run is not None and run.step == step:
+            run.end = i + 1
+        else:
+            run = _Run(opt, fl, i, i + 1, step)
+            runs.append(run)
+    return runs
+
+
+def _step_runs(runs: list[_Run]) -> None:
+    """AdamW over flat runs: every run's per-parameter step counts (kept, as AdamW keeps
+    them) advanced by one call, then :func:`_adamw_math` with one tensor per run."""
+    step_tensors = [
+        r.optimizer.state[p]["step"] for r in runs for p in r.flat.params[r.first : r.end]
+    ]
+    torch._foreach_add_(step_tensors, torch.tensor(1.0, device="cpu"), alpha=1.0)
+    groups: dict[tuple[torch.device, torch.dtype], list[_Run]] = defaultdict(list)
+    for r in runs:
+        groups[(r.flat.param_flat.device, r.flat.param_flat.dtype)].append(r)
+    for members in groups.values():
+        hyper = []
+        for r in members:
+            group = r.optimizer.param_groups[0]
+            beta1, beta2 = group["betas"]
+            lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
+            hyper.append((lr, float(beta1), float(beta2), wd, eps))
+        grads = [
+            torch.cat([_grad(p).reshape(-1) for p in r.flat.params[r.first : r.end]])
+            for r in members
+        ]
+        _adamw_math(
+            [r.span(r.flat.param_flat) for r in members],
+            grads,
+            [r.span(r.flat.exp_avg) for r in members],  # type: ignore[arg-type]
+            [r.span(r.flat.exp_avg_sq) for r in members],  # type: ignore[arg-type]
+            [r.step + 1 for r in members],
+            hyper,
+        )
+
+
+def _grad(p: Tensor) -> Tensor:
+    assert p.grad is not None  # a run holds parameters with gradients only
+    return p.grad
+
+
 def _adamw_group(
     params: list[Tensor],
     grads: list[Tensor],
@@ -177,13 +350,25 @@ def _adamw_group(
 ) -> None:
     """torch's ``_multi_tensor_adam`` (decoupled weight decay, not capturable) with every
     scalar a per-tensor list: the same kernels in the same order, hence the same bits."""
-    lrs = [h[0] for h in hyper]
-    beta1s = [h[1] for h in hyper]
-    beta2s = [h[2] for h in hyper]
     if steps[0].is_cpu:
         torch._foreach_add_(steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
     else:
         torch._foreach_add_(steps, 1)
+    _adamw_math(params, grads, exp_avgs, exp_avg_sqs, torch.stack(steps).tolist(), hyper)
+
+
+def _adamw_math(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    step_values: list[float],
+    hyper: list[tuple[float, float, float, float, float]],
+) -> None:
+    """The update after the step counts advanced (``step_values``: each tensor's count)."""
+    lrs = [h[0] for h in hyper]
+    beta1s = [h[1] for h in hyper]
+    beta2s = [h[2] for h in hyper]
     # A factor of exactly 1.0 (no weight decay) leaves a parameter's bits as they are.
     decay = [1 - lr * wd if wd != 0 else 1.0 for lr, _, _, wd, _ in hyper]
     if any(d != 1.0 for d in decay):
@@ -191,7 +376,6 @@ def _adamw_group(
     torch._foreach_lerp_(exp_avgs, grads, [1 - b1 for b1 in beta1s])
     torch._foreach_mul_(exp_avg_sqs, beta2s)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, [1 - b2 for b2 in beta2s])
-    step_values = torch.stack(steps).tolist()
     bias1 = [1 - b1**s for b1, s in zip(beta1s, step_values, strict=True)]
     bias2 = [1 - b2**s for b2, s in zip(beta2s, step_values, strict=True)]
     step_size = [(lr / bc) * -1 for lr, bc in zip(lrs, bias1, strict=True)]

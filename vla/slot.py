@@ -24,6 +24,7 @@ import torch
 from schemas.model import HeadConfig, OptimizerConfig
 from vla.feature import VLAFeature
 from vla.heads import ActionHead, ActOutput, build_head
+from vla.multiopt import flatten_parameters, register_flat
 
 #: Version of the layout written by :meth:`TenantSlot.state_dict`; bump on incompatible change.
 _STATE_FORMAT = 1
@@ -138,6 +139,9 @@ class TenantSlot:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.module: ActionHead = build_head(head, hidden_size).to(self.device)
+        # One flat tensor under the parameters: the shared AdamW step then updates this
+        # tenant with a few kernels instead of a few per parameter tensor (vla.multiopt).
+        flat = flatten_parameters(self.module)
         self.generator = _generator_for(self.device)
         self.generator.manual_seed(seed)
         self.optimizer = torch.optim.AdamW(
@@ -149,6 +153,8 @@ class TenantSlot:
             # the head's tensors are many and small, so per-tensor overhead dominates on CPU.
             foreach=True,
         )
+        if flat is not None:
+            register_flat(self.optimizer, flat)
         self.step = 0
         self.version = 0
 
