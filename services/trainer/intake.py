@@ -62,6 +62,11 @@ class Intake:
     def busy(self) -> bool:
         return any(self.buffers.values())
 
+    def stocked(self, tenants: set[str]) -> bool:
+        """Whether every one of ``tenants`` has a message buffered (one that waited for the
+        step just applied is next now)."""
+        return all(self.buffers.get(t) for t in tenants)
+
     async def fill(self, live: set[str], linger: bool = True) -> int:
         """Top up the buffers of tenants with messages or with live jobs (fetches run at
         once). Only when no tenant has work buffered (and ``linger``) is it worth waiting

@@ -149,6 +149,7 @@ class Trainer:
             "job status follower",
         )
         last_discovery = -1e9
+        worked = False
         try:
             while not self.rt.stop.is_set():
                 # A job that starts running (its OpenSlot is already in TRAIN: the master
@@ -168,9 +169,14 @@ class Trainer:
                     await self.idle(self.config.discover_every_s)
                     continue
                 self.rung.clear()
-                # With a session open its calls ring the doorbell: nothing is gained by a
-                # fetch that lingers (one tenant's lingering fetch holds up every other's).
-                arrived = await self.intake.fill(self.live(), linger=not self.sessions_open())
+                live = self.live()
+                arrived = 0
+                # The last round's compute topped the buffers up: with a batch in every live
+                # tenant's buffer, another fetch would only add a broker round trip here.
+                if not (worked and self.intake.stocked(live)):
+                    # With a session open its calls ring the doorbell: nothing is gained by a
+                    # fetch that lingers (one tenant's lingering fetch holds up every other's).
+                    arrived = await self.intake.fill(live, linger=not self.sessions_open())
                 worked = await self.round()
                 self.commit_due()
                 if not arrived and not worked and not self.tenants.backlog_fetched:
