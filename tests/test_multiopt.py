@@ -68,6 +68,15 @@ def assert_same_state(a: TenantSlot, b: TenantSlot) -> None:
             assert torch.equal(sa[i][k], sb[i][k]), (i, k)
 
 
+def own_steps_beside(own: list[TenantSlot], other: list[TenantSlot], step: int) -> None:
+    """Gradients of ``step`` for both lists of slots; each ``own`` slot then takes its own
+    ``AdamW.step`` (the reference), ``other`` is left for the caller to step."""
+    for i, (a, b) in enumerate(zip(own, other, strict=True)):
+        backward(a, step, i)
+        backward(b, step, i)
+        a.optimizer.step()
+
+
 @pytest.fixture(autouse=True)
 def deterministic() -> object:
     torch.use_deterministic_algorithms(True)
@@ -108,10 +117,7 @@ def test_a_later_own_step_continues_from_the_shared_state() -> None:
     (a tenant served alone) continues exactly as if every step had been its own."""
     own, shared = slots(), slots()
     for step in range(3):
-        for i, (a, b) in enumerate(zip(own, shared, strict=True)):
-            backward(a, step, i)
-            backward(b, step, i)
-            a.optimizer.step()
+        own_steps_beside(own, shared, step)
         if step < 2:
             adamw_step([s.optimizer for s in shared])
         else:
@@ -179,17 +185,11 @@ def test_a_restored_slot_continues_bitwise_and_goes_flat_again() -> None:
     at the next shared step; the trajectory is the same bits as torch's own steps."""
     own, shared = slots(), slots()
     for step in range(2):
-        for i, (a, b) in enumerate(zip(own, shared, strict=True)):
-            backward(a, step, i)
-            backward(b, step, i)
-            a.optimizer.step()
+        own_steps_beside(own, shared, step)
         adamw_step([s.optimizer for s in shared])
     restored = [TenantSlot.from_bytes(s.to_bytes()) for s in shared]
     for step in range(2, 4):
-        for i, (a, b) in enumerate(zip(own, restored, strict=True)):
-            backward(a, step, i)
-            backward(b, step, i)
-            a.optimizer.step()
+        own_steps_beside(own, restored, step)
         adamw_step([s.optimizer for s in restored])
     for a, b in zip(own, restored, strict=True):
         assert_same_state(a, b)

@@ -51,7 +51,7 @@ class _Flat:
     exp_avg_sq: Tensor | None = None
 
 
-#: Optimizers over flat parameters (:func:`flatten_parameters` registers them).
+#: Optimizers over flat parameters (:func:`register_flat` registers them).
 _FLAT: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Flat] = weakref.WeakKeyDictionary()
 
 
