@@ -12,13 +12,13 @@ tenant's own ``AdamW.state``, so checkpoints, restores and later per-tenant step
 nothing different.
 
 Flat buffers: a tenant's parameters can live in one flat tensor (:func:`flatten_parameters`,
-each parameter a view of it; :class:`vla.slot.TenantSlot` does this), and then its AdamW
-moments are flat tensors too, each parameter's ``exp_avg`` / ``exp_avg_sq`` in ``AdamW.state``
-a view of them. A step in which every parameter of such a tenant has a gradient updates the
-four flat tensors with one kernel per operation (not one per parameter tensor): the same
-elementwise arithmetic, so the same bits. Any other step (a parameter without a gradient,
-state loaded from a checkpoint) goes per tensor through the same views, and the next flat
-step picks the state up again.
+each parameter a view of it; :class:`vla.slot.TenantSlot` does this, :func:`register_flat`
+tells this module), and then its AdamW moments are flat tensors too, each parameter's
+``exp_avg`` / ``exp_avg_sq`` in ``AdamW.state`` a view of them. Such a tenant enters the
+shared calls as a few runs of consecutive parameters (those with a gradient, at one step
+count; usually one or two runs), not one tensor per parameter: the same elementwise
+arithmetic, so the same bits. A state loaded from a checkpoint is copied into the flat
+moments at its first step.
 
 Supported: the AdamW configuration :class:`vla.slot.TenantSlot` builds (``foreach``, no
 ``amsgrad`` / ``maximize`` / ``capturable`` / ``fused`` / ``differentiable``, real tensors);
@@ -31,11 +31,16 @@ import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["adamw_step", "clip_grad_norms", "flatten_parameters", "supported"]
+__all__ = ["adamw_step", "clip_grad_norms", "flatten_parameters", "register_flat", "supported"]
+
+
+#: One param group's AdamW hyper-parameters: (lr, beta1, beta2, weight decay, eps).
+Hyper = tuple[float, float, float, float, float]
 
 
 @dataclass
@@ -193,7 +198,7 @@ def adamw_step(optimizers: Sequence[torch.optim.AdamW]) -> None:
     exp_avgs: list[Tensor] = []
     exp_avg_sqs: list[Tensor] = []
     steps: list[Tensor] = []
-    hyper: list[tuple[float, float, float, float, float]] = []  # lr, beta1, beta2, wd, eps
+    hyper: list[Hyper] = []
     runs: list[_Run] = []
     for opt in optimizers:
         if not supported(opt):
@@ -205,14 +210,7 @@ def adamw_step(optimizers: Sequence[torch.optim.AdamW]) -> None:
             runs.extend(found)
             continue
         for group in opt.param_groups:
-            beta1, beta2 = group["betas"]
-            h = (
-                float(group["lr"]),
-                float(beta1),
-                float(beta2),
-                group["weight_decay"],
-                group["eps"],
-            )
+            h = _hyper(group)
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -307,20 +305,12 @@ def _flat_runs(opt: torch.optim.Optimizer, fl: _Flat) -> list[_Run] | None:
 def _step_runs(runs: list[_Run]) -> None:
     """AdamW over flat runs: every run's per-parameter step counts (kept, as AdamW keeps
     them) advanced by one call, then :func:`_adamw_math` with one tensor per run."""
-    step_tensors = [
-        r.optimizer.state[p]["step"] for r in runs for p in r.flat.params[r.first : r.end]
-    ]
-    torch._foreach_add_(step_tensors, torch.tensor(1.0, device="cpu"), alpha=1.0)
+    _advance([r.optimizer.state[p]["step"] for r in runs for p in r.flat.params[r.first : r.end]])
     groups: dict[tuple[torch.device, torch.dtype], list[_Run]] = defaultdict(list)
     for r in runs:
         groups[(r.flat.param_flat.device, r.flat.param_flat.dtype)].append(r)
     for members in groups.values():
-        hyper = []
-        for r in members:
-            group = r.optimizer.param_groups[0]
-            beta1, beta2 = group["betas"]
-            lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
-            hyper.append((lr, float(beta1), float(beta2), wd, eps))
+        hyper = [_hyper(r.optimizer.param_groups[0]) for r in members]
         grads = [
             torch.cat([_grad(p).reshape(-1) for p in r.flat.params[r.first : r.end]])
             for r in members
@@ -340,20 +330,31 @@ def _grad(p: Tensor) -> Tensor:
     return p.grad
 
 
+def _hyper(group: dict[str, Any]) -> Hyper:
+    """A param group's (lr, beta1, beta2, weight decay, eps)."""
+    beta1, beta2 = group["betas"]
+    return (float(group["lr"]), float(beta1), float(beta2), group["weight_decay"], group["eps"])
+
+
+def _advance(steps: list[Tensor]) -> None:
+    """AdamW's step counts, one more each (as ``_multi_tensor_adam`` adds it)."""
+    if steps[0].is_cpu:
+        torch._foreach_add_(steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
+    else:
+        torch._foreach_add_(steps, 1)
+
+
 def _adamw_group(
     params: list[Tensor],
     grads: list[Tensor],
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     steps: list[Tensor],
-    hyper: list[tuple[float, float, float, float, float]],
+    hyper: list[Hyper],
 ) -> None:
     """torch's ``_multi_tensor_adam`` (decoupled weight decay, not capturable) with every
     scalar a per-tensor list: the same kernels in the same order, hence the same bits."""
-    if steps[0].is_cpu:
-        torch._foreach_add_(steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
-    else:
-        torch._foreach_add_(steps, 1)
+    _advance(steps)
     _adamw_math(params, grads, exp_avgs, exp_avg_sqs, torch.stack(steps).tolist(), hyper)
 
 
@@ -363,7 +364,7 @@ def _adamw_math(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     step_values: list[float],
-    hyper: list[tuple[float, float, float, float, float]],
+    hyper: list[Hyper],
 ) -> None:
     """The update after the step counts advanced (``step_values``: each tensor's count)."""
     lrs = [h[0] for h in hyper]
