@@ -1,6 +1,8 @@
 """One multi-tensor clip + AdamW step over many tenants equals each tenant's own
 ``clip_grad_norm_`` + ``torch.optim.AdamW.step`` — bit for bit, over several steps with
-different hyper-parameters, schedules and clipping, on real heads."""
+different hyper-parameters, schedules and clipping, on real heads. Gradients given as one
+flat row per tenant (as a batched backward leaves them) step with the same bits, and are
+clipped by the row's norm, equal to ``clip_grad_norm_``'s up to float rounding."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ import pytest
 import torch
 
 from schemas.model import HeadConfig, OptimizerConfig
+from vla import multiopt
 from vla.feature import VLAFeature
-from vla.multiopt import adamw_step, clip_grad_norms, supported
+from vla.multiopt import adamw_step, assign_grads, clip_grad_norms, supported
 from vla.slot import TenantSlot, lr_at
 
 HIDDEN = 32
@@ -215,3 +218,111 @@ def test_a_parameter_that_starts_late_keeps_its_own_step_count() -> None:
         assert_same_state(a, b)
         steps = {float(st["step"]) for st in b.optimizer.state.values()}
         assert steps == {1.0, 3.0}
+
+
+def as_row(slot: TenantSlot) -> None:
+    """Make the slot's gradients views of one flat row, as a batched backward leaves them."""
+    params = list(slot.module.parameters())
+    present = [p.grad is not None for p in params]
+    row = torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+    )
+    assign_grads(params, row, present)
+    assert len({p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None}) == 1
+    assert [p.grad is not None for p in params] == present
+
+
+def max_norms(slots: list[TenantSlot]) -> list[float]:
+    return [s.optim_config.grad_clip or math.inf for s in slots]
+
+
+def test_a_flat_gradient_row_steps_bitwise_as_separate_gradients() -> None:
+    """AdamW reads a tenant's gradient row as one tensor per run: the same elementwise
+    arithmetic as over its separate gradients, so the same bits (no clipping here, whose
+    norm differs in rounding: next test)."""
+    own, shared = slots(), slots()
+    for step in range(STEPS):
+        for i, (a, b) in enumerate(zip(own, shared, strict=True)):
+            backward(a, step, i)
+            backward(b, step, i)
+            as_row(b)
+        inf = [math.inf] * len(own)
+        assert clip_grad_norms([list(s.module.parameters()) for s in shared], inf) == (
+            pytest.approx(clip_grad_norms([list(s.module.parameters()) for s in own], inf))
+        )
+        adamw_step([s.optimizer for s in own])
+        adamw_step([s.optimizer for s in shared])
+        for a, b in zip(own, shared, strict=True):
+            assert_same_state(a, b)
+
+
+def test_a_flat_gradient_row_is_clipped_by_its_norm_as_clip_grad_norm_does() -> None:
+    """A row's norm is one kernel over the row: ``clip_grad_norm_``'s value up to float
+    rounding, and the clipped gradients match to that. A gradient replaced since (no longer
+    a view of the row) sends the tenant back to the per-tensor norm, bit for bit torch's."""
+    own, shared = slots(), slots()
+    for i, (a, b) in enumerate(zip(own, shared, strict=True)):
+        backward(a, 0, i)
+        backward(b, 0, i)
+        as_row(b)
+    own_norms = [
+        float(torch.nn.utils.clip_grad_norm_(s.module.parameters(), m))
+        for s, m in zip(own, max_norms(own), strict=True)
+    ]
+    norms = clip_grad_norms([list(s.module.parameters()) for s in shared], max_norms(shared))
+    assert norms == pytest.approx(own_norms, rel=1e-6)
+    assert any(n > m for n, m in zip(own_norms, max_norms(own), strict=True))  # clipping ran
+    for a, b in zip(own, shared, strict=True):
+        for pa, pb in zip(a.module.parameters(), b.module.parameters(), strict=True):
+            assert (pa.grad is None) == (pb.grad is None)
+            if pa.grad is not None:
+                torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-6, atol=1e-9)
+
+    own, shared = slots(), slots()
+    for i, (a, b) in enumerate(zip(own, shared, strict=True)):
+        backward(a, 1, i)
+        backward(b, 1, i)
+        as_row(b)
+        b.module.out_proj.weight.grad = b.module.out_proj.weight.grad.clone()
+    own_norms = [
+        float(torch.nn.utils.clip_grad_norm_(s.module.parameters(), m))
+        for s, m in zip(own, max_norms(own), strict=True)
+    ]
+    assert clip_grad_norms([list(s.module.parameters()) for s in shared], max_norms(shared)) == (
+        own_norms
+    )
+
+
+def test_assign_grads_checks_the_row_and_leaves_absent_gradients_none() -> None:
+    (s,) = slots()[:1]
+    params = list(s.module.parameters())
+    total = sum(p.numel() for p in params)
+    present = [i != 0 for i in range(len(params))]
+    assign_grads(params, torch.ones(total), present)
+    assert params[0].grad is None
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in params[1:])
+    with pytest.raises(ValueError, match=rf"row of shape \({total - 1},\) for {total} parameter"):
+        assign_grads(params, torch.ones(total - 1), present)
+
+
+def test_the_row_is_read_whole_until_a_gradient_is_replaced_or_dropped() -> None:
+    """The row a step reads is exactly the tenant's gradients (zeros where a parameter has
+    none); a gradient replaced or dropped since means there is no row to read."""
+    (s,) = slots()[:1]
+    params = list(s.module.parameters())
+    backward(s, 0, 0)
+    expected = torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+    )
+    as_row(s)
+    record = multiopt._flat_of(params)
+    assert record is not None
+    row = record.flat_grad()
+    assert row is not None and torch.equal(row, expected)
+    assert row.data_ptr() == params[0].grad.data_ptr()  # the same memory, not a copy
+    params[1].grad = params[1].grad.clone()
+    assert record.flat_grad() is None
+    as_row(s)
+    assert record.flat_grad() is not None
+    s.optimizer.zero_grad(set_to_none=True)
+    assert record.flat_grad() is None

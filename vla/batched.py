@@ -7,8 +7,10 @@ chunk length, hidden sizes, dtype, device) and the same batch and prefix shape a
 each parameter name becomes one ``(N, ...)`` tensor, the inputs ``(N, B, ...)``, and the
 head's :meth:`~vla.heads.ActionHead.stacked_loss` runs every layer as one batched kernel
 (:mod:`vla.heads.stacked`: ``baddbmm`` per linear, fused attention with the tenant dim
-folded into the batch). One backward gives the stacked gradients; each tenant's ``p.grad``
-is its slice. Randomness is drawn per tenant from its own generator before the call
+folded into the batch). One backward gives the stacked gradients, laid out as one row per
+tenant in its flat parameter order; each tenant's ``p.grad`` is a view of its row, which
+its clip and AdamW step read as one tensor (:func:`vla.multiopt.assign_grads`). Randomness
+is drawn per tenant from its own generator before the call
 (:meth:`~vla.heads.ActionHead.draw`), in the order its own step draws it.
 
 A tenant alone runs as a stack of one: the same kernels, and slices of a batched kernel do
@@ -20,6 +22,7 @@ bits whoever it is stacked with (``tests/test_batched_heads.py``). The head modu
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -29,7 +32,7 @@ import torch
 from vla.feature import VLAFeature
 from vla.heads import ActionHead
 from vla.heads.stacked import StackedInputs
-from vla.multiopt import adamw_step, clip_grad_norms
+from vla.multiopt import adamw_step, assign_grads, clip_grad_norms
 from vla.slot import NonFiniteLossError, StepResult, TenantSlot, lr_at
 
 __all__ = [
@@ -74,19 +77,32 @@ class AdamParams:
     grad_clip: float = 0.0
 
 
+#: Each head's :func:`arch_key` without the batch size, worked out once per module (walking
+#: its parameters every step was a visible part of a small head's step).
+_ARCH: weakref.WeakKeyDictionary[ActionHead, tuple[object, ...]] = weakref.WeakKeyDictionary()
+
+
 def arch_key(module: ActionHead, batch_size: int) -> Hashable:
     """What two tenants' heads and batches must share to run as one batched call: the
     head class and config (kind, dims, chunk length, hidden sizes, ...), the backbone
-    width, each parameter's name, shape and dtype, the device, and the local batch size."""
-    shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
-    return (
-        type(module),
-        module.config,
-        module.hidden_size,
-        module.state_token_D.device,
-        shapes,
-        batch_size,
-    )
+    width, each parameter's name, shape and dtype, the device, and the local batch size.
+
+    Cached per module; a module moved to another device or dtype is worked out again
+    (parameters are never added to or replaced in a built head)."""
+    anchor = module.state_token_D
+    base = _ARCH.get(module)
+    if base is None or base[3] != anchor.device or base[4] != anchor.dtype:
+        shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
+        base = (
+            type(module),
+            module.config,
+            module.hidden_size,
+            anchor.device,
+            anchor.dtype,
+            shapes,
+        )
+        _ARCH[module] = base
+    return (*base, batch_size)
 
 
 def _ready(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -157,13 +173,21 @@ def batched_backward(
         grads = torch.autograd.grad(
             (losses_N * weights_N).sum(), list(params.values()), allow_unused=True
         )
-        for k, g in zip(params, grads, strict=True):
-            if g is None:  # a parameter the loss does not use (e.g. the value head)
-                continue
-            # Contiguous first: each tenant's view then has its parameter's own layout.
-            for i, gi in enumerate(g.contiguous().unbind(0)):
-                if finite[i]:
-                    named[i][k].grad = gi
+        # One (N, numel) gradient laid out as each tenant's flat parameters: every tenant's
+        # gradients are views of its row, which its clip and AdamW step then read as one
+        # tensor (vla.multiopt.assign_grads). A parameter the loss does not use (e.g. the
+        # value head) has a zero span and keeps ``grad`` None.
+        row_N_F = torch.cat(
+            [
+                g.reshape(n, -1) if g is not None else p.new_zeros(n, p[0].numel())
+                for p, g in zip(params.values(), grads, strict=True)
+            ],
+            dim=1,
+        )
+        present = [g is not None for g in grads]
+        for i, row_F in enumerate(row_N_F.unbind(0)):
+            if finite[i]:
+                assign_grads(list(named[i].values()), row_F, present)
     return values
 
 
@@ -184,6 +208,20 @@ class _Live:
     grad_norm: float = math.nan
 
 
+def _params(slot: TenantSlot) -> list[torch.Tensor]:
+    """The slot's parameters in module order: its optimizer's one param group (a list
+    already, where walking the module is not free), as :class:`TenantSlot` builds it."""
+    groups = slot.optimizer.param_groups
+    return groups[0]["params"] if len(groups) == 1 else list(slot.module.parameters())
+
+
+def _drop_grads(slot: TenantSlot) -> None:
+    """``optimizer.zero_grad(set_to_none=True)`` without its per-call overhead (a profiler
+    span and a walk of the param groups), several times a step for every tenant."""
+    for p in _params(slot):
+        p.grad = None
+
+
 def _max_norm(slot: TenantSlot) -> float:
     clip = slot.optim_config.grad_clip
     return clip if clip > 0 else math.inf
@@ -191,7 +229,7 @@ def _max_norm(slot: TenantSlot) -> float:
 
 def _abandon(live: _Live) -> None:
     """Leave the slot as it was before the step: grads as they were, RNG rewound."""
-    live.slot.optimizer.zero_grad(set_to_none=True)
+    _drop_grads(live.slot)
     if live.grads_before:
         for p, g in zip(live.slot.module.parameters(), live.grads_before, strict=True):
             p.grad = g
@@ -329,12 +367,13 @@ def train_steps(
         except Exception as exc:  # noqa: BLE001 - bad input fails its own tenant only
             results[i] = exc
             continue
-        slot.module.train()
+        if not slot.module.training:  # modes are only ever set on the whole head
+            slot.module.train()
         rng_before = slot.generator.get_state()
         grads_before: list[torch.Tensor | None] = []
         if modes[i] != "step":
             grads_before = [p.grad for p in slot.module.parameters()]
-        slot.optimizer.zero_grad(set_to_none=True)
+        _drop_grads(slot)
         live.append(
             _Live(i, slot, feature, target, rng_before, modes[i], objectives[i], grads_before)
         )
@@ -363,7 +402,7 @@ def train_steps(
     stepping = [m for m in live if results[m.index] is None]
     try:
         norms = clip_grad_norms(
-            [list(m.slot.module.parameters()) for m in stepping],
+            [_params(m.slot) for m in stepping],
             [_max_norm(m.slot) for m in stepping],
         )
     except Exception as exc:  # noqa: BLE001 - nothing was applied: every tenant gets it
@@ -389,7 +428,7 @@ def train_steps(
     adamw_step([m.slot.optimizer for m in applied])
     for m, lr in zip(applied, lrs, strict=True):
         # Free grads now: memory accounting (nbytes) assumes they exist only during a step.
-        m.slot.optimizer.zero_grad(set_to_none=True)
+        _drop_grads(m.slot)
         m.slot.step += 1
         results[m.index] = StepResult(loss=m.loss, grad_norm=m.grad_norm, lr=lr, step=m.slot.step)
     out: list[StepResult | Exception] = []
@@ -427,12 +466,12 @@ def optim_steps(
         else:
             ready.append(i)
     clips = [params[i].grad_clip if params[i].grad_clip > 0 else math.inf for i in ready]
-    norms = clip_grad_norms([list(slots[i].module.parameters()) for i in ready], clips)
+    norms = clip_grad_norms([_params(slots[i]) for i in ready], clips)
     stepping = []
     for i, norm in zip(ready, norms, strict=True):
         if not math.isfinite(norm):
             # Non-finite gradients are no use to any later step: dropped, like a bad SFT step.
-            slots[i].optimizer.zero_grad(set_to_none=True)
+            _drop_grads(slots[i])
             results[i] = NonFiniteLossError(slots[i].tenant, slots[i].step, "grad norm", norm)
         else:
             stepping.append((i, norm))
@@ -446,7 +485,7 @@ def optim_steps(
     adamw_step([slots[i].optimizer for i, _ in stepping])
     for i, norm in stepping:
         slot = slots[i]
-        slot.optimizer.zero_grad(set_to_none=True)
+        _drop_grads(slot)
         slot.step += 1
         results[i] = StepResult(
             loss=math.nan, grad_norm=norm, lr=params[i].learning_rate, step=slot.step

@@ -18,7 +18,9 @@ tells this module), and then its AdamW moments are flat tensors too, each parame
 shared calls as a few runs of consecutive parameters (those with a gradient, at one step
 count; usually one or two runs), not one tensor per parameter: the same elementwise
 arithmetic, so the same bits. A state loaded from a checkpoint is copied into the flat
-moments at its first step.
+moments at its first step. Gradients can be flat too (:func:`assign_grads`: each ``p.grad``
+a view of one row, as :func:`vla.batched.batched_backward` leaves them); then a run's
+gradient is its span of the row (no gathering) and the clip's norm is one norm of the row.
 
 Supported: the AdamW configuration :class:`vla.slot.TenantSlot` builds (``foreach``, no
 ``amsgrad`` / ``maximize`` / ``capturable`` / ``fused`` / ``differentiable``, real tensors);
@@ -30,13 +32,20 @@ from __future__ import annotations
 import weakref
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["adamw_step", "clip_grad_norms", "flatten_parameters", "register_flat", "supported"]
+__all__ = [
+    "adamw_step",
+    "assign_grads",
+    "clip_grad_norms",
+    "flatten_parameters",
+    "register_flat",
+    "supported",
+]
 
 
 #: One param group's AdamW hyper-parameters: (lr, beta1, beta2, weight decay, eps).
@@ -54,10 +63,43 @@ class _Flat:
     #: The flat moments once a flat step made them; each parameter's state holds views.
     exp_avg: Tensor | None = None
     exp_avg_sq: Tensor | None = None
+    #: Each parameter's views of the flat moments, as put in its state (None: not yet).
+    moment_views: list[tuple[Tensor, Tensor] | None] = field(default_factory=list)
+    #: The gradient views :func:`assign_grads` gave the parameters, held weakly (None for
+    #: a parameter it left without one), so a dropped gradient frees its row.
+    grad_views: list[weakref.ref[Tensor] | None] = field(default_factory=list)
+
+    def flat_grad(self) -> Tensor | None:
+        """The flat gradient row :func:`assign_grads` wrote, if every parameter's ``grad``
+        is still the view it gave (or None where it gave none); else None."""
+        views = self.grad_views
+        if len(views) != len(self.params):
+            return None
+        first: Tensor | None = None
+        at = 0
+        for i, (p, ref) in enumerate(zip(self.params, views, strict=True)):
+            grad = p.grad
+            if ref is None:
+                if grad is not None:
+                    return None
+                continue
+            if grad is None or grad is not ref():
+                return None
+            if first is None:
+                first, at = grad, self.offsets[i]
+        if first is None:
+            return None
+        # The row itself was not kept (it would outlive the gradients): the same memory,
+        # seen from its first gradient's storage.
+        return first.as_strided((self.offsets[-1],), (1,), first.storage_offset() - at)
 
 
 #: Optimizers over flat parameters (:func:`register_flat` registers them).
 _FLAT: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Flat] = weakref.WeakKeyDictionary()
+#: The same records by the ``id`` of their first parameter, for callers that hold the
+#: parameters only (tensors compare elementwise, so they cannot be weak-dict keys; a record
+#: lives as long as its optimizer, and :func:`_flat_of` checks identity against reused ids).
+_FLAT_BY_PARAM: weakref.WeakValueDictionary[int, _Flat] = weakref.WeakValueDictionary()
 
 
 @torch.no_grad()
@@ -88,8 +130,57 @@ def register_flat(optimizer: torch.optim.Optimizer, flat: Tensor) -> bool:
     offsets = [0]
     for p in params:
         offsets.append(offsets[-1] + p.numel())
-    _FLAT[optimizer] = _Flat(params, offsets, flat)
+    record = _Flat(params, offsets, flat)
+    _FLAT[optimizer] = record
+    _FLAT_BY_PARAM[id(params[0])] = record
     return True
+
+
+def _flat_of(params: Sequence[Tensor]) -> _Flat | None:
+    """The flat record whose parameters are exactly ``params`` (in order), if any."""
+    if not params:
+        return None
+    fl = _FLAT_BY_PARAM.get(id(params[0]))
+    if fl is None or len(fl.params) != len(params):
+        return None
+    for a, b in zip(fl.params, params, strict=True):
+        if a is not b:
+            return None
+    return fl
+
+
+@torch.no_grad()
+def assign_grads(params: Sequence[Tensor], row: Tensor, present: Sequence[bool]) -> None:
+    """Give each parameter ``p`` with ``present`` its gradient as a view of ``row``, one
+    contiguous tensor laid out as :func:`flatten_parameters` lays out the parameters (a
+    parameter without ``present`` keeps ``grad`` None; its span of ``row`` must be zero).
+
+    For parameters a flat optimizer holds (:func:`register_flat`), the row is remembered:
+    while their ``grad`` are these views, :func:`clip_grad_norms` takes the tenant's norm
+    as one norm of the row and :func:`adamw_step` reads the row instead of gathering the
+    gradients.
+    """
+    need = sum(p.numel() for p in params)
+    if row.dim() != 1 or row.numel() != need or not row.is_contiguous():
+        raise ValueError(
+            f"gradient row of shape {tuple(row.shape)} for {need} parameter elements "
+            "(expected one contiguous dimension of that length)"
+        )
+    views: list[weakref.ref[Tensor] | None] = []
+    at = 0
+    for p, has in zip(params, present, strict=True):
+        n = p.numel()
+        if has:
+            view = row[at : at + n].view_as(p)
+            p.grad = view
+            views.append(weakref.ref(view))
+        else:
+            p.grad = None
+            views.append(None)
+        at += n
+    fl = _flat_of(params)
+    if fl is not None:
+        fl.grad_views = views
 
 
 def _views_in_order(params: Sequence[Tensor], flat: Tensor) -> bool:
@@ -111,30 +202,45 @@ def clip_grad_norms(
     params_per_tenant: Sequence[Sequence[Tensor]], max_norms: Sequence[float]
 ) -> list[float]:
     """Clip each tenant's gradients to its own global 2-norm ``max_norms[i]`` (``inf``: no
-    clipping) and return each tenant's norm before clipping, exactly as
+    clipping) and return each tenant's norm before clipping, as
     ``torch.nn.utils.clip_grad_norm_(params_per_tenant[i], max_norms[i])`` would.
 
-    One ``_foreach_norm`` over every tenant's gradients and one ``_foreach_mul_`` with each
-    tenant's coefficient; only the per-tenant total (a norm of its tensors' norms) is a
-    small op per tenant. A tenant without gradients has norm 0.
+    Gradients given as separate tensors: one ``_foreach_norm`` over every such tenant's
+    gradients and one ``_foreach_mul_`` with each tenant's coefficient, the same arithmetic
+    as ``clip_grad_norm_`` (the same bits). A tenant whose gradients are still the views of
+    one flat row (:func:`assign_grads`) gets the row's norm, one kernel instead of a norm
+    per tensor and a norm of those: the same value up to float rounding (~1e-7 relative:
+    the sum runs in another order, accumulated in float64), and the same bits on every
+    call with that layout. A tenant without gradients has norm 0.
     """
     if len(params_per_tenant) != len(max_norms):
         raise ValueError(f"{len(params_per_tenant)} tenants but {len(max_norms)} max norms")
-    grads = [_grads(ps) for ps in params_per_tenant]
-    flat = [g for gs in grads for g in gs]
-    if not flat:
-        return [0.0] * len(grads)
-    norms = list(torch._foreach_norm(flat, 2.0))
+    rows: list[Tensor | None] = []
+    grads: list[list[Tensor]] = []
+    for ps in params_per_tenant:
+        fl = _flat_of(ps)
+        row = fl.flat_grad() if fl is not None else None
+        rows.append(row)
+        grads.append([] if row is not None else _grads(ps))
+    separate = [g for gs in grads for g in gs]
+    norms = list(torch._foreach_norm(separate, 2.0)) if separate else []
     totals: list[Tensor] = []
     at = 0
-    for gs in grads:
+    for row, gs in zip(rows, grads, strict=True):
+        if row is not None:
+            # Accumulated in float64: one float32 sum over tens of thousands of squares is
+            # off by ~1e-6 relative, the per-tensor norms' by ~1e-8.
+            totals.append(torch.linalg.vector_norm(row, 2.0, dtype=torch.float64).to(row.dtype))
+            continue
         mine = norms[at : at + len(gs)]
         at += len(gs)
         if not mine:
-            totals.append(flat[0].new_zeros((), dtype=torch.float32))
+            totals.append(torch.zeros((), dtype=torch.float32))
             continue
         first = gs[0].device
         totals.append(torch.linalg.vector_norm(torch.stack([n.to(first) for n in mine]), 2.0))
+    if not totals:
+        return []
     # clip_grad_norm_'s own arithmetic, in the same order: max_norm / (total + 1e-6) is
     # reciprocal(total + 1e-6) * max_norm for a tensor, then clamped to 1.
     coefs = [
@@ -147,8 +253,8 @@ def clip_grad_norms(
     by_device: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[float]]] = (
         defaultdict(lambda: ([], []))
     )
-    for gs, c in zip(grads, coef_values, strict=True):
-        for g in gs:
+    for row, gs, c in zip(rows, grads, coef_values, strict=True):
+        for g in [row] if row is not None else gs:
             ts, cs = by_device[(g.device, g.dtype)]
             ts.append(g)
             cs.append(c)
@@ -270,31 +376,43 @@ def _flat_runs(opt: torch.optim.Optimizer, fl: _Flat) -> list[_Run] | None:
     if fl.exp_avg is None or fl.exp_avg_sq is None:
         fl.exp_avg = torch.zeros_like(fl.param_flat)
         fl.exp_avg_sq = torch.zeros_like(fl.param_flat)
-    runs: list[_Run] = []
-    run: _Run | None = None
-    size = fl.param_flat.element_size()
+        fl.moment_views = [None] * len(fl.params)
+    stepping: list[int] = []
+    steps: list[Tensor] = []
     for i, p in enumerate(fl.params):
         if p.grad is None:
-            run = None  # skipped, as AdamW skips it
-            continue
+            continue  # skipped, as AdamW skips it
         st = opt.state[p]
-        at, n = fl.offsets[i], p.numel()
-        if not st:
-            st["step"] = torch.tensor(0.0, dtype=_scalar_dtype(), device="cpu")
-            st["exp_avg"] = fl.exp_avg[at : at + n].view_as(p).zero_()
-            st["exp_avg_sq"] = fl.exp_avg_sq[at : at + n].view_as(p).zero_()
-        elif set(st) != {"step", "exp_avg", "exp_avg_sq"}:
-            return None
-        else:
-            for key, flat in (("exp_avg", fl.exp_avg), ("exp_avg_sq", fl.exp_avg_sq)):
-                moment = st[key]
-                if moment.data_ptr() != flat.data_ptr() + at * size or not moment.is_contiguous():
-                    # A state from elsewhere (a loaded checkpoint): copied into place once.
-                    view = flat[at : at + n].view_as(p)
-                    view.copy_(moment)
-                    st[key] = view
-        step = float(st["step"])
-        if run is not None and run.step == step:
+        views = fl.moment_views[i]
+        if (
+            views is None
+            or len(st) != 3
+            or st.get("exp_avg") is not views[0]
+            or st.get("exp_avg_sq") is not views[1]
+        ):
+            if st and set(st) != {"step", "exp_avg", "exp_avg_sq"}:
+                return None
+            at, n = fl.offsets[i], p.numel()
+            avg = fl.exp_avg[at : at + n].view_as(p)
+            avg_sq = fl.exp_avg_sq[at : at + n].view_as(p)
+            if not st:
+                st["step"] = torch.tensor(0.0, dtype=_scalar_dtype(), device="cpu")
+                avg.zero_()
+                avg_sq.zero_()
+            else:
+                # A state from elsewhere (a loaded checkpoint): copied into place once.
+                avg.copy_(st["exp_avg"])
+                avg_sq.copy_(st["exp_avg_sq"])
+            st["exp_avg"], st["exp_avg_sq"] = avg, avg_sq
+            fl.moment_views[i] = (avg, avg_sq)
+        stepping.append(i)
+        steps.append(st["step"])
+    runs: list[_Run] = []
+    run: _Run | None = None
+    # One host read for every step count (each parameter keeps its own, as AdamW does).
+    values = torch.stack(steps).tolist() if steps else []
+    for i, step in zip(stepping, values, strict=True):
+        if run is not None and run.end == i and run.step == step:
             run.end = i + 1
         else:
             run = _Run(opt, fl, i, i + 1, step)
@@ -304,17 +422,24 @@ def _flat_runs(opt: torch.optim.Optimizer, fl: _Flat) -> list[_Run] | None:
 
 def _step_runs(runs: list[_Run]) -> None:
     """AdamW over flat runs: every run's per-parameter step counts (kept, as AdamW keeps
-    them) advanced by one call, then :func:`_adamw_math` with one tensor per run."""
+    them) advanced by one call, then :func:`_adamw_math` with one tensor per run (its
+    span of the flat gradient row when there is one, else its gradients concatenated)."""
     _advance([r.optimizer.state[p]["step"] for r in runs for p in r.flat.params[r.first : r.end]])
     groups: dict[tuple[torch.device, torch.dtype], list[_Run]] = defaultdict(list)
     for r in runs:
         groups[(r.flat.param_flat.device, r.flat.param_flat.dtype)].append(r)
+    rows = {id(r.flat): r.flat.flat_grad() for r in runs}
     for members in groups.values():
         hyper = [_hyper(r.optimizer.param_groups[0]) for r in members]
-        grads = [
-            torch.cat([_grad(p).reshape(-1) for p in r.flat.params[r.first : r.end]])
-            for r in members
-        ]
+        grads = []
+        for r in members:
+            row = rows[id(r.flat)]
+            if row is not None:
+                grads.append(r.span(row))
+            else:
+                grads.append(
+                    torch.cat([_grad(p).reshape(-1) for p in r.flat.params[r.first : r.end]])
+                )
         _adamw_math(
             [r.span(r.flat.param_flat) for r in members],
             grads,
