@@ -77,32 +77,45 @@ class AdamParams:
     grad_clip: float = 0.0
 
 
-#: Each head's :func:`arch_key` without the batch size, worked out once per module (walking
-#: its parameters every step was a visible part of a small head's step).
-_ARCH: weakref.WeakKeyDictionary[ActionHead, tuple[object, ...]] = weakref.WeakKeyDictionary()
+@dataclass(frozen=True)
+class _Layout:
+    """A built head's parameters in module order, their names, and its :func:`arch_key`
+    without the batch size: worked out once per module (walking a small head's modules
+    every step was a visible part of its step)."""
+
+    params: list[torch.nn.Parameter]
+    names: tuple[str, ...]
+    key: tuple[object, ...]
 
 
-def arch_key(module: ActionHead, batch_size: int) -> Hashable:
-    """What two tenants' heads and batches must share to run as one batched call: the
-    head class and config (kind, dims, chunk length, hidden sizes, ...), the backbone
-    width, each parameter's name, shape and dtype, the device, and the local batch size.
+_LAYOUTS: weakref.WeakKeyDictionary[ActionHead, _Layout] = weakref.WeakKeyDictionary()
 
-    Cached per module; a module moved to another device or dtype is worked out again
-    (parameters are never added to or replaced in a built head)."""
+
+def _layout(module: ActionHead) -> _Layout:
+    """``module``'s :class:`_Layout`; a module moved to another device or dtype is worked
+    out again (parameters are never added to or replaced in a built head)."""
     anchor = module.state_token_D
-    base = _ARCH.get(module)
-    if base is None or base[3] != anchor.device or base[4] != anchor.dtype:
-        shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
-        base = (
+    layout = _LAYOUTS.get(module)
+    if layout is None or layout.key[3] != anchor.device or layout.key[4] != anchor.dtype:
+        named = list(module.named_parameters())
+        key = (
             type(module),
             module.config,
             module.hidden_size,
             anchor.device,
             anchor.dtype,
-            shapes,
+            tuple((n, tuple(p.shape), p.dtype) for n, p in named),
         )
-        _ARCH[module] = base
-    return (*base, batch_size)
+        layout = _Layout([p for _, p in named], tuple(n for n, _ in named), key)
+        _LAYOUTS[module] = layout
+    return layout
+
+
+def arch_key(module: ActionHead, batch_size: int) -> Hashable:
+    """What two tenants' heads and batches must share to run as one batched call: the
+    head class and config (kind, dims, chunk length, hidden sizes, ...), the backbone
+    width, each parameter's name, shape and dtype, the device, and the local batch size."""
+    return (*_layout(module).key, batch_size)
 
 
 def _ready(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -134,11 +147,14 @@ def batched_backward(
         )
     template = modules[0]
     dtype, device = template.state_token_D.dtype, template.state_token_D.device
-    named = [dict(m.named_parameters()) for m in modules]
+    layouts = [_layout(m) for m in modules]
     # Leaves of their own (not autograd views of the tenants' parameters): the backward
     # then ends in one gradient per name instead of one accumulation per tenant and name.
     with torch.no_grad():
-        params = {k: torch.stack([p[k] for p in named]).requires_grad_() for k in named[0]}
+        params = {
+            name: torch.stack([lay.params[j] for lay in layouts]).requires_grad_()
+            for j, name in enumerate(layouts[0].names)
+        }
     inputs = StackedInputs(
         prefix_N_B_T_D=torch.stack(
             [
@@ -187,7 +203,7 @@ def batched_backward(
         present = [g is not None for g in grads]
         for i, row_F in enumerate(row_N_F.unbind(0)):
             if finite[i]:
-                assign_grads(list(named[i].values()), row_F, present)
+                assign_grads(layouts[i].params, row_F, present)
     return values
 
 
