@@ -390,3 +390,6 @@ def test_bench_main_runs_as_a_subprocess_and_writes_json(tmp_path: Path) -> None
     assert set(cells) == {(n, 1, s) for n in (1, 2) for s in ("forward", "train_step")}
     for c in cells.values():
         assert c["serial_ms"] > 0 and c["grouped_ms"] > 0 and c["speedup"] > 0
+    for n in (1, 2):  # a train cell also says how much of the grouped step the heads took
+        train = cells[(n, 1, "train_step")]
+        assert 0 < train["grouped_heads_ms"] < train["grouped_ms"]
