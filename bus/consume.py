@@ -44,12 +44,12 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import BadRequestError, FetchTimeoutError, NotFoundError
 
 from bus import tracing
 from bus.codec import DecodeError, encode
 from bus.crashes import CrashLedger, CrashLoopError
+from bus.durable import HAND_BACK_ALLOWANCE, ConsumerSpec, DeadHook, Durable, config_filters
 from bus.errors import HandlerError, Interrupted
 from schemas import subjects
 from schemas.dead import DeadLetter
@@ -62,10 +62,6 @@ log = logging.getLogger(__name__)
 DEAD_PAYLOAD_LIMIT = 512 * 1024
 #: How long a stopping pool waits for its running handlers before handing their messages back.
 DRAIN_S = 2.0
-#: Deliveries the server allows beyond a consumer's ``max_deliver``: every nak counts as a
-#: delivery, and a message handed back by stopping instances (``Interrupted``) must still be
-#: delivered again; the runtime dead-letters failing messages by its own count.
-HAND_BACK_ALLOWANCE = 20
 #: Bound on any single bus call made while stopping (nak, unsubscribe).
 STOP_CALL_S = 0.5
 #: How long after its last fetch returned a pull request of ours may still be answered: the
@@ -89,7 +85,6 @@ class Hold:
 HOLD = Hold()
 
 Handler = Callable[[Msg], Awaitable[Hold | None]]
-DeadHook = Callable[[Msg, str, BaseException], Awaitable[None]]
 
 
 class Fate(enum.Enum):
@@ -151,87 +146,6 @@ async def dead_letter(
     )
 
 
-@dataclass(frozen=True)
-class ConsumerSpec:
-    """A durable pull consumer's identity and delivery settings."""
-
-    stream: str
-    durable: str
-    #: The subject filter, or several: the consumer then gets only messages on those (a
-    #: role that would ignore most of a stream does not fetch and ack them at all).
-    filter_subject: str | tuple[str, ...]
-    #: Redelivery after this long without an ack or in-progress ack.
-    ack_wait_s: float = 30.0
-    #: Deliveries before a retried message is dead-lettered (decided by the runtime; the
-    #: server allows :data:`HAND_BACK_ALLOWANCE` more, for work handed back at stops).
-    max_deliver: int = 5
-    #: Unacked messages the server lets this consumer have at once.
-    max_ack_pending: int = 1000
-    #: Redeliveries in a row whose handling started and never settled (the role died while
-    #: handling them) before the message is dead-lettered unhandled (:mod:`bus.crashes`);
-    #: 0: ``max_deliver``.
-    max_crashes: int = 0
-
-    @property
-    def crash_limit(self) -> int:
-        return self.max_crashes or self.max_deliver
-
-    @property
-    def filters(self) -> tuple[str, ...]:
-        """Every subject filter, however given."""
-        f = self.filter_subject
-        return (f,) if isinstance(f, str) else f
-
-    def config(self) -> ConsumerConfig:
-        one = len(self.filters) == 1
-        return ConsumerConfig(
-            durable_name=self.durable,
-            filter_subject=self.filters[0] if one else None,
-            filter_subjects=None if one else list(self.filters),
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=self.ack_wait_s,
-            max_deliver=self.max_deliver + HAND_BACK_ALLOWANCE if self.max_deliver > 0 else -1,
-            max_ack_pending=self.max_ack_pending,
-        )
-
-
-def _filters(config: ConsumerConfig) -> set[str]:
-    one = [config.filter_subject] if config.filter_subject else []
-    return {*(config.filter_subjects or ()), *one}
-
-
-@dataclass
-class Durable:
-    """A bound durable: its spec, pull subscription and the hook told of its dead letters."""
-
-    spec: ConsumerSpec
-    sub: JetStreamContext.PullSubscription
-    on_dead: DeadHook | None = None
-    #: Messages of this durable being handled right now.
-    in_flight: int = 0
-    #: When its last fetch returned (monotonic); see :data:`LATE_DELIVERY_S`.
-    fetched_at: float = 0.0
-
-    def take_late(self) -> list[Msg]:
-        """Messages delivered to this subscription after its last fetch returned (answers to
-        a pull request that expired as the fetch timed out); status messages are dropped.
-        nats.py keeps them in the subscription's queue for the next fetch and has no public
-        call that takes them without asking the server for more, hence its queue here."""
-        queue = self.sub._sub._pending_queue
-        late: list[Msg] = []
-        while not queue.empty():
-            msg = queue.get_nowait()
-            self.sub._sub._pending_size -= len(msg.data)
-            if not JetStreamContext.is_status_msg(msg):
-                late.append(msg)
-        return late
-
-    @property
-    def name(self) -> str:
-        return self.spec.durable
-
-
 @dataclass
 class _Alive:
     msg: Msg
@@ -263,7 +177,7 @@ class Consumer:
         other subject filters is updated to ``spec``'s (the server keeps its position)."""
         try:
             info = await self.js.consumer_info(spec.stream, spec.durable)
-            if _filters(info.config) != set(spec.filters):
+            if config_filters(info.config) != set(spec.filters):
                 await self.js.add_consumer(spec.stream, spec.config())  # create-or-update
         except NotFoundError:
             try:

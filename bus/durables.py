@@ -13,7 +13,8 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 
-from bus.consume import Consumer, ConsumerSpec, DeadHook, Durable
+from bus.consume import Consumer
+from bus.durable import ConsumerSpec, DeadHook, Durable
 
 log = logging.getLogger(__name__)
 #: How long a fetch waits for messages the server reported pending.

@@ -15,7 +15,8 @@ from pathlib import Path
 from nats.aio.msg import Msg
 
 from bus.connect import connect
-from bus.consume import Consumer, ConsumerSpec
+from bus.consume import Consumer
+from bus.durable import ConsumerSpec
 
 CRASH = b"crash"
 

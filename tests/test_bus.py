@@ -17,8 +17,9 @@ from opentelemetry import trace
 from bus import tracing
 from bus.codec import decode
 from bus.connect import connect
-from bus.consume import HOLD, Consumer, ConsumerSpec, Handler, Hold
+from bus.consume import HOLD, Consumer, Handler, Hold
 from bus.declare import BusLayout, DeclareConflict, declare
+from bus.durable import ConsumerSpec
 from bus.errors import Interrupted, PoisonError, RetryableError
 from bus.publish import Outgoing, publish, publish_all
 from bus.server import EmbeddedServer, ServerError

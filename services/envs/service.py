@@ -32,8 +32,8 @@ from nats.js.errors import NotFoundError
 from bus import tracing
 from bus.auth import reply_allowed
 from bus.codec import DecodeError, decode, encode
-from bus.consume import ConsumerSpec
 from bus.datasets import DatasetStoreError, default_cache_root, resolve
+from bus.durable import ConsumerSpec
 from bus.errors import Interrupted, PoisonError, RetryableError
 from bus.inference import InferenceError, PolicyClient
 from bus.metering import BusyMeter

@@ -42,7 +42,8 @@ from opentelemetry import trace
 
 from bus import metrics, tracing
 from bus.codec import DecodeError, decode, encode
-from bus.consume import HOLD, ConsumerSpec, Durable, Fate, Hold
+from bus.consume import HOLD, Fate, Hold
+from bus.durable import ConsumerSpec, Durable
 from bus.encoding import FeatureClient
 from bus.errors import Interrupted, PoisonError
 from bus.metering import BusyMeter, LinearFit

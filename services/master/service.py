@@ -20,8 +20,8 @@ from nats.js.kv import KeyValue
 
 from bus import tracing
 from bus.codec import DecodeError, decode, encode
-from bus.consume import ConsumerSpec
 from bus.datasets import default_cache_root
+from bus.durable import ConsumerSpec
 from bus.errors import PoisonError, RetryableError
 from bus.publish import msg_id, publish
 from bus.queues import publish_queues

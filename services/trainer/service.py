@@ -1,7 +1,7 @@
 """Trainer: the Training Model Service.
 
 One process holds the frozen backbone and many tenant slots. It consumes the Training Queue
-through one durable pull consumer per (backbone, tenant) (:class:`bus.consume.DurableSet`,
+through one durable pull consumer per (backbone, tenant) (:class:`bus.durables.DurableSet`,
 discovered from the ``TRAIN`` stream's subjects). Each round, every tenant's buffer is triaged
 (:meth:`Trainer.triage`: control messages, replays and poison are settled, the next applicable
 batch found — :mod:`~services.trainer.ledger`), deficit round robin picks the tenants served
@@ -33,7 +33,7 @@ from nats.js.kv import KeyValue
 
 from bus.auth import reply_allowed
 from bus.codec import DecodeError, decode, encode
-from bus.consume import ConsumerSpec
+from bus.durable import ConsumerSpec
 from bus.durables import DurableSet
 from bus.encoding import FeatureClient
 from bus.errors import HandlerError, PoisonError
