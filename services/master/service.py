@@ -8,7 +8,6 @@ message never stops the master: its fate is decided by :meth:`bus.consume.Consum
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -76,6 +75,7 @@ from services.master.limits import (
     check_spec_bounds,
 )
 from services.master.pacing import Pacer
+from services.master.pipelines import advance_pipeline, start_stage
 from services.master.plans import (
     Datasets,
     Plan,
@@ -236,7 +236,7 @@ class Master:
         if plan is None:  # a pipeline: its first stage is the plan
             assert isinstance(spec, PipelineSpec)
             await self.transition(spec.tenant, job_id, "running")
-            await self.start_stage(job_id, spec, 0, previous=None)
+            await start_stage(self, job_id, spec, 0, previous=None)
             return
         await self.start(plan, job_id)
 
@@ -303,59 +303,6 @@ class Master:
             )
         await self.transition(tenant, job_id, "running")
 
-    async def start_stage(
-        self, pipeline_id: str, spec: PipelineSpec, index: int, previous: str | None
-    ) -> None:
-        """Submit stage ``index`` as a child job, starting from ``previous``'s policy."""
-        stage = spec.stages[index]
-        if previous is not None:
-            if isinstance(stage, SFTJobSpec | RLJobSpec):
-                stage = stage.model_copy(update={"init_from": previous})
-            elif isinstance(stage, EvalJobSpec):
-                stage = stage.model_copy(update={"policy_job": previous, "policy_version": 0})
-        child = f"{pipeline_id}-s{index}"[:64]
-        document = json.dumps(stage.model_dump(mode="json")).encode()
-        try:
-            # Admitted with its pipeline (which holds what its largest stage does).
-            tenant = await self.gate.record(spec.tenant)
-            limits = tenant.limits if tenant is not None else None
-            await self.accept(child, stage, document, parent=pipeline_id, limits=limits)
-        except PoisonError as exc:
-            await self.transition(
-                spec.tenant, pipeline_id, "failed", reason=f"stage {index} ({stage.kind}): {exc}"
-            )
-
-    async def advance_pipeline(self, child: JobRecord) -> None:
-        """A stage ended: start the next one, or end the pipeline with the stage's outcome."""
-        found = await self.record(child.tenant, child.parent)
-        if found is None:
-            return
-        parent, _ = found
-        spec = parse_job_spec(parent.spec_json)
-        assert isinstance(spec, PipelineSpec)
-        index = int(child.job_id.rsplit("-s", 1)[-1])
-        if child.status != "succeeded":
-            await self.transition(
-                child.tenant,
-                parent.job_id,
-                "failed",
-                reason=f"stage {index} {child.status}: {child.reason}",
-            )
-            return
-        if index + 1 == len(spec.stages):
-            await self.transition(
-                child.tenant,
-                parent.job_id,
-                "succeeded",
-                metrics=dict(child.metrics),
-                policy_version=child.policy_version,
-            )
-            return
-        trained = child.job_id
-        if child.kind == "eval":  # an eval stage passes on the policy it evaluated
-            trained = parse_job_spec(child.spec_json).policy_job  # type: ignore[union-attr]
-        await self.start_stage(parent.job_id, spec, index + 1, previous=trained)
-
     async def transition(
         self,
         tenant: str,
@@ -388,7 +335,7 @@ class Master:
                 self.js, StateChanged(tenant, job_id, status, updated.updated_at, reason), status
             )
             if status in TERMINAL_STATUSES and updated.parent:
-                await self.advance_pipeline(updated)
+                await advance_pipeline(self, updated)
         return updated
 
     async def close_slot(self, tenant: str, job_id: str, reason: str) -> None:

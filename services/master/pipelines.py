@@ -1,0 +1,72 @@
+"""Pipelines: a job of stages run one after another, each stage a child job of its own
+(``<pipeline id>-s<index>``) that starts from the policy the stage before it trained (an
+eval stage passes on the policy it evaluated). The pipeline ends with its last stage, or
+fails with the first stage that does not succeed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from bus.errors import PoisonError
+from schemas.jobs import JobRecord
+from schemas.specs import EvalJobSpec, PipelineSpec, RLJobSpec, SFTJobSpec, parse_job_spec
+
+if TYPE_CHECKING:
+    from services.master.service import Master
+
+
+async def start_stage(
+    master: Master, pipeline_id: str, spec: PipelineSpec, index: int, previous: str | None
+) -> None:
+    """Submit stage ``index`` as a child job, starting from ``previous``'s policy."""
+    stage = spec.stages[index]
+    if previous is not None:
+        if isinstance(stage, SFTJobSpec | RLJobSpec):
+            stage = stage.model_copy(update={"init_from": previous})
+        elif isinstance(stage, EvalJobSpec):
+            stage = stage.model_copy(update={"policy_job": previous, "policy_version": 0})
+    child = f"{pipeline_id}-s{index}"[:64]
+    document = json.dumps(stage.model_dump(mode="json")).encode()
+    try:
+        # Admitted with its pipeline (which holds what its largest stage does).
+        tenant = await master.gate.record(spec.tenant)
+        limits = tenant.limits if tenant is not None else None
+        await master.accept(child, stage, document, parent=pipeline_id, limits=limits)
+    except PoisonError as exc:
+        await master.transition(
+            spec.tenant, pipeline_id, "failed", reason=f"stage {index} ({stage.kind}): {exc}"
+        )
+
+
+async def advance_pipeline(master: Master, child: JobRecord) -> None:
+    """A stage ended: start the next one, or end the pipeline with the stage's outcome."""
+    found = await master.record(child.tenant, child.parent)
+    if found is None:
+        return
+    parent, _ = found
+    spec = parse_job_spec(parent.spec_json)
+    assert isinstance(spec, PipelineSpec)
+    index = int(child.job_id.rsplit("-s", 1)[-1])
+    if child.status != "succeeded":
+        await master.transition(
+            child.tenant,
+            parent.job_id,
+            "failed",
+            reason=f"stage {index} {child.status}: {child.reason}",
+        )
+        return
+    if index + 1 == len(spec.stages):
+        await master.transition(
+            child.tenant,
+            parent.job_id,
+            "succeeded",
+            metrics=dict(child.metrics),
+            policy_version=child.policy_version,
+        )
+        return
+    trained = child.job_id
+    if child.kind == "eval":  # an eval stage passes on the policy it evaluated
+        trained = parse_job_spec(child.spec_json).policy_job  # type: ignore[union-attr]
+    await start_stage(master, parent.job_id, spec, index + 1, previous=trained)
