@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from schemas.model import HeadConfig, OptimizerConfig
-from vla import multiopt
 from vla.feature import VLAFeature
-from vla.multiopt import adamw_step, assign_grads, clip_grad_norms, supported
+from vla.flatparams import assign_grads, flat_of
+from vla.multiopt import adamw_step, clip_grad_norms, supported
 from vla.slot import TenantSlot, lr_at
 
 HIDDEN = 32
@@ -315,7 +315,7 @@ def test_the_row_is_read_whole_until_a_gradient_is_replaced_or_dropped() -> None
         [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
     )
     as_row(s)
-    record = multiopt._flat_of(params)
+    record = flat_of(params)
     assert record is not None
     row = record.flat_grad()
     assert row is not None and torch.equal(row, expected)

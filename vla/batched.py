@@ -9,7 +9,7 @@ head's :meth:`~vla.heads.ActionHead.stacked_loss` runs every layer as one batche
 (:mod:`vla.heads.stacked`: ``baddbmm`` per linear, fused attention with the tenant dim
 folded into the batch). One backward gives the stacked gradients, laid out as one row per
 tenant in its flat parameter order; each tenant's ``p.grad`` is a view of its row, which
-its clip and AdamW step read as one tensor (:func:`vla.multiopt.assign_grads`). Randomness
+its clip and AdamW step read as one tensor (:func:`vla.flatparams.assign_grads`). Randomness
 is drawn per tenant from its own generator before the call
 (:meth:`~vla.heads.ActionHead.draw`), in the order its own step draws it.
 
@@ -30,9 +30,10 @@ from typing import Literal
 import torch
 
 from vla.feature import VLAFeature
+from vla.flatparams import assign_grads
 from vla.heads import ActionHead
 from vla.heads.stacked import StackedInputs
-from vla.multiopt import adamw_step, assign_grads, clip_grad_norms
+from vla.multiopt import adamw_step, clip_grad_norms
 from vla.slot import NonFiniteLossError, StepResult, TenantSlot, lr_at
 
 __all__ = [
@@ -191,7 +192,7 @@ def batched_backward(
         )
         # One (N, numel) gradient laid out as each tenant's flat parameters: every tenant's
         # gradients are views of its row, which its clip and AdamW step then read as one
-        # tensor (vla.multiopt.assign_grads). A parameter the loss does not use (e.g. the
+        # tensor (vla.flatparams.assign_grads). A parameter the loss does not use (e.g. the
         # value head) has a zero span and keeps ``grad`` None.
         row_N_F = torch.cat(
             [

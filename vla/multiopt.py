@@ -11,16 +11,17 @@ would leave them (tested against both in ``tests/test_multiopt.py``). State is k
 tenant's own ``AdamW.state``, so checkpoints, restores and later per-tenant steps see
 nothing different.
 
-Flat buffers: a tenant's parameters can live in one flat tensor (:func:`flatten_parameters`,
-each parameter a view of it; :class:`vla.slot.TenantSlot` does this, :func:`register_flat`
-tells this module), and then its AdamW moments are flat tensors too, each parameter's
+Flat buffers: a tenant's parameters can live in one flat tensor (:mod:`vla.flatparams`:
+each parameter a view of it; :class:`vla.slot.TenantSlot` does this and registers its
+optimizer), and then its AdamW moments are flat tensors too, each parameter's
 ``exp_avg`` / ``exp_avg_sq`` in ``AdamW.state`` a view of them. Such a tenant enters the
 shared calls as a few runs of consecutive parameters (those with a gradient, at one step
 count; usually one or two runs), not one tensor per parameter: the same elementwise
 arithmetic, so the same bits. A state loaded from a checkpoint is copied into the flat
-moments at its first step. Gradients can be flat too (:func:`assign_grads`: each ``p.grad``
-a view of one row, as :func:`vla.batched.batched_backward` leaves them); then a run's
-gradient is its span of the row (no gathering) and the clip's norm is one norm of the row.
+moments at its first step. Gradients can be flat too (:func:`vla.flatparams.assign_grads`:
+each ``p.grad`` a view of one row, as :func:`vla.batched.batched_backward` leaves them);
+then a run's gradient is its span of the row (no gathering) and the clip's norm is one norm
+of the row.
 
 Supported: the AdamW configuration :class:`vla.slot.TenantSlot` builds (``foreach``, no
 ``amsgrad`` / ``maximize`` / ``capturable`` / ``fused`` / ``differentiable``, real tensors);
@@ -29,168 +30,21 @@ an optimizer outside that is stepped by itself (:func:`adamw_step` says which).
 
 from __future__ import annotations
 
-import weakref
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-__all__ = [
-    "adamw_step",
-    "assign_grads",
-    "clip_grad_norms",
-    "flatten_parameters",
-    "register_flat",
-    "supported",
-]
+from vla.flatparams import FlatParams, flat_of, flat_of_optimizer, views_in_order
+
+__all__ = ["adamw_step", "clip_grad_norms", "supported"]
 
 
 #: One param group's AdamW hyper-parameters: (lr, beta1, beta2, weight decay, eps).
 Hyper = tuple[float, float, float, float, float]
-
-
-@dataclass
-class _Flat:
-    """An optimizer whose parameters are views of one flat tensor, in its param order."""
-
-    params: list[Tensor]
-    #: Where each parameter starts in the flat tensors, and (last) their total length.
-    offsets: list[int]
-    param_flat: Tensor
-    #: The flat moments once a flat step made them; each parameter's state holds views.
-    exp_avg: Tensor | None = None
-    exp_avg_sq: Tensor | None = None
-    #: Each parameter's views of the flat moments, as put in its state (None: not yet).
-    moment_views: list[tuple[Tensor, Tensor] | None] = field(default_factory=list)
-    #: The gradient views :func:`assign_grads` gave the parameters, held weakly (None for
-    #: a parameter it left without one), so a dropped gradient frees its row.
-    grad_views: list[weakref.ref[Tensor] | None] = field(default_factory=list)
-
-    def flat_grad(self) -> Tensor | None:
-        """The flat gradient row :func:`assign_grads` wrote, if every parameter's ``grad``
-        is still the view it gave (or None where it gave none); else None."""
-        views = self.grad_views
-        if len(views) != len(self.params):
-            return None
-        first: Tensor | None = None
-        at = 0
-        for i, (p, ref) in enumerate(zip(self.params, views, strict=True)):
-            grad = p.grad
-            if ref is None:
-                if grad is not None:
-                    return None
-                continue
-            if grad is None or grad is not ref():
-                return None
-            if first is None:
-                first, at = grad, self.offsets[i]
-        if first is None:
-            return None
-        # The row itself was not kept (it would outlive the gradients): the same memory,
-        # seen from its first gradient's storage.
-        return first.as_strided((self.offsets[-1],), (1,), first.storage_offset() - at)
-
-
-#: Optimizers over flat parameters (:func:`register_flat` registers them).
-_FLAT: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Flat] = weakref.WeakKeyDictionary()
-#: The same records by the ``id`` of their first parameter, for callers that hold the
-#: parameters only (tensors compare elementwise, so they cannot be weak-dict keys; a record
-#: lives as long as its optimizer, and :func:`_flat_of` checks identity against reused ids).
-_FLAT_BY_PARAM: weakref.WeakValueDictionary[int, _Flat] = weakref.WeakValueDictionary()
-
-
-@torch.no_grad()
-def flatten_parameters(module: nn.Module) -> Tensor | None:
-    """Move ``module``'s parameters into one flat tensor, each parameter a view of it (same
-    values, same ``Parameter`` objects), and return it. Build the optimizer afterwards and
-    :func:`register_flat` it. Parameters of several dtypes or devices are left as they are
-    (None)."""
-    params = list(module.parameters())
-    if not params or len({(p.dtype, p.device) for p in params}) != 1:
-        return None
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
-    at = 0
-    for p in params:
-        n = p.numel()
-        p.data = flat[at : at + n].view_as(p)
-        at += n
-    return flat
-
-
-def register_flat(optimizer: torch.optim.Optimizer, flat: Tensor) -> bool:
-    """Let :func:`adamw_step` update ``optimizer`` through flat tensors: its parameters must
-    be, in order, the views of ``flat`` :func:`flatten_parameters` made. Returns whether it
-    is registered."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if len(optimizer.param_groups) != 1 or not _views_in_order(params, flat):
-        return False
-    offsets = [0]
-    for p in params:
-        offsets.append(offsets[-1] + p.numel())
-    record = _Flat(params, offsets, flat)
-    _FLAT[optimizer] = record
-    _FLAT_BY_PARAM[id(params[0])] = record
-    return True
-
-
-def _flat_of(params: Sequence[Tensor]) -> _Flat | None:
-    """The flat record whose parameters are exactly ``params`` (in order), if any."""
-    if not params:
-        return None
-    fl = _FLAT_BY_PARAM.get(id(params[0]))
-    if fl is None or len(fl.params) != len(params):
-        return None
-    for a, b in zip(fl.params, params, strict=True):
-        if a is not b:
-            return None
-    return fl
-
-
-@torch.no_grad()
-def assign_grads(params: Sequence[Tensor], row: Tensor, present: Sequence[bool]) -> None:
-    """Give each parameter ``p`` with ``present`` its gradient as a view of ``row``, one
-    contiguous tensor laid out as :func:`flatten_parameters` lays out the parameters (a
-    parameter without ``present`` keeps ``grad`` None; its span of ``row`` must be zero).
-
-    For parameters a flat optimizer holds (:func:`register_flat`), the row is remembered:
-    while their ``grad`` are these views, :func:`clip_grad_norms` takes the tenant's norm
-    as one norm of the row and :func:`adamw_step` reads the row instead of gathering the
-    gradients.
-    """
-    need = sum(p.numel() for p in params)
-    if row.dim() != 1 or row.numel() != need or not row.is_contiguous():
-        raise ValueError(
-            f"gradient row of shape {tuple(row.shape)} for {need} parameter elements "
-            "(expected one contiguous dimension of that length)"
-        )
-    views: list[weakref.ref[Tensor] | None] = []
-    at = 0
-    for p, has in zip(params, present, strict=True):
-        n = p.numel()
-        if has:
-            view = row[at : at + n].view_as(p)
-            p.grad = view
-            views.append(weakref.ref(view))
-        else:
-            p.grad = None
-            views.append(None)
-        at += n
-    fl = _flat_of(params)
-    if fl is not None:
-        fl.grad_views = views
-
-
-def _views_in_order(params: Sequence[Tensor], flat: Tensor) -> bool:
-    base, size = flat.data_ptr(), flat.element_size()
-    at = 0
-    for p in params:
-        if p.data_ptr() != base + at * size or not p.is_contiguous():
-            return False
-        at += p.numel()
-    return at == flat.numel()
 
 
 def _grads(params: Sequence[Tensor]) -> list[Tensor]:
@@ -218,7 +72,7 @@ def clip_grad_norms(
     rows: list[Tensor | None] = []
     grads: list[list[Tensor]] = []
     for ps in params_per_tenant:
-        fl = _flat_of(ps)
+        fl = flat_of(ps)
         row = fl.flat_grad() if fl is not None else None
         rows.append(row)
         grads.append([] if row is not None else _grads(ps))
@@ -310,7 +164,7 @@ def adamw_step(optimizers: Sequence[torch.optim.AdamW]) -> None:
         if not supported(opt):
             opt.step()
             continue
-        fl = _FLAT.get(opt)
+        fl = flat_of_optimizer(opt)
         found = _flat_runs(opt, fl) if fl is not None else None
         if found is not None:
             runs.extend(found)
@@ -356,7 +210,7 @@ class _Run:
     AdamW calls."""
 
     optimizer: torch.optim.Optimizer
-    flat: _Flat
+    flat: FlatParams
     first: int
     end: int
     step: float
@@ -366,12 +220,12 @@ class _Run:
         return t[self.flat.offsets[self.first] : self.flat.offsets[self.end]]
 
 
-def _flat_runs(opt: torch.optim.Optimizer, fl: _Flat) -> list[_Run] | None:
+def _flat_runs(opt: torch.optim.Optimizer, fl: FlatParams) -> list[_Run] | None:
     """``opt``'s parameters with a gradient as runs of :class:`_Run`, their state made views
     of the flat moments (created fresh as AdamW creates it; a loaded state is copied in); or
     None when the flat buffers no longer hold the parameters (the step then goes per
     tensor)."""
-    if not _views_in_order(fl.params, fl.param_flat):
+    if not views_in_order(fl.params, fl.param_flat):
         return None
     if fl.exp_avg is None or fl.exp_avg_sq is None:
         fl.exp_avg = torch.zeros_like(fl.param_flat)

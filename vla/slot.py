@@ -23,8 +23,8 @@ import torch
 
 from schemas.model import HeadConfig, OptimizerConfig
 from vla.feature import VLAFeature
+from vla.flatparams import flatten_parameters, register_flat
 from vla.heads import ActionHead, ActOutput, build_head
-from vla.multiopt import flatten_parameters, register_flat
 
 #: Version of the layout written by :meth:`TenantSlot.state_dict`; bump on incompatible change.
 _STATE_FORMAT = 1
