@@ -87,6 +87,9 @@ class _Layout:
     params: list[torch.nn.Parameter]
     names: tuple[str, ...]
     key: tuple[object, ...]
+    #: Where the head was when the layout was worked out (a move means working it out again).
+    device: torch.device
+    dtype: torch.dtype
 
 
 _LAYOUTS: weakref.WeakKeyDictionary[ActionHead, _Layout] = weakref.WeakKeyDictionary()
@@ -97,7 +100,7 @@ def _layout(module: ActionHead) -> _Layout:
     out again (parameters are never added to or replaced in a built head)."""
     anchor = module.state_token_D
     layout = _LAYOUTS.get(module)
-    if layout is None or layout.key[3] != anchor.device or layout.key[4] != anchor.dtype:
+    if layout is None or layout.device != anchor.device or layout.dtype != anchor.dtype:
         named = list(module.named_parameters())
         key = (
             type(module),
@@ -107,7 +110,8 @@ def _layout(module: ActionHead) -> _Layout:
             anchor.dtype,
             tuple((n, tuple(p.shape), p.dtype) for n, p in named),
         )
-        layout = _Layout([p for _, p in named], tuple(n for n, _ in named), key)
+        names = tuple(n for n, _ in named)
+        layout = _Layout([p for _, p in named], names, key, anchor.device, anchor.dtype)
         _LAYOUTS[module] = layout
     return layout
 

@@ -62,10 +62,10 @@ def clip_grad_norms(
     Gradients given as separate tensors: one ``_foreach_norm`` over every such tenant's
     gradients and one ``_foreach_mul_`` with each tenant's coefficient, the same arithmetic
     as ``clip_grad_norm_`` (the same bits). A tenant whose gradients are still the views of
-    one flat row (:func:`assign_grads`) gets the row's norm, one kernel instead of a norm
-    per tensor and a norm of those: the same value up to float rounding (~1e-7 relative:
-    the sum runs in another order, accumulated in float64), and the same bits on every
-    call with that layout. A tenant without gradients has norm 0.
+    one flat row (:func:`vla.flatparams.assign_grads`) gets the row's norm, one kernel
+    instead of a norm per tensor and a norm of those: the same value up to float rounding
+    (~1e-7 relative: the sum runs in another order, accumulated in float64), and the same
+    bits on every call with that layout. A tenant without gradients has norm 0.
     """
     if len(params_per_tenant) != len(max_norms):
         raise ValueError(f"{len(params_per_tenant)} tenants but {len(max_norms)} max norms")
