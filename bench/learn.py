@@ -8,6 +8,10 @@
 3. Evaluate both closed-loop through the service on ``--eval-episodes`` held-out seeds.
 4. RL (PPO from the SFT policy) for ``--rl-iterations``, then evaluate that policy the same way.
 
+``--proprio-extras`` appends task extras (e.g. ``cube_pose``) to the proprio of both policies,
+in recording, training and evaluation: with the object's pose, the "blind" policy is a state
+policy, the ceiling that imitation of these demos reaches when nothing has to be seen.
+
 Everything goes through the bus as a tenant would use it; the report is a table and, with
 ``--json``, ``{"env", "backbone", "demos", "success_rate", "blind_success_rate",
 "rl_success_rate", "eval_episodes", "wall_s", ...}``.
@@ -45,6 +49,12 @@ def head(args: argparse.Namespace, vision: bool) -> dict[str, Any]:
     }
 
 
+def env_kwargs(args: argparse.Namespace) -> dict[str, str]:
+    """The env's constructor arguments for training and evaluation (not the image size: jobs
+    carry it in their own field)."""
+    return {"proprio_extras": args.proprio_extras} if args.proprio_extras else {}
+
+
 async def evaluate(client: Client, args: argparse.Namespace, backbone: str, job: Job) -> float:
     ev = await client.evaluate(
         {
@@ -53,6 +63,7 @@ async def evaluate(client: Client, args: argparse.Namespace, backbone: str, job:
             "backbone": backbone,
             "policy_job": job.job_id,
             "env": args.env,
+            "env_kwargs": env_kwargs(args),
             "episodes": args.eval_episodes,
             "max_episode_steps": args.max_episode_steps,
             "image_size": args.image_size,
@@ -117,6 +128,7 @@ async def run(info: StackInfo, args: argparse.Namespace, demos: Path, backbone: 
                     "tenant": TENANT,
                     "backbone": backbone,
                     "env": args.env,
+                    "env_kwargs": env_kwargs(args),
                     "head": head(args, True),
                     "init_from": sft[True].job_id,
                     "iterations": args.rl_iterations,
@@ -140,7 +152,7 @@ async def run(info: StackInfo, args: argparse.Namespace, demos: Path, backbone: 
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="joynexus bench learn", description=__doc__)
     p.add_argument("--env", default="PushCube-v1")
     p.add_argument("--backbone", default="tiny", help="tiny name or checkpoint directory")
@@ -159,9 +171,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--env-workers", type=int, default=2)
     p.add_argument("--feature-cache-mb", type=float, default=512.0)
+    p.add_argument(
+        "--proprio-extras",
+        default="",
+        help="task extras appended to both policies' proprio, comma-separated (`env describe`)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     started = time.perf_counter()
     served = backbone_of(args.backbone)
@@ -173,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             demos,
             seed=args.seed,
             max_steps=args.max_episode_steps,
-            env_kwargs={"image_size": args.image_size},
+            env_kwargs={"image_size": args.image_size, **env_kwargs(args)},
             only_success=True,
         )
         print(
@@ -196,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "backbone": args.backbone,
         "demos": args.demos,
         "demo_frames": info_ds.total_frames,
+        "proprio_extras": args.proprio_extras,
         "sft_steps": args.steps,
         "eval_episodes": args.eval_episodes,
         **measured,
@@ -203,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"{'policy':<28} {'success':>8}")
     print(f"{'image + proprio (SFT)':<28} {result['success_rate']:>8.2f}")
-    print(f"{'blind: proprio only (SFT)':<28} {result['blind_success_rate']:>8.2f}")
+    blind = "blind: proprio only (SFT)"
+    if args.proprio_extras:
+        print(f"proprio + task extras {args.proprio_extras} in both policies")
+        blind = "blind: proprio + extras"
+    print(f"{blind:<28} {result['blind_success_rate']:>8.2f}")
     if result["rl_success_rate"] is not None:
         print(f"{'image + proprio (SFT + RL)':<28} {result['rl_success_rate']:>8.2f}")
     if args.json:

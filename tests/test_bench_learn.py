@@ -37,3 +37,13 @@ def test_bench_learn_reports_policy_blind_and_rl_success(tmp_path: Path) -> None
         # Four episodes: a rate is a multiple of 1/4, so it was measured, not filled in.
         assert (result[key] * 4) == int(result[key] * 4), key
     assert result["demo_frames"] >= 8 and result["wall_s"] > 0
+
+
+def test_proprio_extras_go_to_the_env_of_both_policies_and_nothing_else() -> None:
+    """``--proprio-extras`` is an env constructor argument (recording, training, evaluation);
+    left out, the env is built as the task defines it."""
+    parse = learn.build_parser().parse_args
+    assert learn.env_kwargs(parse(["--proprio-extras", "cube_pose"])) == {
+        "proprio_extras": "cube_pose"
+    }
+    assert learn.env_kwargs(parse([])) == {}
