@@ -34,7 +34,7 @@ from bus.identity import OPERATOR_NAME
 from bus.local import StackInfo
 from clients.lowlevel import AdamParams, ServiceClient, VLABatch
 from services.launcher import LocalStack
-from vla import batched
+from vla import optimsteps
 from vla.backbone import Backbone
 from vla.grouping import TrainRequest, group_train_step
 from vla.normalize import Normaliser
@@ -119,14 +119,14 @@ def in_process(backbone: Backbone, clients: int, steps: int, batch: int) -> floa
         TenantSlot(f"t{i}", _head(), _optim(), backbone.hidden_size, seed=i) for i in range(clients)
     ]
     batches = [make_batch(i, batch) for i in range(steps)]
-    params = [batched.AdamParams(1e-3, grad_clip=1.0)] * clients
+    params = [optimsteps.AdamParams(1e-3, grad_clip=1.0)] * clients
 
     def one(b: VLABatch) -> None:
         inputs = normaliser.normalise_arrays(b.images, list(b.instructions), b.proprio)
         actions = torch.from_numpy(b.actions)
         requests = [TrainRequest(s.tenant, s, inputs, actions, "accumulate") for s in slots]
         group_train_step(backbone, requests)
-        batched.optim_steps(slots, params)
+        optimsteps.optim_steps(slots, params)
 
     one(batches[0])  # warm-up
     t0 = time.perf_counter()

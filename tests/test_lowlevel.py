@@ -58,7 +58,7 @@ from services.envs.sims import REACH2D_ID
 from tests.conftest import Procs
 from tests.helpers import eventually, start_service, uid
 from tests.sft_helpers import follow, sft_spec
-from vla import batched
+from vla import optimsteps
 from vla.backbone import Backbone
 from vla.grouping import TrainRequest, group_train_step
 from vla.normalize import Normaliser
@@ -110,7 +110,7 @@ def reference(plan: Plan, head: dict[str, int | str] = HEAD) -> tuple[list[float
             result = group_train_step(backbone, [request])["ref"]
             assert not isinstance(result, Exception), result
             losses.append(result.loss)
-        (step,) = batched.optim_steps([slot], [batched.AdamParams(plan.lr, grad_clip=1.0)])
+        (step,) = optimsteps.optim_steps([slot], [optimsteps.AdamParams(plan.lr, grad_clip=1.0)])
         assert not isinstance(step, Exception), step
     return losses, slot
 
@@ -407,7 +407,7 @@ def test_accumulated_gradients_survive_a_checkpoint_and_an_eviction() -> None:
     request = TrainRequest("a", slot, inputs, torch.from_numpy(b.actions), "accumulate")
     assert not isinstance(group_train_step(backbone, [request])["a"], Exception)
     grads = {n: p.grad.clone() for n, p in slot.module.named_parameters() if p.grad is not None}
-    assert grads and batched.has_grads(slot)
+    assert grads and slot.has_grads()
     restored = TenantSlot.from_bytes(slot.to_bytes())
     for name, p in restored.module.named_parameters():
         assert torch.equal(p.grad, grads[name]) if name in grads else p.grad is None, name

@@ -37,12 +37,10 @@ from vla.multiopt import adamw_step, clip_grad_norms
 from vla.slot import NonFiniteLossError, StepResult, TenantSlot, lr_at
 
 __all__ = [
-    "AdamParams",
     "PolicyGradient",
     "TrainMode",
     "arch_key",
     "batched_backward",
-    "optim_steps",
     "train_steps",
 ]
 
@@ -63,19 +61,6 @@ class PolicyGradient:
     advantages_B: torch.Tensor
     old_log_probs_B: torch.Tensor | None = None
     clip: float = 0.2
-
-
-@dataclass(frozen=True)
-class AdamParams:
-    """One low-level ``optim_step``'s AdamW hyper-parameters (Tinker's names)."""
-
-    learning_rate: float
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    #: Max global grad norm of the accumulated gradients; 0 disables clipping.
-    grad_clip: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -229,20 +214,6 @@ class _Live:
     grad_norm: float = math.nan
 
 
-def _params(slot: TenantSlot) -> list[torch.Tensor]:
-    """The slot's parameters in module order: its optimizer's one param group (a list
-    already, where walking the module is not free), as :class:`TenantSlot` builds it."""
-    groups = slot.optimizer.param_groups
-    return groups[0]["params"] if len(groups) == 1 else list(slot.module.parameters())
-
-
-def _drop_grads(slot: TenantSlot) -> None:
-    """``optimizer.zero_grad(set_to_none=True)`` without its per-call overhead (a profiler
-    span and a walk of the param groups), several times a step for every tenant."""
-    for p in _params(slot):
-        p.grad = None
-
-
 def _max_norm(slot: TenantSlot) -> float:
     clip = slot.optim_config.grad_clip
     return clip if clip > 0 else math.inf
@@ -250,7 +221,7 @@ def _max_norm(slot: TenantSlot) -> float:
 
 def _abandon(live: _Live) -> None:
     """Leave the slot as it was before the step: grads as they were, RNG rewound."""
-    _drop_grads(live.slot)
+    live.slot.drop_grads()
     if live.grads_before:
         for p, g in zip(live.slot.module.parameters(), live.grads_before, strict=True):
             p.grad = g
@@ -394,7 +365,7 @@ def train_steps(
         grads_before: list[torch.Tensor | None] = []
         if modes[i] != "step":
             grads_before = [p.grad for p in slot.module.parameters()]
-        _drop_grads(slot)
+        slot.drop_grads()
         live.append(
             _Live(i, slot, feature, target, rng_before, modes[i], objectives[i], grads_before)
         )
@@ -423,7 +394,7 @@ def train_steps(
     stepping = [m for m in live if results[m.index] is None]
     try:
         norms = clip_grad_norms(
-            [_params(m.slot) for m in stepping],
+            [m.slot.params() for m in stepping],
             [_max_norm(m.slot) for m in stepping],
         )
     except Exception as exc:  # noqa: BLE001 - nothing was applied: every tenant gets it
@@ -449,68 +420,9 @@ def train_steps(
     adamw_step([m.slot.optimizer for m in applied])
     for m, lr in zip(applied, lrs, strict=True):
         # Free grads now: memory accounting (nbytes) assumes they exist only during a step.
-        _drop_grads(m.slot)
+        m.slot.drop_grads()
         m.slot.step += 1
         results[m.index] = StepResult(loss=m.loss, grad_norm=m.grad_norm, lr=lr, step=m.slot.step)
-    out: list[StepResult | Exception] = []
-    for r in results:
-        assert r is not None
-        out.append(r)
-    return out
-
-
-def has_grads(slot: TenantSlot) -> bool:
-    """Whether the slot holds accumulated gradients (a low-level session between calls)."""
-    return any(p.grad is not None for p in slot.module.parameters())
-
-
-def optim_steps(
-    slots: Sequence[TenantSlot], params: Sequence[AdamParams]
-) -> list[StepResult | Exception]:
-    """A low-level ``optim_step`` per slot: clip its accumulated gradients to
-    ``params[i].grad_clip``, one AdamW update with ``params[i]``'s hyper-parameters, then
-    the gradients are cleared and the slot's step counted. Shared multi-tensor calls as
-    in :func:`train_steps`. A slot without gradients gets a ``ValueError``, one whose grad
-    norm is not finite a :class:`NonFiniteLossError` (its gradients are dropped); neither
-    slot's weights nor optimizer state change."""
-    if len(slots) != len(params):
-        raise ValueError(
-            f"optim_steps needs one AdamParams per slot: {len(slots)} vs {len(params)}"
-        )
-    results: list[StepResult | Exception | None] = [None] * len(slots)
-    ready = []
-    for i, slot in enumerate(slots):
-        if not has_grads(slot):
-            results[i] = ValueError(
-                "optim_step: no gradients accumulated since the last step (call forward_backward)"
-            )
-        else:
-            ready.append(i)
-    clips = [params[i].grad_clip if params[i].grad_clip > 0 else math.inf for i in ready]
-    norms = clip_grad_norms([_params(slots[i]) for i in ready], clips)
-    stepping = []
-    for i, norm in zip(ready, norms, strict=True):
-        if not math.isfinite(norm):
-            # Non-finite gradients are no use to any later step: dropped, like a bad SFT step.
-            _drop_grads(slots[i])
-            results[i] = NonFiniteLossError(slots[i].tenant, slots[i].step, "grad norm", norm)
-        else:
-            stepping.append((i, norm))
-    for i, _ in stepping:
-        p = params[i]
-        for group in slots[i].optimizer.param_groups:
-            group["lr"] = p.learning_rate
-            group["betas"] = (p.beta1, p.beta2)
-            group["eps"] = p.eps
-            group["weight_decay"] = p.weight_decay
-    adamw_step([slots[i].optimizer for i, _ in stepping])
-    for i, norm in stepping:
-        slot = slots[i]
-        _drop_grads(slot)
-        slot.step += 1
-        results[i] = StepResult(
-            loss=math.nan, grad_norm=norm, lr=params[i].learning_rate, step=slot.step
-        )
     out: list[StepResult | Exception] = []
     for r in results:
         assert r is not None

@@ -175,6 +175,22 @@ class TenantSlot:
             raise result
         return result
 
+    def params(self) -> list[torch.Tensor]:
+        """The parameters in module order: the optimizer's one param group (a list already,
+        where walking the module is not free), as the constructor builds it."""
+        groups = self.optimizer.param_groups
+        return groups[0]["params"] if len(groups) == 1 else list(self.module.parameters())
+
+    def drop_grads(self) -> None:
+        """``optimizer.zero_grad(set_to_none=True)`` without its per-call overhead (a profiler
+        span and a walk of the param groups), several times a step for every tenant."""
+        for p in self.params():
+            p.grad = None
+
+    def has_grads(self) -> bool:
+        """Whether the slot holds accumulated gradients (a low-level session between calls)."""
+        return any(p.grad is not None for p in self.params())
+
     @torch.no_grad()
     def act(self, feature: VLAFeature, deterministic: bool = False) -> ActOutput:
         """The policy's actions for ``feature``, sampled with the slot's own generator."""

@@ -32,8 +32,9 @@ from services.trainer.jobs import JobSlot
 from services.trainer.registry import JobRegistry
 from services.trainer.sft import build_request
 from services.trainer.slots import Slots
-from vla.batched import AdamParams, PolicyGradient, optim_steps
+from vla.batched import PolicyGradient
 from vla.grouping import TrainRequest
+from vla.optimsteps import AdamParams, optim_steps
 from vla.slot import NonFiniteLossError, StepResult, TenantSlot
 
 
