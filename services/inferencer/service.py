@@ -29,40 +29,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter, deque
-from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 import torch
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
 from opentelemetry import trace
 
-from bus import metrics, tracing
-from bus.codec import DecodeError, decode, encode
+from bus import tracing
 from bus.consume import HOLD, Fate, Hold
 from bus.durable import ConsumerSpec, Durable
 from bus.encoding import FeatureClient
-from bus.errors import Interrupted, PoisonError
+from bus.errors import Interrupted
 from bus.metering import BusyMeter, LinearFit
 from bus.placement import placed
-from bus.publish import msg_id, publish
 from bus.queues import per_tenant, publish_queues
 from bus.service import Runtime, in_daemon_thread, serve
 from bus.usage import UsageMeter, UsageReporter
 from schemas import subjects
-from schemas.events import ErrorEvent
-from schemas.infer import INFER_DECODER, ActReply
 from schemas.metrics import TenantQueue
-from schemas.tensor import Tensor
 from schemas.trace import AttributeValue
-from services.inferencer.admission import answerable, envelope, expired, parse, validate
-from services.inferencer.batching import REQUEST_ERRORS, BatchRunner, BatchStats, Outcome, Work
+from services.inferencer.admission import expired, parse, validate
+from services.inferencer.batching import BatchRunner, BatchStats, Outcome, Work
 from services.inferencer.config import InferencerConfig
 from services.inferencer.fairness import Waiting, fair_take
 from services.inferencer.policies import STOP_POLL_S, PolicyCache
+from services.inferencer.replies import Pending, Replies
 from vla import costmodel
 from vla.backbone import Backbone
 from vla.costmodel import CostTable
@@ -83,19 +76,6 @@ SETTLE_GRACE_S = 0.5
 LOAD_GRACE_S = 0.5
 
 
-@dataclass
-class Pending:
-    """An admitted request waiting for (or in) a batch; its message is held meanwhile."""
-
-    msg: Msg
-    work: Work
-    observations: int
-    #: Loop time when it was pulled: T counts from here.
-    arrived: float
-    #: Its admission span, linked from the span of the forward that serves it.
-    span: trace.SpanContext
-
-
 async def _bounded(tasks: set[asyncio.Task[T]], timeout: float, what: str) -> None:
     """Wait up to ``timeout`` for ``tasks`` (never cancelled: they end on the stop event)."""
     if not tasks:
@@ -106,7 +86,8 @@ async def _bounded(tasks: set[asyncio.Task[T]], timeout: float, what: str) -> No
 
 
 class Inferencer:
-    """The inferencer's fetch loop, admission, (B, T) scheduler and replies."""
+    """The inferencer's fetch loop, admission and (B, T) scheduler; its answers go through
+    :class:`~services.inferencer.replies.Replies`."""
 
     def __init__(
         self,
@@ -141,21 +122,16 @@ class Inferencer:
         self.credit: dict[str, float] = {}
         self.admitting: set[asyncio.Task[Fate]] = set()
         self.settling: set[asyncio.Task[None]] = set()
-        #: Served policy version of a request being failed after its forward, for the
-        #: error reply on_dead sends (keyed by message identity).
-        self._failing: dict[int, int] = {}
         # Cap on unstarted requests held here: enough to fill the next batch while one runs,
         # few enough that other replicas get the rest of the queue.
         self.max_pending = 2 * config.target_batch
         self._wake = asyncio.Event()  # scheduler: something arrived (or stop)
         self._room = asyncio.Event()  # fetcher: the scheduler took requests (or stop)
         self.durable: Durable
+        self.replies = Replies(rt)
         # gauges
-        self.served = 0
-        self.failed = 0
         #: Requests dropped unanswered because their requester stopped waiting.
         self.expired = 0
-        self.observations = 0
         self.forwards = 0
         self.batches = 0
         self.batch_s = 0.0
@@ -165,13 +141,6 @@ class Inferencer:
         self.active = BusyMeter()
         #: What each tenant is charged: batch compute, act requests, observations (USAGE).
         self.usage = UsageMeter()
-        self.act_latency = metrics.meter().create_histogram(
-            "joynexus.act.latency",
-            unit="s",
-            description="From an act request's sending to its answer.",
-        )
-        #: Seconds requests spent here, from their pull to their answer (served ones).
-        self.residence_s = 0.0
 
     @property
     def name(self) -> str:
@@ -181,7 +150,7 @@ class Inferencer:
     async def open(self) -> None:
         """Open the policy stores and bind the shared durable (created on first start)."""
         await self.policies.open()
-        self.durable = await self.rt.consumer.bind(self.spec, on_dead=self.on_dead)
+        self.durable = await self.rt.consumer.bind(self.spec, on_dead=self.replies.on_dead)
 
     # -- the loops ---------------------------------------------------------------------------
     async def run(self) -> None:
@@ -372,7 +341,7 @@ class Inferencer:
     async def finish(self, batch: list[Pending], outcomes: list[Outcome]) -> None:
         try:
             results = await asyncio.gather(
-                *(self.answer(p, o) for p, o in zip(batch, outcomes, strict=True)),
+                *(self.replies.answer(p, o) for p, o in zip(batch, outcomes, strict=True)),
                 return_exceptions=True,
             )
         finally:
@@ -380,71 +349,6 @@ class Inferencer:
         for pending, result in zip(batch, results, strict=True):
             if isinstance(result, Exception):  # e.g. the ack failed: it is redelivered
                 log.warning("settling %s failed: %r", pending.msg.subject, result)
-
-    # -- replies and fates -------------------------------------------------------------------
-    async def answer(self, pending: Pending, outcome: Outcome) -> None:
-        """Reply with the actions and ack, or let the runtime settle the request's error."""
-        msg, request, policy = pending.msg, pending.work.request, pending.work.policy
-        with self.rt.consumer.span(msg):
-            if outcome.error is not None:
-                error: Exception = outcome.error
-                if isinstance(error, REQUEST_ERRORS):
-                    error = PoisonError(f"bad observation for {policy.label}: {error}")
-                self._failing[id(msg)] = policy.version
-                try:
-                    await self.rt.consumer.settle(msg, error)
-                finally:
-                    self._failing.pop(id(msg), None)
-                return
-            assert outcome.actions_B_C_A is not None and outcome.log_prob_B is not None
-            reply = ActReply(
-                request.request_id,
-                policy.version,
-                actions=Tensor.from_numpy(outcome.actions_B_C_A),
-                log_probs=Tensor.from_numpy(outcome.log_prob_B),
-                values=None if outcome.value_B is None else Tensor.from_numpy(outcome.value_B),
-                group_size=outcome.group_size,
-            )
-            await self.reply(request.reply_to, reply)
-            if request.sent_at > 0:  # the requester's clock: on one host, the whole wait
-                self.act_latency.record(
-                    max(0.0, time.time() - request.sent_at), {"joynexus.tenant": request.tenant}
-                )
-            self.served += 1
-            self.observations += pending.observations
-            self.residence_s += asyncio.get_running_loop().time() - pending.arrived
-            await self.rt.consumer.settle(msg, None)
-
-    async def reply(self, reply_to: str, reply: ActReply) -> None:
-        if not answerable(reply_to):
-            return  # nobody to tell (the dead letter still records why)
-        try:
-            await self.rt.nc.publish(reply_to, encode(reply))
-        except NatsError as exc:  # an invalid inbox must not stop the ack or the service
-            log.warning("cannot reply to %r: %s", reply_to, exc)
-
-    async def on_dead(self, msg: Msg, reason: str, error: BaseException) -> None:
-        """The durable's dead-letter hook: answer the sender with the reason (so it is not
-        left waiting for a timeout) and report it on the job's ``EVENTS`` (non-fatal)."""
-        self.failed += 1
-        sender = envelope(msg)
-        version = self._failing.get(id(msg), 0)
-        await self.reply(sender.reply_to, ActReply(sender.request_id, version, error=reason))
-        try:
-            request = decode(INFER_DECODER, msg.data)
-            subject = subjects.event(request.tenant, request.job_id, "error")
-        except (DecodeError, ValueError):
-            return  # no valid tenant/job to address: the dead letter is the record
-        event = ErrorEvent(
-            request.tenant,
-            request.job_id,
-            f"inference request {request.request_id}: {reason}",
-            retryable=False,
-            fatal=False,
-            at=time.time(),
-        )
-        seq = msg.metadata.sequence.stream
-        await publish(self.rt.js, subject, event, message_id=msg_id("ev", "infer-dead", seq))
 
     # -- observability -----------------------------------------------------------------------
     def queue(self) -> list[TenantQueue]:
@@ -454,17 +358,17 @@ class Inferencer:
 
     def gauges(self) -> dict[str, float]:
         return {
-            "requests_served": float(self.served),
-            "requests_failed": float(self.failed),
+            "requests_served": float(self.replies.served),
+            "requests_failed": float(self.replies.failed),
             "requests_expired": float(self.expired),
-            "observations_served": float(self.observations),
+            "observations_served": float(self.replies.observations),
             "forwards": float(self.forwards),
-            "mean_group_size": self.served / self.forwards if self.forwards else 0.0,
+            "mean_group_size": self.replies.served / self.forwards if self.forwards else 0.0,
             "mean_batch_ms": 1000.0 * self.batch_s / self.batches if self.batches else 0.0,
             "pending": float(len(self.pending)),
             "busy_s": self.batch_s,
             "active_s": self.active.busy_s,
-            "residence_s": self.residence_s,
+            "residence_s": self.replies.residence_s,
             **self.batch_fit.gauges("act_batch"),
             "target_batch": float(self.config.target_batch),
             "max_wait_ms": float(self.config.max_wait_ms),
