@@ -44,7 +44,7 @@ from bus.service import Runtime, serve
 from bus.usage import UsageMeter, UsageReporter
 from bus.watch import follow_kv
 from schemas import subjects
-from schemas.cachectl import CACHE_QUERY_DECODER, CacheQuery, CacheStats
+from schemas.cachectl import CACHE_QUERY_DECODER, CacheQuery
 from schemas.metrics import TenantQueue
 from schemas.train import (
     SESSION_CALL_TYPES,
@@ -61,6 +61,7 @@ from services.trainer.announce import Announcer
 from services.trainer.checks import check_call
 from services.trainer.commit import Committer
 from services.trainer.config import TrainerConfig
+from services.trainer.features import cache_stats, feature_sources
 from services.trainer.featurestore import BucketFeatureStore
 from services.trainer.intake import Intake, Waiting
 from services.trainer.jobs import JobSlot
@@ -69,10 +70,7 @@ from services.trainer.registry import WAIT, JobRegistry
 from services.trainer.scheduler import Candidate, drr_round
 from services.trainer.slots import Slots
 from services.trainer.steps import Stepper
-from vla import costmodel
 from vla.backbone import Backbone
-from vla.featurecache import CachedEncoder, FeatureCache
-from vla.wire import WireEncoder
 
 log = logging.getLogger(__name__)
 #: At stop, applied work is committed (so it is acked) only within this long.
@@ -206,37 +204,7 @@ class Trainer:
             query = decode(CACHE_QUERY_DECODER, msg.data) if msg.data else CacheQuery()
         except DecodeError:
             return  # nothing to answer with: the requester times out
-        cache = self.stepper.cache
-        if cache is None:
-            stats = CacheStats(self.rt.instance, self.bid, False)
-        else:
-            store = self.store
-            if query.op == "clear":
-                cache.clear()
-                if store is not None:
-                    try:
-                        await store.clear()
-                    except (NatsError, TimeoutError) as exc:
-                        log.warning("clearing the feature store failed: %s", exc)
-            stats = CacheStats(
-                self.rt.instance,
-                self.bid,
-                True,
-                cache.budget_bytes,
-                len(cache),
-                cache.bytes,
-                cache.hits,
-                cache.misses,
-                cache.hit_rate,
-                cache.evictions,
-                cleared=query.op == "clear",
-                store_enabled=store is not None,
-                store_budget_bytes=store.budget_bytes if store else 0,
-                store_entries=len(store.index) if store else 0,
-                store_bytes=store.bytes if store else 0,
-                store_hits=store.hits if store else 0,
-                store_misses=store.misses if store else 0,
-            )
+        stats = await cache_stats(self.rt.instance, self.bid, self.stepper.cache, self.store, query)
         with contextlib.suppress(NatsError):
             await msg.respond(encode(stats))
 
@@ -461,44 +429,11 @@ async def run(config: TrainerConfig) -> None:
             backbone_id=config.backbone_id,
         )
         trainer = Trainer(rt, config, backbone)
-        if config.backbone_service:
-            if config.cost_table != "off":
-                raise ValueError(
-                    "--cost-table splits a resident backbone's forwards; with "
-                    "--backbone-service the backbone role runs them"
-                )
-            backbone.release_weights()
-            remote = FeatureClient(
-                rt.nc,
-                rt.js,
-                asyncio.get_running_loop(),
-                backbone.backbone_id,
-                timeout_s=config.encode_timeout_s,
-            )
-            wire = WireEncoder(remote.request_sync, backbone.feature_layer, config.device)
-            trainer.stepper.encoder = trainer.stepper.rl_encoder = wire
-            trainer.remote = remote
-        else:
-            costs = await rt.slow(costmodel.table_for, backbone, config.cost_table)
-            if costs is not None:
-                trainer.stepper.encoder = costmodel.SplitEncoder(backbone, costs)
-        if config.feature_cache_mb > 0:
-            trainer.stepper.cache = FeatureCache(int(config.feature_cache_mb * 2**20))
-            if config.feature_store_mb > 0:
-                trainer.store = BucketFeatureStore(
-                    rt.js,
-                    asyncio.get_running_loop(),
-                    backbone.backbone_id,
-                    int(config.feature_store_mb * 2**20),
-                )
-                await trainer.store.open()
-            trainer.stepper.encoder = CachedEncoder(
-                trainer.stepper.encoder,
-                trainer.stepper.cache,
-                backbone.backbone_id,
-                backbone.feature_layer,
-                trainer.store,
-            )
+        sources = await feature_sources(rt, config, backbone)
+        trainer.stepper.encoder = sources.encoder
+        trainer.stepper.rl_encoder = sources.rl_encoder
+        trainer.stepper.cache = sources.cache
+        trainer.remote, trainer.store = sources.remote, sources.store
         rt.gauges = trainer.gauges
         # Steps and updates applied (messages settle only at commits).
         rt.progress = lambda: trainer.stepper.sft_fit.n + trainer.stepper.rl_fit.n
