@@ -27,7 +27,6 @@ import numpy as np
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 
 from bus import tracing
 from bus.auth import reply_allowed
@@ -38,14 +37,12 @@ from bus.errors import Interrupted, PoisonError, RetryableError
 from bus.inference import InferenceError, PolicyClient
 from bus.metering import BusyMeter
 from bus.publish import Outgoing, msg_id, publish, publish_all
-from bus.records import get_job, get_policy
 from bus.service import Runtime, serve
 from bus.usage import UsageReporter
 from schemas import subjects
 from schemas.env import ENV_DECODER, EvalTask, RolloutTask, StreamDataset
 from schemas.envctl import PREWARM_DECODER, EnvPrewarmed
 from schemas.events import ErrorEvent, Metrics
-from schemas.jobs import TERMINAL_STATUSES
 from schemas.limits import InputLimits
 from schemas.model import Observation
 from schemas.tensor import Tensor
@@ -55,6 +52,7 @@ from services.envs.config import EnvsConfig, hang_later
 from services.envs.datasets import iter_batches
 from services.envs.describe import Describer
 from services.envs.flow import Flow
+from services.envs.jobstate import committed_batches, iteration_done, job_ended, unconsumed
 from services.envs.limits import check_dataset, check_task, prewarm_refusal
 from services.envs.rollouts import AdapterPool, EnvMeter, collect, evaluate_env
 from vla.data import Dataset, DatasetError, load_dataset, read_meta
@@ -163,14 +161,16 @@ class EnvWorker:
 
     async def rollout(self, task: RolloutTask) -> None:
         """Run the task's episodes; publish each as a RolloutBatch (idempotent by identity)."""
-        if await self.job_ended(task.tenant, task.job_id) or await self.iteration_done(task):
+        if await job_ended(self.js, task.tenant, task.job_id) or await iteration_done(
+            self.js, task
+        ):
             return
         try:
             records = await collect(self.client(task.backbone), self.pool, task, self.meter)
         except InferenceError:
             # Its version pruned while it ran: another delivery's rollouts finished the
             # iteration (the trainer moves on only then), so this one has nothing to add.
-            if await self.iteration_done(task):
+            if await iteration_done(self.js, task):
                 return
             raise
         subject = subjects.train(task.backbone, task.tenant)
@@ -261,57 +261,6 @@ class EnvWorker:
                 raise PoisonError(f"dataset {dataset_id!r}: {exc}") from exc
         return self.datasets[key]
 
-    async def consumed(self, task: StreamDataset) -> int:
-        """Batches of the job the trainer has committed (where a restarted stream resumes)."""
-        kv = await self.js.key_value(subjects.KV_POLICIES)
-        record, _ = await get_policy(kv, task.tenant, task.job_id)
-        return record.batches_done if record is not None else 0
-
-    async def iteration_done(self, task: RolloutTask) -> bool:
-        """Whether the trainer already finished the task's iteration: a redelivered task
-        (its worker killed after publishing, before acking) must not fail the job because
-        the version it names is no longer stored. Version ``v`` is the policy after
-        ``v - 1`` iterations, so iteration ``i`` is done once version ``i + 2`` exists."""
-        try:
-            record, _ = await get_policy(
-                await self.js.key_value(subjects.KV_POLICIES), task.tenant, task.job_id
-            )
-        except NatsError as exc:
-            raise RetryableError(f"policies KV unavailable: {exc}") from exc
-        if record is not None and record.version >= task.iteration + 2:
-            log.info(
-                "rollout %s/%s iteration %d: already trained on (v%d); dropped",
-                task.tenant,
-                task.job_id,
-                task.iteration,
-                record.version,
-            )
-            return True
-        return False
-
-    async def job_ended(self, tenant: str, job_id: str) -> bool:
-        record, _ = await get_job(await self.js.key_value(subjects.KV_JOBS), tenant, job_id)
-        return record is not None and record.status in TERMINAL_STATUSES
-
-    async def unconsumed(self, backbone: str, tenant: str) -> int:
-        """The tenant's batches in ``TRAIN`` its trainer has not settled: what its durable
-        has yet to deliver or has delivered unacked. Not the stream's count on the subject:
-        after a broker crash an interest stream can keep messages its consumer already
-        acked, and a stream waiting for those to go would wait for ever."""
-        subject = subjects.train(backbone, tenant)
-        try:
-            consumer = await self.js.consumer_info(
-                subjects.STREAM_TRAIN, subjects.trainer_durable(backbone, tenant)
-            )
-            return int(consumer.num_pending or 0) + int(consumer.num_ack_pending or 0)
-        except NotFoundError:
-            pass  # no trainer bound the tenant yet: nothing was consumed, the stream counts
-        try:
-            info = await self.js.stream_info(subjects.STREAM_TRAIN, subjects_filter=subject)
-        except NotFoundError as exc:
-            raise RetryableError("TRAIN stream not declared yet") from exc
-        return int((info.state.subjects or {}).get(subject, 0))
-
     async def stream(self, task: StreamDataset) -> None:
         ds = await self.dataset(task.tenant, task.dataset)
         train_episodes, _ = ds.split(task.val_fraction, task.seed)
@@ -321,7 +270,7 @@ class EnvWorker:
                 f"dataset {task.dataset}: fewer training frames than batch_size {task.batch_size}"
             )
         subject = subjects.train(task.backbone, task.tenant)
-        step = await self.consumed(task)
+        step = await committed_batches(self.js, task)
         log.info(
             "streaming %s/%s from step %d of %d", task.tenant, task.job_id, step, task.total_steps
         )
@@ -331,7 +280,7 @@ class EnvWorker:
             await self.js.key_value(subjects.KV_POLICIES),
             task.tenant,
             task.job_id,
-            lambda: self.unconsumed(task.backbone, task.tenant),
+            lambda: unconsumed(self.js, task.backbone, task.tenant),
         )
         await flow.start(committed=step)
         try:
@@ -360,7 +309,7 @@ class EnvWorker:
             # not per batch (at most max_in_flight batches go out for an ended job).
             if throttled or time.monotonic() - checked_at >= JOB_CHECK_S:
                 checked_at = time.monotonic()
-                if await self.job_ended(task.tenant, task.job_id):
+                if await job_ended(self.js, task.tenant, task.job_id):
                     log.info(
                         "job %s/%s ended; stream stops at step %d", task.tenant, task.job_id, step
                     )
