@@ -21,8 +21,8 @@ import asyncio
 import json
 import ssl
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,21 +43,12 @@ from bus.identity import is_joynexus_creds, load_creds
 from bus.local import read_stack_info
 from bus.records import list_jobs
 from clients.errors import RequestError
-from clients.follow import EventFollower
+from clients.jobs import Job, JobFailed, JobResult
 from clients.push import PushReport, push_dataset
 from schemas import subjects
 from schemas.envdesc import EnvDescription
-from schemas.events import (
-    EVENT_DECODER,
-    Event,
-    Metrics,
-    PolicyPublished,
-    Progress,
-    Rejected,
-    StateChanged,
-)
 from schemas.ids import validate_id
-from schemas.jobs import TERMINAL_STATUSES, JobRecord
+from schemas.jobs import JobRecord
 from schemas.placement import PlacementRecord
 from schemas.specs import JobSpec, parse_job_spec
 from schemas.tenantctl import (
@@ -87,31 +78,23 @@ from schemas.tenantctl import (
 )
 from schemas.tenants import DatasetRecord
 
+__all__ = [
+    "Client",
+    "Job",
+    "JobFailed",
+    "JobResult",
+    "PushedDataset",
+    "RequestError",
+    "local_creds",
+    "new_job_id",
+    "tenant_of_creds",
+]
+
 #: How long a request waits for the master's answer (a dataset-add downloads and checks).
 REQUEST_TIMEOUT_S = 10.0
 DATASET_ADD_TIMEOUT_S = 300.0
 
 T = TypeVar("T")
-
-
-class JobFailed(RuntimeError):
-    """The job was rejected, failed or was cancelled; ``result`` says how."""
-
-    def __init__(self, result: JobResult) -> None:
-        super().__init__(f"job {result.tenant}/{result.job_id} {result.status}: {result.reason}")
-        self.result = result
-
-
-@dataclass
-class JobResult:
-    """How a job ended."""
-
-    tenant: str
-    job_id: str
-    status: str
-    reason: str = ""
-    metrics: dict[str, float] = field(default_factory=dict)
-    policy_version: int = 0
 
 
 def _answer(decoder: msgspec.msgpack.Decoder[T], data: bytes, op: str) -> T:
@@ -135,69 +118,6 @@ def _document(spec: JobSpec | Mapping[str, Any]) -> dict[str, Any]:
 
 def new_job_id(kind: str) -> str:
     return f"{kind}-{uuid.uuid4().hex[:12]}"
-
-
-class Job:
-    """A submitted job: its events and its outcome."""
-
-    def __init__(self, client: Client, tenant: str, job_id: str) -> None:
-        self.client = client
-        self.tenant = tenant
-        self.job_id = job_id
-
-    async def events(
-        self, idle_timeout: float | None = None, *, poll_s: float = 2.0
-    ) -> AsyncIterator[Event]:
-        """All of the job's events from the first, in order, until it ends (terminal state
-        or rejection). ``idle_timeout`` bounds the wait for each next event. They are read
-        from the master a page at a time, woken by the live events and otherwise every
-        ``poll_s`` (:class:`EventFollower`), so a reconnect or a master restart neither
-        skips nor repeats one."""
-        follower = EventFollower(
-            self.client.nc, self.client.read_events, self.tenant, self.job_id, poll_s
-        )
-        try:
-            while True:
-                stored = await follower.next(idle_timeout or 3600.0)
-                event = decode(EVENT_DECODER, stored.data)
-                yield event
-                if isinstance(event, Rejected) or (
-                    isinstance(event, StateChanged) and event.status in TERMINAL_STATUSES
-                ):
-                    return
-        finally:
-            await follower.close()
-
-    async def wait(self, timeout: float | None = None) -> JobResult:
-        """Wait for the end; return the result if it succeeded, else raise :class:`JobFailed`."""
-
-        async def follow() -> JobResult:
-            result = JobResult(self.tenant, self.job_id, "unknown")
-            async for event in self.events():
-                match event:
-                    case Progress():
-                        result.metrics = dict(event.metrics)
-                    case Metrics():
-                        result.metrics = dict(event.metrics)
-                    case PolicyPublished():
-                        result.policy_version = event.version
-                    case Rejected():
-                        result.status, result.reason = "rejected", event.reason
-                    case StateChanged():
-                        result.status, result.reason = event.status, event.reason
-            record = await self.client.status(self.tenant, self.job_id)
-            if record is not None:
-                result.metrics = dict(record.metrics) or result.metrics
-                result.policy_version = record.policy_version or result.policy_version
-            return result
-
-        result = await asyncio.wait_for(follow(), timeout)
-        if result.status != "succeeded":
-            raise JobFailed(result)
-        return result
-
-    async def cancel(self, reason: str = "") -> None:
-        await self.client.cancel(self.tenant, self.job_id, reason)
 
 
 def tenant_of_creds(creds: Path) -> str | None:
