@@ -13,6 +13,8 @@ from nats.js.api import PubAck
 
 from bus import tracing
 from bus.codec import encode
+from schemas import subjects
+from schemas.events import Event, event_kind
 from schemas.headers import MSG_ID
 
 
@@ -66,3 +68,20 @@ async def publish_all(
             return await publish(js, item.subject, item.message, message_id=item.message_id)
 
     return list(await asyncio.gather(*(one(i) for i in items)))
+
+
+async def publish_event(js: JetStreamContext, event: Event, *identity: object) -> None:
+    """Publish a tenant event on its subject with a ``Nats-Msg-Id`` of its identity.
+
+    The id is (tenant, job, kind) plus ``identity``: what tells this event from the others
+    of its kind of the same job (the status entered, the stream sequence of the command
+    rejected). Never a clock reading: a replayed handler re-creates the same logical event
+    with a new ``at``, and publishing it again must be a no-op (DESIGN.md §2).
+    """
+    kind = event_kind(event)
+    await publish(
+        js,
+        subjects.event(event.tenant, event.job_id, kind),
+        event,
+        message_id=msg_id("ev", event.tenant, event.job_id, kind, *identity),
+    )

@@ -16,16 +16,17 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-import services.master.service as master_service
+import bus.publish as bus_publish
 from bus.codec import decode, encode
 from bus.connect import connect
 from bus.declare import declare
+from bus.publish import publish_event
 from bus.server import EmbeddedServer
 from schemas import headers, subjects
 from schemas.events import EVENT_DECODER, Accepted, Rejected, StateChanged
 from schemas.jobs import JobSubmit
 from services.envs.describe import Describer
-from services.master.service import Master, publish_event
+from services.master.service import Master
 from tests.conftest import Procs
 from tests.helpers import start_service, uid
 
@@ -102,7 +103,8 @@ async def test_submit_redelivered_after_a_failed_announcement_is_announced_once(
     server stored it (a crash, a dropped connection), or stored with the ack lost (a
     timeout). The submit is redelivered; the tenant must see exactly one ``accepted``."""
     tenant, job = uid("acme"), "rl-1"
-    real_publish = master_service.publish
+    # The master announces through bus.publish.publish_event, which publishes from there.
+    real_publish = bus_publish.publish
     failed: list[str] = []
 
     async def flaky(js: JetStreamContext, subject: str, message: Any, **kw: Any) -> Any:
@@ -113,7 +115,7 @@ async def test_submit_redelivered_after_a_failed_announcement_is_announced_once(
             raise ConnectionError(f"publish to {subject} failed ({failure})")
         return await real_publish(js, subject, message, **kw)
 
-    monkeypatch.setattr(master_service, "publish", flaky)
+    monkeypatch.setattr(bus_publish, "publish", flaky)
     describer = Describer()  # the env worker's describe answers (the spec names an env)
     await describer.subscribe(own_nc)
     master = await _master(own_js)

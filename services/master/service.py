@@ -22,7 +22,7 @@ from bus.codec import DecodeError, decode, encode
 from bus.datasets import default_cache_root
 from bus.durable import ConsumerSpec
 from bus.errors import PoisonError, RetryableError
-from bus.publish import msg_id, publish
+from bus.publish import msg_id, publish, publish_event
 from bus.queues import publish_queues
 from bus.records import get_job, get_policy, list_jobs, put_job
 from bus.service import Runtime, serve
@@ -31,12 +31,10 @@ from schemas.events import (
     EVENT_DECODER,
     Accepted,
     ErrorEvent,
-    Event,
     Metrics,
     PolicyPublished,
     Rejected,
     StateChanged,
-    event_kind,
 )
 from schemas.ids import InvalidIdError, validate_id
 from schemas.jobs import (
@@ -91,23 +89,6 @@ log = logging.getLogger(__name__)
 
 #: The event kinds :meth:`Master.handle_event` acts on, the only ones its durable fetches.
 MASTER_EVENT_KINDS: tuple[EventKind, ...] = ("policy", "error", "metrics")
-
-
-async def publish_event(js: JetStreamContext, event: Event, *identity: object) -> None:
-    """Publish a tenant event on its subject with a ``Nats-Msg-Id`` of its identity.
-
-    The id is (tenant, job, kind) plus ``identity``: what tells this event from the others
-    of its kind of the same job (the status entered, the stream sequence of the command
-    rejected). Never a clock reading: a replayed handler re-creates the same logical event
-    with a new ``at``, and publishing it again must be a no-op (DESIGN.md §2).
-    """
-    kind = event_kind(event)
-    await publish(
-        js,
-        subjects.event(event.tenant, event.job_id, kind),
-        event,
-        message_id=msg_id("ev", event.tenant, event.job_id, kind, *identity),
-    )
 
 
 class Master:
