@@ -6,6 +6,10 @@ field that is itself a pydantic model (e.g. ``limit: InputLimits``) is flattened
 ``--limit-max-image-side`` / ``JOYNEXUS_LIMIT_MAX_IMAGE_SIDE``.
 Precedence: flag > environment > default. Unknown flags and invalid values exit with a
 message naming the field and where its value came from.
+
+The roles that load a backbone share :class:`BackboneConfig`; those that run tenants' heads
+on its features (trainer, inferencer) share :class:`HeadsConfig`, whose check refuses a
+cost table together with the backbone role at parse time.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 ENV_PREFIX = "JOYNEXUS_"
 C = TypeVar("C", bound=BaseModel)
@@ -58,6 +62,51 @@ class BusConfig(BaseModel):
         description="Append this process's finished spans to this JSON-lines file "
         "(`joynexus trace` reads it; OTLP and console come from the OTEL_* variables).",
     )
+
+
+#: ``cost_table`` when no cost table splits grouped forwards (``vla.costmodel.OFF``).
+COST_TABLE_OFF = "off"
+
+
+class BackboneConfig(BusConfig):
+    """The backbone a role loads."""
+
+    backbone: str = Field("tiny", description="Checkpoint dir or tiny name to load.")
+    backbone_id: str | None = Field(None, description="Subject id (default: derived).")
+    device: str = Field("cpu", description="torch device.")
+    dtype: str = Field("float32", description="Backbone dtype (bfloat16 on CUDA).")
+
+
+class HeadsConfig(BackboneConfig):
+    """A role that runs heads on the backbone's features: from its own resident backbone
+    (whose grouped forwards a cost table may split) or from the backbone role."""
+
+    cost_table: str = Field(
+        COST_TABLE_OFF,
+        description="Group-size cost table: 'off' (the default: never split a grouped forward; "
+        "a table measured at start-up on a loaded machine split groups into pieces slower than "
+        "serial), 'measure' (a few forwards at start-up), "
+        "or a JSON file (read; measured and written if missing; "
+        "a 'bench grouping --json' result works too).",
+    )
+    backbone_service: bool = Field(
+        False,
+        description="Take features from the backbone role (services.backbone) instead of a "
+        "resident backbone: this process loads the backbone only to normalise inputs, then "
+        "frees its weights and holds only heads.",
+    )
+    encode_timeout_s: float = Field(
+        30.0, gt=0, description="With --backbone-service: wait this long for an encode answer."
+    )
+
+    @model_validator(mode="after")
+    def _split_needs_a_resident_backbone(self) -> HeadsConfig:
+        if self.backbone_service and self.cost_table != COST_TABLE_OFF:
+            raise ValueError(
+                "--cost-table splits a resident backbone's forwards; with "
+                "--backbone-service the backbone role runs them (drop one of the two)"
+            )
+        return self
 
 
 def env_name(field: str) -> str:
@@ -137,6 +186,9 @@ def load_config(
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
+            if not err["loc"]:  # a check across fields: its message names them
+                problems.append(str(err["msg"]).removeprefix("Value error, "))
+                continue
             field = ".".join(str(p) for p in err["loc"][:2]) if err["loc"] else "?"
             if field not in sources:
                 field = str(err["loc"][0]) if err["loc"] else "?"

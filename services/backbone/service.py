@@ -29,7 +29,7 @@ from pydantic import Field
 
 from bus.auth import reply_allowed
 from bus.codec import DecodeError, decode, encode
-from bus.config import BusConfig
+from bus.config import BackboneConfig
 from bus.features import FeatureTransportError, pack_transient, take_blob
 from bus.service import Runtime, ServiceStopping, serve
 from schemas import subjects
@@ -47,13 +47,9 @@ from vla.wire import FeatureOrigin, FeatureRecordError, from_encode_request, to_
 log = logging.getLogger(__name__)
 
 
-class BackboneServiceConfig(BusConfig):
+class BackboneServiceConfig(BackboneConfig):
     """Backbone role settings."""
 
-    backbone: str = Field("tiny", description="Checkpoint dir or tiny name to load.")
-    backbone_id: str | None = Field(None, description="Subject id (default: derived).")
-    device: str = Field("cpu", description="torch device.")
-    dtype: str = Field("float32", description="Backbone dtype (bfloat16 on CUDA).")
     max_batch_samples: int = Field(
         1024, ge=1, description="Samples grouped into one round of forwards at most."
     )

@@ -4,18 +4,13 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from bus.config import BusConfig
+from bus.config import HeadsConfig
 from schemas.limits import InputLimits
-from vla import costmodel
 
 
-class InferencerConfig(BusConfig):
+class InferencerConfig(HeadsConfig):
     """Inferencer settings (flags ``--target-batch 8`` or env ``JOYNEXUS_TARGET_BATCH=8``)."""
 
-    backbone: str = Field("tiny", description="Checkpoint dir or tiny name to load.")
-    backbone_id: str | None = Field(None, description="Subject id (default: derived).")
-    device: str = Field("cpu", description="torch device.")
-    dtype: str = Field("float32", description="Backbone dtype (bfloat16 on CUDA).")
     # Defaults measured on the tiny backbone, 1 torch thread, 2 shared CPU cores (see
     # bench/inference.py): a forward's cost per observation falls until ~16
     # (18 ms at 1, 5 ms at 8, 3.8 ms at 16, 4.7 ms at 32), and through the bus B=16 beat
@@ -35,18 +30,7 @@ class InferencerConfig(BusConfig):
         5.0, gt=0, description="Consumer ack wait: a dead replica's requests return this fast."
     )
     max_deliver: int = Field(3, ge=1, description="Deliveries before a request is dead.")
-    cost_table: str = Field(
-        costmodel.OFF,
-        description="Group-size cost table: 'off' (the default: never split a group; a table "
-        "measured at start-up on a loaded machine split groups into pieces slower than serial), "
-        "'measure' (a few forwards at start-up) or a JSON file (read; measured and written if "
-        "missing; a 'bench grouping --json' result works too).",
-    )
-    backbone_service: bool = Field(
-        False,
-        description="Take features from the backbone role (services.backbone): the backbone "
-        "is loaded only to normalise observations, then its weights are freed.",
-    )
+    # A request's answer waits on the encode: a shorter wait than the trainer's.
     encode_timeout_s: float = Field(
         10.0, gt=0, description="With --backbone-service: wait this long for an encode answer."
     )

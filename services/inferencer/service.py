@@ -401,12 +401,7 @@ async def serve_inferencer(rt: Runtime, config: InferencerConfig) -> None:
     backbone = await rt.slow(load_backbone, config)
     remote: FeatureClient | None = None
     costs: CostTable | None = None
-    if config.backbone_service:
-        if config.cost_table != costmodel.OFF:
-            raise ValueError(
-                "--cost-table splits a resident backbone's forwards; with "
-                "--backbone-service the backbone role runs them"
-            )
+    if config.backbone_service:  # the config refuses a cost table with it
         remote = FeatureClient(
             rt.nc,
             rt.js,

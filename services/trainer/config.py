@@ -4,17 +4,13 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from bus.config import BusConfig
+from bus.config import HeadsConfig
 from schemas.limits import InputLimits
 
 
-class TrainerConfig(BusConfig):
+class TrainerConfig(HeadsConfig):
     """Trainer settings."""
 
-    backbone: str = Field("tiny", description="Checkpoint dir or tiny name to load.")
-    backbone_id: str | None = Field(None, description="Subject id (default: derived).")
-    device: str = Field("cpu", description="torch device.")
-    dtype: str = Field("float32", description="Backbone dtype (bfloat16 on CUDA).")
     deterministic: bool = Field(False, description="torch deterministic algorithms.")
     memory_budget_mb: float = Field(1024.0, gt=0, description="Resident slot budget.")
     prefetch: int = Field(4, ge=1, description="Messages fetched ahead per tenant.")
@@ -31,14 +27,6 @@ class TrainerConfig(BusConfig):
     )
     max_deliver: int = Field(10, ge=1, description="Deliveries before dead-lettering.")
     discover_every_s: float = Field(0.5, gt=0, description="New-tenant discovery period.")
-    cost_table: str = Field(
-        "off",
-        description="Group-size cost table: 'off' (the default: never split a grouped forward; "
-        "a table measured at start-up on a loaded machine split groups into pieces slower than "
-        "serial), 'measure' (a few forwards at start-up), "
-        "or a JSON file (read; measured and written if missing; "
-        "a 'bench grouping --json' result works too).",
-    )
     feature_cache_mb: float = Field(
         0.0,
         ge=0,
@@ -50,15 +38,6 @@ class TrainerConfig(BusConfig):
         description="The feature cache's second tier: the backbone's object-store bucket, "
         "shared by its trainers and kept across restarts, under this budget (0: off; needs "
         "--feature-cache-mb).",
-    )
-    backbone_service: bool = Field(
-        False,
-        description="Take features from the backbone role (services.backbone) instead of a "
-        "resident backbone: this process loads the backbone only to normalise samples, then "
-        "frees its weights and holds only heads.",
-    )
-    encode_timeout_s: float = Field(
-        30.0, gt=0, description="With --backbone-service: wait this long for an encode answer."
     )
     limit: InputLimits = Field(
         default_factory=InputLimits, description="Input bounds (--limit-*, JOYNEXUS_LIMIT_*)."

@@ -47,12 +47,7 @@ class FeatureSources:
 async def feature_sources(rt: Runtime, config: TrainerConfig, backbone: Backbone) -> FeatureSources:
     """Build the encoders ``config`` asks for (the store's bucket is opened here)."""
     sources = FeatureSources(backbone, backbone)
-    if config.backbone_service:
-        if config.cost_table != costmodel.OFF:
-            raise ValueError(
-                "--cost-table splits a resident backbone's forwards; with "
-                "--backbone-service the backbone role runs them"
-            )
+    if config.backbone_service:  # the config refuses a cost table with it
         backbone.release_weights()
         sources.remote = FeatureClient(
             rt.nc,
