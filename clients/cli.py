@@ -93,11 +93,17 @@ def _progress_line(ev: Progress, started: float, now: float) -> str:
     )
 
 
-def _read_spec(path: str) -> Any:
+def _read_spec(path: str) -> dict[str, Any]:
     try:
-        return yaml.safe_load(Path(path).read_text())
+        document = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise SystemExit(f"cannot read {path}: {exc}") from exc
+    if not isinstance(document, dict):
+        got = "an empty file" if document is None else f"a {type(document).__name__}"
+        spec = "a job spec is a mapping (kind: ..., tenant: ...)"
+        print(f"invalid spec {path}: {spec}, got {got}", file=sys.stderr)
+        raise SystemExit(2)  # as for any other invalid spec
+    return document
 
 
 async def _follow(client: Client, job: Job) -> int:

@@ -41,6 +41,7 @@ from bus.datasets import sha256_file
 from bus.envinfo import request_description
 from bus.identity import is_joynexus_creds, load_creds
 from bus.local import read_stack_info
+from bus.publish import wire_size
 from bus.records import list_jobs
 from clients.errors import RequestError
 from clients.jobs import Job, JobFailed, JobResult
@@ -50,7 +51,7 @@ from schemas.envdesc import EnvDescription
 from schemas.ids import validate_id
 from schemas.jobs import JobRecord
 from schemas.placement import PlacementRecord
-from schemas.specs import JobSpec, parse_job_spec
+from schemas.specs import JobSpec, JobSpecError, parse_job_spec
 from schemas.tenantctl import (
     BACKBONES_REPLY_DECODER,
     PART_BYTES,
@@ -112,8 +113,23 @@ def _answer(decoder: msgspec.msgpack.Decoder[T], data: bytes, op: str) -> T:
 
 
 def _document(spec: JobSpec | Mapping[str, Any]) -> dict[str, Any]:
-    """A spec as the JSON document it is submitted as (a copy: the caller's is not changed)."""
-    return spec.model_dump(mode="json") if isinstance(spec, BaseModel) else dict(spec)
+    """A spec as the JSON document it is submitted as (a copy: the caller's is not changed);
+    :class:`JobSpecError` for one that is not a mapping."""
+    if isinstance(spec, BaseModel):
+        return spec.model_dump(mode="json")
+    if not isinstance(spec, Mapping):
+        raise JobSpecError(
+            f"a job spec is a mapping (kind: ..., tenant: ...), got {type(spec).__name__}"
+        )
+    return dict(spec)
+
+
+def _spec_json(document: Mapping[str, Any]) -> bytes:
+    """The document as JSON; :class:`JobSpecError` naming a value JSON has no form for."""
+    try:
+        return json.dumps(document, allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise JobSpecError(f"spec is not plain JSON data: {exc}") from exc
 
 
 def new_job_id(kind: str) -> str:
@@ -197,6 +213,7 @@ class Client:
         bad field) and submit it. Idempotent for the same ``job_id``."""
         document = _document(spec)
         parsed = parse_job_spec(document)
+        spec_json = _spec_json(document)
         job_id = validate_id(job_id or new_job_id(parsed.kind), "job id")
         # The job's trace begins here when this process records spans (setup_tracing).
         with tracing.tracer().start_as_current_span(
@@ -207,9 +224,7 @@ class Client:
                 "joynexus.kind": parsed.kind,
             },
         ):
-            await self.request(
-                parsed.tenant, SubmitJob(parsed.tenant, job_id, json.dumps(document).encode())
-            )
+            await self.request(parsed.tenant, SubmitJob(parsed.tenant, job_id, spec_json))
         return Job(self, parsed.tenant, job_id)
 
     async def train_sft(self, spec: JobSpec | Mapping[str, Any], **kw: Any) -> Job:
@@ -284,11 +299,19 @@ class Client:
         restarting) until ``timeout`` has passed."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        sent_headers = tracing.inject()
+        if wire_size(data, sent_headers) > self.nc.max_payload:
+            raise RequestError(
+                f"request of {wire_size(data, sent_headers)} bytes (payload and headers) is "
+                f"over the server's max_payload ({self.nc.max_payload}): send less at once",
+                code="invalid",
+                retryable=False,
+            )
         while True:
             remaining = deadline - loop.time()
             try:
                 msg = await self.nc.request(
-                    subject, data, timeout=max(remaining, 0.01), headers=tracing.inject()
+                    subject, data, timeout=max(remaining, 0.01), headers=sent_headers
                 )
                 return bytes(msg.data)
             except NoRespondersError as exc:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+#: The longest id.
+MAX_ID_CHARS = 64
 ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,63}$"
 _ID_RE = re.compile(ID_PATTERN)
 

@@ -43,13 +43,19 @@ def _dataset_id(value: str) -> str:
 #: A dataset id in the job's tenant's namespace (see :mod:`bus.datasets`).
 DatasetId = Annotated[str, AfterValidator(_dataset_id)]
 
+#: Seeds are unsigned 32-bit, what every seeded library here takes (numpy's ``RandomState``,
+#: under ManiSkill's episode seeds, takes no more).
+MAX_SEED = 2**32 - 1
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED, description="Random seed (0 to 2**32 - 1).")]
+
 
 class JobSpecError(ValueError):
     """A job spec that cannot be accepted; the message names each bad field."""
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No inf or NaN anywhere in a spec: a bound like ``ge=0`` lets inf through.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class HeadSpec(_Strict):
@@ -72,14 +78,23 @@ class HeadSpec(_Strict):
         True, description="False: a blind policy on proprio alone (a baseline for vision)."
     )
 
-    def filled(self, action_dim: int, proprio_dim: int) -> HeadSpec:
-        """This head with its omitted dims taken from the env (or dataset) it trains on."""
-        return self.model_copy(
-            update={
-                "action_dim": action_dim if self.action_dim is None else self.action_dim,
-                "proprio_dim": proprio_dim if self.proprio_dim is None else self.proprio_dim,
-            }
-        )
+    def filled(self, action_dim: int, proprio_dim: int, source: str = "env") -> HeadSpec:
+        """This head with its omitted dims taken from the env (or dataset) it trains on,
+        within the head's own bounds (:class:`JobSpecError` naming the dim and ``source``
+        otherwise)."""
+        values = self.model_dump()
+        taken = []
+        for name, value in (("action_dim", action_dim), ("proprio_dim", proprio_dim)):
+            if values[name] is None:
+                values[name] = value
+                taken.append(name)
+        try:
+            return HeadSpec.model_validate(values)
+        except ValidationError as exc:
+            raise JobSpecError(
+                f"{format_validation_error(exc, 'head.')} (omitted in the spec, so the "
+                f"{source}'s {' and '.join(taken)} was taken)"
+            ) from exc
 
     def to_config(self) -> HeadConfig:
         """The model-facing config; the master fills omitted dims (:meth:`filled`) first."""
@@ -92,7 +107,10 @@ class OptimizerSpec(_Strict):
     """AdamW with optional warmup and cosine decay."""
 
     lr: float = Field(1e-3, gt=0, le=1.0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (
+        0.9,
+        0.999,
+    )
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, ge=0, description="Max grad norm; 0 disables.")
     warmup_steps: int = Field(0, ge=0)
@@ -126,7 +144,7 @@ class SFTJobSpec(_Strict):
     steps: int | None = Field(None, ge=1, description="Optimizer steps (or use epochs).")
     epochs: int | None = Field(None, ge=1, description="Passes over the train split.")
     val_fraction: float = Field(0.0, ge=0, lt=1)
-    seed: int = 0
+    seed: Seed = 0
     num_views: int = Field(1, ge=1, le=3)
     token_budget: int = Field(48, ge=8, le=4096, description="Text+image tokens per sample.")
     #: Commit a checkpoint (policy version) every this many steps (the last step always).
@@ -179,7 +197,7 @@ class RLJobSpec(_Strict):
     image_size: int = Field(64, ge=8, le=1024)
     num_views: int = Field(1, ge=1, le=3)
     token_budget: int = Field(16, ge=4, le=4096)
-    seed: int = 0
+    seed: Seed = 0
     priority: int = Field(1, ge=1, le=16)
     init_from: Id | None = Field(None, description="Job id of this tenant to start from.")
 
@@ -209,8 +227,8 @@ class EvalJobSpec(_Strict):
     max_episode_steps: int = Field(50, ge=1, le=10_000)
     image_size: int = Field(64, ge=8, le=1024)
     parallel_envs: int = Field(4, ge=1, le=256)
-    val_fraction: float = Field(0.2, gt=0, le=1, description="Held-out episodes (dataset).")
-    seed: int = 10_000
+    val_fraction: float = Field(0.2, gt=0, lt=1, description="Held-out episodes (dataset).")
+    seed: Seed = 10_000
 
     @model_validator(mode="after")
     def _target(self) -> EvalJobSpec:
@@ -252,7 +270,7 @@ class SessionSpec(_Strict):
         default_factory=OptimizerSpec,
         description="AdamW's defaults; each optim_step call gives its own hyper-parameters.",
     )
-    seed: int = 0
+    seed: Seed = 0
     num_views: int = Field(1, ge=1, le=3)
     token_budget: int = Field(16, ge=4, le=4096, description="Text+image tokens per sample.")
     #: Commit a checkpoint at least every this many calls (and on every save_state).
@@ -285,11 +303,11 @@ _SPEC_KINDS: dict[str, type[BaseModel]] = {
 }
 
 
-def format_validation_error(error: ValidationError) -> str:
-    """``field.path: message`` lines, one per problem."""
+def format_validation_error(error: ValidationError, prefix: str = "") -> str:
+    """``field.path: message`` lines, one per problem (each path after ``prefix``)."""
     lines = []
     for item in error.errors():
-        path = ".".join(str(p) for p in item["loc"])
+        path = prefix + ".".join(str(p) for p in item["loc"])
         msg = "unknown field" if item["type"] == "extra_forbidden" else item["msg"]
         msg = msg.removeprefix("Value error, ")  # whole-spec checks name their fields
         lines.append(f"{path}: {msg}" if path else msg)

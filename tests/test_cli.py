@@ -15,7 +15,9 @@ import pytest
 import yaml
 
 from bus.local import read_stack_info
+from clients import sdk
 from schemas.health import ROLES
+from schemas.specs import JobSpecError
 from tests.helpers import ROOT, uid
 
 JOYNEXUS = str(Path(sys.executable).parent / "joynexus")
@@ -197,6 +199,29 @@ def test_submit_without_a_stack_says_how_to_start_one(tmp_path: Path) -> None:
     spec.write_text("kind: sft\n")
     out = run("--home", str(tmp_path / "none"), "submit", str(spec))
     assert out.returncode == 1 and "joynexus up" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "got"), [("", "an empty file"), ("- kind: sft\n", "a list"), ("sft\n", "a str")]
+)
+def test_a_spec_file_that_is_no_mapping_is_refused_before_anything_is_sent(
+    tmp_path: Path, text: str, got: str
+) -> None:
+    spec = tmp_path / "s.yaml"
+    spec.write_text(text)
+    out = run("--home", str(tmp_path / "none"), "submit", str(spec))
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == (
+        f"invalid spec {spec}: a job spec is a mapping (kind: ..., tenant: ...), got {got}"
+    )
+
+
+def test_the_sdk_refuses_a_spec_json_cannot_carry() -> None:
+    with pytest.raises(JobSpecError, match=r"a job spec is a mapping .*, got list"):
+        sdk._document([{"kind": "sft"}])  # type: ignore[arg-type]
+    with pytest.raises(JobSpecError, match=r"spec is not plain JSON data: .*bytes"):
+        sdk._spec_json({"kind": "rl", "env": b"\x00"})
+    assert sdk._spec_json({"kind": "rl"}) == b'{"kind": "rl"}'
 
 
 def test_compose_runs_every_role_on_nats_with_a_cluster_profile() -> None:

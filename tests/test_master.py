@@ -19,13 +19,24 @@ from nats.js import JetStreamContext
 import bus.publish as bus_publish
 from bus.codec import decode, encode
 from bus.connect import connect
+from bus.datasets import register_path
 from bus.declare import declare
+from bus.errors import PoisonError
 from bus.publish import publish_event
+from bus.records import put_job
 from bus.server import EmbeddedServer
 from schemas import headers, subjects
 from schemas.events import EVENT_DECODER, Accepted, Rejected, StateChanged
-from schemas.jobs import JobSubmit
+from schemas.jobs import JobRecord, JobSubmit
+from schemas.limits import InputLimits
+from schemas.model import HeadConfig, OptimizerConfig
+from schemas.specs import EvalJobSpec, parse_job_spec
+from schemas.train import OpenSlot, PolicyRecord
+from services.envs.datasets import record
 from services.envs.describe import Describer
+from services.envs.sims import REACH2D_ID
+from services.master.admission import UNEXPECTED_TRIES
+from services.master.plans import Datasets, compile_eval
 from services.master.service import Master
 from tests.conftest import Procs
 from tests.helpers import start_service, uid
@@ -197,3 +208,205 @@ async def test_submit_for_another_tenant_is_rejected_to_its_sender_only(
     assert master_proc.poll() is None
     for kind in ("rejected", "accepted", "state"):
         assert await _stored(js, subjects.event(victim, job, kind)) == 0
+
+
+# -- a job the master accepted never hangs, whatever fails while it starts ------------------
+
+
+def _session_spec(tenant: str, **extra: Any) -> bytes:
+    head = {"kind": "oft", "action_dim": 2, "proprio_dim": 0}
+    return json.dumps({"kind": "session", "tenant": tenant, "head": head, **extra}).encode()
+
+
+async def test_a_submit_that_gives_up_after_recording_its_job_fails_the_job(
+    own_nc: NATS, own_js: JetStreamContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The master recorded the job ``accepted``, then starting it raised (every delivery
+    the same): when the runtime gives the submit up, the tenant is told why and the job
+    fails, instead of staying ``accepted`` and holding a place among its running jobs."""
+    tenant, job = uid("acme"), "s-1"
+    master = await _master(own_js)
+
+    async def broken_start(plan: object, job_id: str) -> None:
+        raise OverflowError("a bug of ours")
+
+    monkeypatch.setattr(master, "start", broken_start)
+    submit = JobSubmit(tenant, job, _session_spec(tenant), 0.0)
+    msg = Msg(own_nc, subject=subjects.job(tenant, "submit"), data=encode(submit))
+    with pytest.raises(OverflowError):
+        await master.handle(msg)
+    found = await master.record(tenant, job)
+    assert found is not None and found[0].status == "accepted"
+    # What the consume runtime does after max_deliver (a stored message: it needs a sequence).
+    await own_js.publish(subjects.job(tenant, "submit"), encode(submit))
+    sub = await own_js.pull_subscribe(subjects.job(tenant, "submit"), durable=uid("d"))
+    (stored,) = await sub.fetch(1, timeout=5)
+    await master.on_dead(
+        stored, "gave up after 5 deliveries: OverflowError: a bug of ours", OverflowError()
+    )
+    found = await master.record(tenant, job)
+    assert found is not None and found[0].status == "failed"
+    assert (
+        found[0].reason == "not started: gave up after 5 deliveries: OverflowError: a bug of ours"
+    )
+    assert await _stored(own_js, subjects.event(tenant, job, "rejected")) == 1
+
+
+async def test_another_submits_refusal_leaves_an_accepted_job_alone(
+    own_nc: NATS, own_js: JetStreamContext
+) -> None:
+    """A second submit under a taken job id is refused; the job the id belongs to is not
+    the refused command's, and keeps its state."""
+    tenant, job = uid("acme"), "s-1"
+    master = await _master(own_js)
+    await put_job(
+        master.jobs,
+        JobRecord(tenant, job, "session", "accepted", _session_spec(tenant), 1.0, 1.0),
+        last=0,
+    )
+    other = JobSubmit(tenant, job, _session_spec(tenant, seed=7), 0.0)
+    await own_js.publish(subjects.job(tenant, "submit"), encode(other))
+    sub = await own_js.pull_subscribe(subjects.job(tenant, "submit"), durable=uid("d"))
+    (stored,) = await sub.fetch(1, timeout=5)
+    await master.on_dead(stored, "job id 's-1' is already used by another job", ValueError())
+    found = await master.record(tenant, job)
+    assert found is not None and found[0].status == "accepted"
+
+
+async def test_a_queued_job_that_cannot_be_started_fails_and_the_next_one_starts(
+    own_js: JetStreamContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error of ours while starting one queued job (every try the same) must not stop
+    the admissions loop, and with it the master at every restart: it is tried
+    UNEXPECTED_TRIES times, then that job fails and the jobs behind it start."""
+    tenant = uid("acme")
+    master = await _master(own_js)
+    for i, name in enumerate(("bad", "good")):
+        record = JobRecord(tenant, name, "session", "queued", _session_spec(tenant), i, i)
+        await put_job(master.jobs, record, last=0)
+    real_compile = master.compile
+
+    async def compile_fails_for_bad(job_id: str, spec: Any, limits: Any = None) -> Any:
+        if job_id == "bad":
+            raise OverflowError("can't serialize ints > 2**64 - 1")
+        return await real_compile(job_id, spec, limits)
+
+    monkeypatch.setattr(master, "compile", compile_fails_for_bad)
+
+    async def status(name: str) -> str:
+        found = await master.record(tenant, name)
+        assert found is not None
+        return found[0].status
+
+    for _ in range(UNEXPECTED_TRIES - 1):
+        await master.admissions.admit_queued(tenant)
+        assert (await status("bad"), await status("good")) == ("queued", "queued")
+        assert tenant in master.admissions.room  # tried again at the loop's next wake-up
+    await master.admissions.admit_queued(tenant)
+    found = await master.record(tenant, "bad")
+    assert found is not None and found[0].status == "failed"
+    assert found[0].reason == (
+        "could not be started: OverflowError: can't serialize ints > 2**64 - 1"
+    )
+    assert await status("good") == "running"
+    assert master.admissions.errors == {}
+
+
+async def test_a_pipeline_id_that_leaves_its_stages_no_room_is_refused(
+    own_nc: NATS, own_js: JetStreamContext
+) -> None:
+    """Stage ids are ``<pipeline id>-s<index>`` and ids have 64 chars: a longer pipeline id
+    would cut them to the pipeline's own id (or another stage's)."""
+    tenant = uid("acme")
+    master = await _master(own_js)
+    stage = {
+        "kind": "rl",
+        "tenant": tenant,
+        "env": "e",
+        "iterations": 1,
+        "head": {"kind": "oft"},
+        "rl": {"algorithm": "grpo"},
+    }
+    spec = json.dumps({"kind": "pipeline", "tenant": tenant, "stages": [stage] * 11}).encode()
+    job = "p" * 61
+    msg = Msg(
+        own_nc,
+        subject=subjects.job(tenant, "submit"),
+        data=encode(JobSubmit(tenant, job, spec, 0.0)),
+    )
+    with pytest.raises(PoisonError) as refused:
+        await master.handle(msg)
+    assert str(refused.value) == (
+        f"job id: {job!r} has 61 chars, but a pipeline of 11 stages names them "
+        "'<job id>-s0' to '-s10' and an id has 64 chars at most: give it 60 chars or fewer"
+    )
+    assert await master.record(tenant, job) is None
+
+
+# -- what a spec leaves to its dataset is checked as if the spec said it --------------------
+
+
+async def _reach_dataset(js: JetStreamContext, tenant: str, path: Path, episodes: int) -> None:
+    record(REACH2D_ID, episodes, path, seed=0)  # actions 2-D, observation.state 4-D
+    await register_path(js, tenant, "reach", path)
+
+
+async def test_head_dims_taken_from_the_dataset_are_held_to_the_operators_bounds(
+    own_js: JetStreamContext, tmp_path: Path
+) -> None:
+    tenant = uid("acme")
+    await _reach_dataset(own_js, tenant, tmp_path / "reach", episodes=4)
+    master = Master(
+        own_js,
+        await own_js.key_value(subjects.KV_JOBS),
+        await own_js.key_value(subjects.KV_POLICIES),
+        limits=InputLimits(max_proprio_dim=2),
+        datasets=Datasets(own_js, tmp_path / "cache"),
+    )
+    sft = {"kind": "sft", "tenant": tenant, "dataset": "reach", "steps": 2, "batch_size": 2}
+    blind = parse_job_spec({**sft, "head": {"kind": "oft", "proprio_dim": 0}})
+    plan = await master.compile("ok", blind)
+    assert plan is not None and plan.open_slot is not None
+    assert plan.open_slot.head.action_dim == 2  # the dataset's
+    with pytest.raises(PoisonError) as refused:
+        await master.compile("j", parse_job_spec({**sft, "head": {"kind": "oft"}}))
+    assert str(refused.value) == (
+        "head.proprio_dim: 4 exceeds max_proprio_dim 2 (a dim the spec omits is its dataset's "
+        "or env's)"
+    )
+
+
+async def test_an_eval_on_a_dataset_checks_the_policys_head_and_the_held_out_split(
+    own_js: JetStreamContext, tmp_path: Path
+) -> None:
+    """Before, a policy whose action dim was not the dataset's was accepted: a larger one
+    failed in the env worker, a 1-D one was broadcast into a wrong error and "succeeded"."""
+    tenant = uid("acme")
+    await _reach_dataset(own_js, tenant, tmp_path / "reach", episodes=4)
+    record(REACH2D_ID, 1, tmp_path / "one", seed=0)
+    await register_path(own_js, tenant, "one", tmp_path / "one")
+    datasets = Datasets(own_js, tmp_path / "cache")
+
+    def policy(action_dim: int, proprio_dim: int = 0) -> PolicyRecord:
+        head = HeadConfig(kind="oft", action_dim=action_dim, proprio_dim=proprio_dim)
+        slot = OpenSlot(tenant, "trained", head, OptimizerConfig(), 0, 10)
+        return PolicyRecord(tenant, "trained", 3, 10, "obj", "sha", 1, slot, 0.0)
+
+    spec = parse_job_spec(
+        {"kind": "eval", "tenant": tenant, "policy_job": "trained", "dataset": "reach"}
+    )
+    assert isinstance(spec, EvalJobSpec)
+    plan = await compile_eval("ev", spec, policy(2, 4), datasets)
+    assert plan.env_tasks[0].dataset == "reach"
+    for action_dim in (1, 7):
+        with pytest.raises(
+            PoisonError,
+            match=rf"^policy_job 'trained': head\.action_dim: "
+            rf"{action_dim} does not match the dataset's action dimension 2",
+        ):
+            await compile_eval("ev", spec, policy(action_dim), datasets)
+    with pytest.raises(PoisonError, match=r"policy_job 'trained': head\.proprio_dim: 3 does"):
+        await compile_eval("ev", spec, policy(2, 3), datasets)
+    one = spec.model_copy(update={"dataset": "one"})
+    with pytest.raises(PoisonError, match=r"^val_fraction: 0\.2 of dataset one's 1 episodes "):
+        await compile_eval("ev", one, policy(2), datasets)

@@ -23,7 +23,7 @@ from schemas.ids import InvalidIdError, validate_id
 from schemas.infer import ACT_REPLY_DECODER, INFER_DECODER, ActRequest
 from schemas.jobs import JOB_COMMAND_DECODER, JOB_RECORD_DECODER, JobCancel, JobSubmit
 from schemas.model import HeadConfig, Observation
-from schemas.specs import JobSpecError, SFTJobSpec, parse_job_spec
+from schemas.specs import HeadSpec, JobSpecError, SFTJobSpec, parse_job_spec
 from schemas.tensor import Tensor, TensorError
 from schemas.train import POLICY_RECORD_DECODER, TRAIN_DECODER, OpenSlot, PolicyRecord
 from tests.golden.regen import SAMPLES
@@ -275,6 +275,67 @@ def test_spec_errors_name_the_field() -> None:
         parse_job_spec(b"{nope")
     with pytest.raises(JobSpecError, match="not UTF-8 JSON text"):
         parse_job_spec(b"{\xff}")
+
+
+_SESSION = {"kind": "session", "tenant": "acme", "head": {"kind": "oft", "action_dim": 2}}
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 2**64])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        _spec(),
+        {"kind": "rl", "tenant": "acme", "env": "e", "head": {"kind": "oft"}, "iterations": 1},
+        {"kind": "eval", "tenant": "acme", "policy_job": "j", "env": "e"},
+        {**_SESSION, "head": {"kind": "oft", "action_dim": 2, "proprio_dim": 0}},
+    ],
+    ids=lambda s: s["kind"] if isinstance(s, dict) else None,
+)
+def test_a_seed_outside_32_bits_is_refused_naming_the_field(
+    spec: dict[str, object], seed: int
+) -> None:
+    """Every seeded library the services use takes an unsigned 32-bit seed; a larger one also
+    would not fit the wire's integers."""
+    if spec["kind"] == "rl":
+        spec = {**spec, "rl": {"algorithm": "grpo"}}
+    parse_job_spec({**spec, "seed": 2**32 - 1})
+    with pytest.raises(JobSpecError, match=r"^seed: Input should be (greater|less)"):
+        parse_job_spec({**spec, "seed": seed})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"optimizer": {"betas": [1.5, 0.999]}}, r"optimizer\.betas\.0: Input should be less"),
+        ({"optimizer": {"betas": [0.9, -0.1]}}, r"optimizer\.betas\.1: Input should be greater"),
+        ({"optimizer": {"weight_decay": float("inf")}}, r"optimizer\.weight_decay: .*finite"),
+        ({"optimizer": {"grad_clip": float("nan")}}, r"optimizer\.grad_clip: .*finite"),
+    ],
+)
+def test_optimizer_settings_that_no_optimizer_takes_are_refused(
+    overrides: dict[str, object], message: str
+) -> None:
+    with pytest.raises(JobSpecError, match=message):
+        parse_job_spec(_spec(**overrides))
+
+
+def test_an_eval_holds_out_less_than_the_whole_dataset() -> None:
+    eval_spec = {"kind": "eval", "tenant": "acme", "policy_job": "j", "dataset": "d"}
+    parse_job_spec({**eval_spec, "val_fraction": 0.99})
+    with pytest.raises(JobSpecError, match=r"val_fraction: Input should be less than 1"):
+        parse_job_spec({**eval_spec, "val_fraction": 1.0})
+
+
+def test_head_dims_filled_in_stay_within_the_heads_bounds() -> None:
+    head = HeadSpec(kind="oft", action_dim=3)
+    assert head.filled(7, 300 - 44).proprio_dim == 256
+    assert head.filled(7, 0).action_dim == 3  # a dim the spec gives is kept
+    with pytest.raises(
+        JobSpecError,
+        match=r"^head\.proprio_dim: Input should be less than or "
+        r"equal to 256 \(omitted in the spec, so the dataset's proprio_dim was",
+    ):
+        head.filled(7, 300, "dataset")
 
 
 def test_head_config_validates() -> None:

@@ -353,7 +353,9 @@ class ManiSkillAdapter:
         :attr:`ManiSkillTask.rebuild_on_reset`)."""
         options = {"reconfigure": True} if self.rebuild_on_reset else None
         with maniskill_call():
-            obs, _ = self.env.reset(seed=seed, options=options)
+            # ManiSkill seeds numpy's RandomState, which takes 32 bits; an episode's seed
+            # (a job's seed plus iteration and episode offsets) can pass that.
+            obs, _ = self.env.reset(seed=seed % 2**32, options=options)
         return self._step_obs(obs)
 
     def step(self, action_A: np.ndarray) -> tuple[StepObs, float, bool, bool, dict[str, Any]]:

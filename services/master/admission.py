@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING
 
 from nats.errors import Error as NatsError
 
-from bus.errors import HandlerError, PoisonError
+from bus.errors import HandlerError, PoisonError, RetryableError
 from bus.queues import per_tenant
 from bus.records import list_jobs
-from schemas.jobs import TERMINAL_STATUSES
+from schemas.jobs import TERMINAL_STATUSES, JobRecord
 from schemas.metrics import TenantQueue
 from schemas.specs import parse_job_spec
+from schemas.tenants import TenantLimits
 
 if TYPE_CHECKING:
     from services.master.service import Master
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 #: How often the master looks at every tenant's queued jobs besides the wake-ups.
 ADMIT_SWEEP_S = 5.0
+#: Tries to start a queued job that fails with an error of ours before the job fails.
+UNEXPECTED_TRIES = 3
 
 
 class Admissions:
@@ -47,6 +50,8 @@ class Admissions:
         self.room_changed = asyncio.Event()
         #: Queued jobs (tenant, job) and when they were accepted: the jobs queue's report.
         self.jobs: dict[tuple[str, str], float] = {}
+        #: Failed tries to start a queued job, by (tenant, job) (see :data:`UNEXPECTED_TRIES`).
+        self.errors: dict[tuple[str, str], int] = {}
 
     def noted(self, tenant: str, job_id: str, status: str, created_at: float) -> None:
         """A job entered ``status`` (the master's transitions tell every one)."""
@@ -86,21 +91,42 @@ class Admissions:
                 return
             limits = record.limits if record is not None else None
             for job in queued:
-                spec = parse_job_spec(job.spec_json)
-                if limits is not None:
-                    wait = await master.gate.wait_reason(tenant, job.job_id, spec, limits)
-                    if wait:
-                        if wait != job.reason:
-                            await master.transition(tenant, job.job_id, "queued", reason=wait)
-                        return
                 try:
-                    plan = await master.compile(job.job_id, spec, limits)
+                    if not await self._admit(job, limits):
+                        return  # it waits, and the younger ones behind it
+                except (RetryableError, NatsError, TimeoutError):
+                    raise  # the bus's trouble, not the job's: tried again later
                 except PoisonError as exc:  # what it points at changed while it waited
                     await master.transition(tenant, job.job_id, "failed", reason=str(exc))
-                    continue
-                log.info("admitting queued %s/%s", tenant, job.job_id)
-                await master.begin(job.job_id, spec, plan)
+                except Exception as exc:
+                    # A bug of ours on this job's data must not stop the master (and every
+                    # tenant's admissions with it, at every restart): like the consume
+                    # loop's, retried a few times and then the job's failure.
+                    key = (tenant, job.job_id)
+                    self.errors[key] = tries = self.errors.get(key, 0) + 1
+                    log.exception("admitting %s/%s failed (try %d)", tenant, job.job_id, tries)
+                    if tries < UNEXPECTED_TRIES:
+                        self.room.add(tenant)
+                        return
+                    reason = f"could not be started: {type(exc).__name__}: {exc}"
+                    await master.transition(tenant, job.job_id, "failed", reason=reason)
+                self.errors.pop((tenant, job.job_id), None)
             self.tenants.discard(tenant)
+
+    async def _admit(self, job: JobRecord, limits: TenantLimits | None) -> bool:
+        """Start the queued ``job`` if its tenant's ``limits`` leave room; False: it waits."""
+        master = self.master
+        spec = parse_job_spec(job.spec_json)
+        if limits is not None:
+            wait = await master.gate.wait_reason(job.tenant, job.job_id, spec, limits)
+            if wait:
+                if wait != job.reason:
+                    await master.transition(job.tenant, job.job_id, "queued", reason=wait)
+                return False
+        plan = await master.compile(job.job_id, spec, limits)
+        log.info("admitting queued %s/%s", job.tenant, job.job_id)
+        await master.begin(job.job_id, spec, plan)
+        return True
 
     async def run(self, stop: asyncio.Event, every_s: float = ADMIT_SWEEP_S) -> None:
         """Admit queued jobs as room appears, and every ``every_s`` for all tenants with

@@ -43,6 +43,7 @@ from schemas import subjects
 from schemas.env import StreamDataset
 from schemas.jobs import TERMINAL_STATUSES, JobRecord
 from schemas.limits import InputLimits, exceeds
+from schemas.model import HeadConfig
 from schemas.specs import (
     EvalJobSpec,
     HeadSpec,
@@ -69,7 +70,15 @@ def _at_most(field: str, value: int | None, limit: str, bound: int) -> None:
         raise PoisonError(exceeds(field, value, limit, bound))
 
 
-def _head(prefix: str, head: HeadSpec, limits: InputLimits) -> None:
+def check_planned_head(head: HeadConfig, limits: InputLimits) -> None:
+    """Bound a planned head, whose dims the spec may have left to its dataset or env."""
+    try:
+        _head("", head, limits)
+    except PoisonError as exc:
+        raise PoisonError(f"{exc} (a dim the spec omits is its dataset's or env's)") from exc
+
+
+def _head(prefix: str, head: HeadSpec | HeadConfig, limits: InputLimits) -> None:
     _at_most(f"{prefix}head.action_dim", head.action_dim, "max_action_dim", limits.max_action_dim)
     _at_most(f"{prefix}head.chunk_len", head.chunk_len, "max_chunk_len", limits.max_chunk_len)
     _at_most(

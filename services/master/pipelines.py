@@ -10,11 +10,30 @@ import json
 from typing import TYPE_CHECKING
 
 from bus.errors import PoisonError
+from schemas.ids import MAX_ID_CHARS
 from schemas.jobs import JobRecord
 from schemas.specs import EvalJobSpec, PipelineSpec, RLJobSpec, SFTJobSpec, parse_job_spec
 
 if TYPE_CHECKING:
     from services.master.service import Master
+
+
+def stage_id(pipeline_id: str, index: int) -> str:
+    """The job id of a pipeline's stage ``index``."""
+    return f"{pipeline_id}-s{index}"
+
+
+def check_stage_ids(pipeline_id: str, spec: PipelineSpec) -> None:
+    """Refuse a pipeline whose id leaves its stages' ids no room (ids have 64 chars at most:
+    cut, a stage's id could be the pipeline's own or another stage's)."""
+    last = stage_id(pipeline_id, len(spec.stages) - 1)
+    if len(last) > MAX_ID_CHARS:
+        room = MAX_ID_CHARS - (len(last) - len(pipeline_id))
+        raise PoisonError(
+            f"job id: {pipeline_id!r} has {len(pipeline_id)} chars, but a pipeline of "
+            f"{len(spec.stages)} stages names them '<job id>-s0' to {last[len(pipeline_id) :]!r} "
+            f"and an id has {MAX_ID_CHARS} chars at most: give it {room} chars or fewer"
+        )
 
 
 async def start_stage(
@@ -27,7 +46,7 @@ async def start_stage(
             stage = stage.model_copy(update={"init_from": previous})
         elif isinstance(stage, EvalJobSpec):
             stage = stage.model_copy(update={"policy_job": previous, "policy_version": 0})
-    child = f"{pipeline_id}-s{index}"[:64]
+    child = stage_id(pipeline_id, index)
     document = json.dumps(stage.model_dump(mode="json")).encode()
     try:
         # Admitted with its pipeline (which holds what its largest stage does).

@@ -24,7 +24,8 @@ from bus.datasets import DatasetStoreError, default_cache_root, resolve
 from bus.errors import PoisonError, RetryableError
 from schemas.env import EnvTask, EvalTask, RolloutTask, StreamDataset
 from schemas.limits import InputLimits
-from schemas.specs import EvalJobSpec, RLJobSpec, SessionSpec, SFTJobSpec
+from schemas.model import HeadConfig
+from schemas.specs import EvalJobSpec, HeadSpec, RLJobSpec, SessionSpec, SFTJobSpec
 from schemas.train import OpenSlot, PolicyRecord
 from vla.data import ACTION_KEY, STATE_KEY, DatasetError, DatasetMeta, check_dataset, read_meta
 from vla.data.limits import dataset_violation
@@ -42,22 +43,25 @@ class Plan:
     env_tasks: list[EnvTask] = field(default_factory=list)
 
 
-def check_dataset_fits(ds: DatasetMeta, spec: SFTJobSpec) -> None:
-    """Raise PoisonError naming the mismatch between a dataset and the job's head."""
+def check_dataset_fits(
+    ds: DatasetMeta, head: HeadSpec | HeadConfig, dataset: str, where: str = "head."
+) -> None:
+    """Raise PoisonError naming the mismatch between a dataset and a head (``where``
+    prefixes the head's fields in the message)."""
     action_dim = ds.action_dim
     state_dim = ds.state_dim
-    if spec.head.action_dim != action_dim:
+    if head.action_dim != action_dim:
         raise PoisonError(
-            f"head.action_dim: {spec.head.action_dim} does not match the dataset's action "
-            f"dimension {action_dim} ({spec.dataset})"
+            f"{where}action_dim: {head.action_dim} does not match the dataset's action "
+            f"dimension {action_dim} ({dataset})"
         )
-    if spec.head.proprio_dim not in (0, state_dim):  # never a silent truncation
+    if head.proprio_dim not in (0, state_dim):  # never a silent truncation
         raise PoisonError(
-            f"head.proprio_dim: {spec.head.proprio_dim} does not match the dataset's "
+            f"{where}proprio_dim: {head.proprio_dim} does not match the dataset's "
             f"observation.state dimension {state_dim} (use {state_dim}, or 0 for none)"
         )
     if not ds.camera_keys:
-        raise PoisonError(f"dataset {spec.dataset} has no camera images")
+        raise PoisonError(f"dataset {dataset} has no camera images")
 
 
 async def check_dataset_dir(
@@ -143,8 +147,10 @@ async def compile_sft(
     operator's ``limits``) and build the job's start messages."""
     ds = await datasets.open(spec.tenant, spec.dataset, limits)
     # Omitted head dims are the dataset's.
-    spec = spec.model_copy(update={"head": spec.head.filled(ds.action_dim, ds.state_dim)})
-    check_dataset_fits(ds, spec)
+    spec = spec.model_copy(
+        update={"head": spec.head.filled(ds.action_dim, ds.state_dim, "dataset")}
+    )
+    check_dataset_fits(ds, spec.head, spec.dataset)
     if init is not None:
         check_init_fits(spec, init)
     train_episodes, _ = ds.split(spec.val_fraction, spec.seed)
@@ -307,7 +313,15 @@ async def compile_eval(
             f"committed version {policy.version}"
         )
     if spec.dataset is not None:
-        await datasets.open(spec.tenant, spec.dataset, limits)
+        ds = await datasets.open(spec.tenant, spec.dataset, limits)
+        where = f"policy_job {spec.policy_job!r}: head."
+        check_dataset_fits(ds, policy.slot.head, spec.dataset, where)
+        _, held_out = ds.split(spec.val_fraction, spec.seed)
+        if not held_out:
+            raise PoisonError(
+                f"val_fraction: {spec.val_fraction} of dataset {spec.dataset}'s "
+                f"{ds.num_episodes} episodes holds out none to evaluate on"
+            )
     task = EvalTask(
         tenant=spec.tenant,
         job_id=job_id,

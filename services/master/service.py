@@ -33,10 +33,8 @@ from schemas.events import (
     ErrorEvent,
     Metrics,
     PolicyPublished,
-    Rejected,
     StateChanged,
 )
-from schemas.ids import InvalidIdError, validate_id
 from schemas.jobs import (
     TERMINAL_STATUSES,
     JobCancel,
@@ -62,18 +60,19 @@ from schemas.tenants import TenantLimits
 from schemas.train import CloseSlot, PolicyRecord
 from services.master.admission import Admissions
 from services.master.backbones import BackboneWatch
-from services.master.commands import job_id_of, parse_command
+from services.master.commands import answer_refused, parse_command
 from services.master.config import MasterConfig
 from services.master.envfit import EnvDescriptions, fit_env
 from services.master.limits import (
     TenantGate,
     apply_limits,
     check_fits,
+    check_planned_head,
     check_size,
     check_spec_bounds,
 )
 from services.master.pacing import Pacer
-from services.master.pipelines import advance_pipeline, start_stage
+from services.master.pipelines import advance_pipeline, check_stage_ids, start_stage
 from services.master.plans import (
     Datasets,
     Plan,
@@ -162,6 +161,8 @@ class Master:
                 f"tenant: spec says {spec.tenant!r} but it was submitted as {command.tenant!r}"
             )
         check_spec_bounds(spec, self.limits)
+        if isinstance(spec, PipelineSpec):
+            check_stage_ids(command.job_id, spec)
         async with self.admissions.lock:
             tenant = await self.gate.record(spec.tenant)
             limits = tenant.limits if tenant is not None else None
@@ -231,6 +232,16 @@ class Master:
             return None if plan is None else apply_limits(plan, limits)
 
     async def _compile(self, job_id: str, spec: JobSpec) -> Plan | None:
+        try:
+            plan = await self._plan(job_id, spec)
+        except JobSpecError as exc:  # e.g. a head whose dims, filled in, leave its bounds
+            raise PoisonError(str(exc)) from exc
+        if plan is not None and plan.open_slot is not None:
+            # Dims the spec omits are filled in from its dataset or env: bound them too.
+            check_planned_head(plan.open_slot.head, self.limits)
+        return plan
+
+    async def _plan(self, job_id: str, spec: JobSpec) -> Plan | None:
         if self.backbones is not None:
             for stage in spec.stages if isinstance(spec, PipelineSpec) else [spec]:
                 await self.backbones.check(stage.backbone)
@@ -403,25 +414,8 @@ class Master:
             await self.close_slot(command.tenant, command.job_id, "cancelled")
 
     async def on_dead(self, msg: Msg, reason: str, error: BaseException) -> None:
-        """Tell the sender why its command was refused, on its job's ``rejected`` subject.
-
-        The sender is the subject's tenant (the broker lets a tenant publish only on its own
-        job subjects), never the tenant a message claims to be from. The job is the one the
-        command names: every command whose envelope decodes is answered, whatever else is
-        wrong with it and whatever headers it has. Only a payload that does not decode at
-        all, sent without :data:`services.master.commands.JOB_ID_HEADER`, has its dead
-        letter as its only record.
-        """
-        tenant = subjects.tenant_of(msg.subject) or ""
-        job_id = job_id_of(msg)
-        try:
-            validate_id(tenant, "tenant")
-            validate_id(job_id, "job id")
-        except InvalidIdError:
-            log.warning("rejected unattributable job command on %s: %s", msg.subject, reason)
-            return
-        rejected = Rejected(tenant, job_id, reason, time.time())
-        await publish_event(self.js, rejected, msg.metadata.sequence.stream)
+        """Answer a refused command's sender (:func:`services.master.commands.answer_refused`)."""
+        await answer_refused(self, msg, reason)
 
 
 async def run(config: MasterConfig) -> None:
