@@ -4,7 +4,7 @@ batched in-flight publishes for hot paths (one awaited publish at a time caps at
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +13,7 @@ from nats.js.api import PubAck
 
 from bus import tracing
 from bus.codec import encode
+from bus.errors import PoisonError
 from schemas import subjects
 from schemas.events import Event, event_kind
 from schemas.headers import MSG_ID
@@ -21,6 +22,33 @@ from schemas.headers import MSG_ID
 def msg_id(*parts: object) -> str:
     """A ``Nats-Msg-Id`` from the identity of the content (tenant, job, episode, step...)."""
     return ":".join(str(p) for p in parts)
+
+
+#: The header block's fixed part (``NATS/1.0`` and the blank line that ends it).
+_HEADER_BLOCK = len(b"NATS/1.0\r\n\r\n")
+
+
+def wire_size(data: bytes, headers: Mapping[str, str] | None) -> int:
+    """The bytes the server holds against ``max_payload``: the payload and its headers. (The
+    client library checks the payload alone; the server, over its limit, closes the
+    connection, which for a service is every tenant's.)"""
+    if headers is None:
+        return len(data)
+    return (
+        len(data) + _HEADER_BLOCK + sum(len(f"{k}: {v}\r\n".encode()) for k, v in headers.items())
+    )
+
+
+def check_payload(
+    max_payload: int, data: bytes, headers: Mapping[str, str] | None, what: str
+) -> None:
+    """Refuse (:class:`~bus.errors.PoisonError`) a message the server would not take."""
+    size = wire_size(data, headers)
+    if size > max_payload:
+        raise PoisonError(
+            f"{what} of {size} bytes (payload and headers) is over the server's max_payload "
+            f"({max_payload}): send less at once"
+        )
 
 
 def headers_for(message_id: str | None, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -41,10 +69,11 @@ async def publish(
     timeout: float = 5.0,
 ) -> PubAck:
     """Encode ``message`` (msgspec Struct) and publish it; returns the stream's ack (its
-    ``duplicate`` flag is set when the id was already stored)."""
-    return await js.publish(
-        subject, encode(message), timeout=timeout, headers=headers_for(message_id, headers)
-    )
+    ``duplicate`` flag is set when the id was already stored). A message the server would
+    refuse for its size is refused here (:func:`check_payload`)."""
+    data, sent_headers = encode(message), headers_for(message_id, headers)
+    check_payload(js._nc.max_payload, data, sent_headers, f"a message to {subject}")
+    return await js.publish(subject, data, timeout=timeout, headers=sent_headers)
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,9 @@ MAX_SENDING = 8
 MAX_UNANSWERED = 64
 #: How long a call may take to be queued (retrying while the master is away).
 SEND_DEADLINE_S = 60.0
+#: Bytes of ``max_payload`` a call leaves for headers: the request's (trace context) and
+#: those the master adds when it queues the call (message id, job id, trace context).
+CALL_HEADER_ROOM = 1024
 #: How long opening a session may take (the trainer commits its first version first).
 OPEN_TIMEOUT_S = 60.0
 
@@ -196,6 +199,14 @@ class TrainingClient:
         self._follower = asyncio.create_task(self._follow())
         try:
             await asyncio.wait_for(asyncio.shield(self._opened), timeout)
+        except TimeoutError:
+            await self._stop_tasks()
+            # Nobody will use the session: closed now, not when its lease runs out (its
+            # trainer slot held until then).
+            with contextlib.suppress(RequestError, NatsError):
+                reason = f"not open within {timeout:g}s of its client's request"
+                await self.client.cancel(self.tenant, self.session_id, reason)
+            raise
         except BaseException:
             await self._stop_tasks()
             raise
@@ -330,11 +341,13 @@ class TrainingClient:
         would hold up every later call)."""
         assert call.call == self.next_call
         size = len(encode(CallSession(self.tenant, self.session_id, call)))
-        limit = self.client.nc.max_payload
+        # Room for the headers of the request and of the master's publish onto TRAIN.
+        limit = self.client.nc.max_payload - CALL_HEADER_ROOM
         if size > limit:
             raise ValueError(
-                f"call of {size} bytes is over the server's max_payload ({limit}): send the "
-                "batch in smaller pieces (forward_backward accumulates)"
+                f"call of {size} bytes is over {limit} (the server's max_payload less "
+                f"{CALL_HEADER_ROOM} for headers): send the batch in smaller pieces "
+                "(forward_backward accumulates)"
             )
         self.next_call += 1
         future: asyncio.Future[CallOutput] = asyncio.get_running_loop().create_future()
@@ -342,7 +355,10 @@ class TrainingClient:
         task = asyncio.create_task(self._deliver(call, future))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return future
+        # The caller may stop waiting for its answer (cancel what it holds, as
+        # ``asyncio.wait_for`` does on a timeout); the call is still sent and answered, since
+        # its number is taken and every later call waits for it.
+        return asyncio.shield(future)
 
     async def _deliver(self, call: SessionCall, future: asyncio.Future[CallOutput]) -> None:
         """Queue the call with the master, asking again while it is busy or away. At most

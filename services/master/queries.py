@@ -178,6 +178,8 @@ class Queries:
             return CtlError(exc.code, str(exc), exc.retryable)  # type: ignore[arg-type]
         except InvalidIdError as exc:
             return CtlError("invalid", str(exc))
+        except PoisonError as exc:  # e.g. a call too big to queue once the headers are on
+            return CtlError("invalid", f"{op}: {exc}")
         except (NatsError, TimeoutError) as exc:
             return CtlError("unavailable", f"{op}: the bus did not answer: {exc}", True)
 

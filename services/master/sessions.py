@@ -109,6 +109,11 @@ class Sessions:
         if isinstance(opened, CtlError):
             return opened
         _, spec = opened
+        if call.call >= spec.max_calls:  # the trainer would hold it, waiting, for ever
+            return CtlError(
+                "invalid",
+                f"call.call: {call.call} is past the session's max_calls {spec.max_calls}",
+            )
         ack = await publish(
             self.js,
             subjects.train(spec.backbone, request.tenant),

@@ -94,6 +94,7 @@ class Stepper:
                     accepted.append((msg, batch, job))
                 except ValueError as exc:
                     self.book_call(msg, batch, job, exc)
+                    calls.append((msg, batch, job))  # answered with the round's, not later
                 continue
             non_finite = sft_non_finite(batch)
             if non_finite is not None:
@@ -190,7 +191,8 @@ class Stepper:
             events.append(self.progress(job, result.step, now))
         await self.announce(events)
         committer = self.trainer.committer
-        await asyncio.gather(*(committer.publish_results(job) for _, _, job in calls))
+        answering = {job.key: job for _, _, job in calls}.values()
+        await asyncio.gather(*(committer.publish_results(job) for job in answering))
         self.round_s += time.perf_counter() - t0
 
     def book_call(
