@@ -6,12 +6,21 @@ Object names are ``<tenant>/<job>/v<version>-<sha256[:16]>``; the full digest is
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 from collections.abc import Collection
 
-from nats.js.errors import NotFoundError, ObjectNotFoundError
+from nats.js.errors import (
+    BadObjectMetaError,
+    DigestMismatchError,
+    NotFoundError,
+    ObjectNotFoundError,
+)
 from nats.js.object_store import ObjectStore
+
+#: How long reading one checkpoint may take.
+READ_TIMEOUT_S = 60.0
 
 
 class CheckpointError(RuntimeError):
@@ -49,14 +58,25 @@ async def read_object(store: ObjectStore, name: str) -> bytes | None:
     return buffer.getvalue()
 
 
-async def get_checkpoint(store: ObjectStore, name: str, sha256: str) -> bytes:
+async def get_checkpoint(
+    store: ObjectStore, name: str, sha256: str, timeout_s: float = READ_TIMEOUT_S
+) -> bytes:
     """Read a checkpoint (streamed into one buffer, avoiding nats.py's quadratic
-    concatenation) and verify its digest."""
+    concatenation) and verify its digest. :class:`CheckpointError` for a missing or corrupt
+    one; ``TimeoutError`` after ``timeout_s``."""
     buffer = io.BytesIO()
     try:
-        await store.get(name, writeinto=buffer)
+        # nats.py waits for the chunks without a deadline: an object whose chunks are gone
+        # (deleted while it was read) would hold its reader for ever.
+        await asyncio.wait_for(store.get(name, writeinto=buffer), timeout_s)
     except (ObjectNotFoundError, NotFoundError) as exc:
         raise CheckpointError(f"checkpoint {name} not found") from exc
+    except (DigestMismatchError, BadObjectMetaError) as exc:
+        raise CheckpointError(f"checkpoint {name} is corrupt: {exc}") from exc
+    except TimeoutError as exc:
+        raise TimeoutError(
+            f"checkpoint {name} not read within {timeout_s:g}s (its chunks may be gone)"
+        ) from exc
     data = buffer.getvalue()
     if digest(data) != sha256:
         raise CheckpointError(f"checkpoint {name} does not match its recorded sha256")

@@ -36,6 +36,7 @@ from opentelemetry.trace import SpanKind
 
 from bus import tracing
 from bus.codec import DecodeError, decode
+from bus.errors import PoisonError
 from bus.publish import publish
 from bus.records import get_policy
 from schemas import subjects
@@ -242,6 +243,8 @@ class PolicyClient:
                     raise InferenceError(
                         f"cannot publish act request: {exc!r}", request_id=rid, retryable=True
                     ) from exc
+                except PoisonError as exc:  # too big to publish at all
+                    raise InferenceError(str(exc), request_id=rid) from exc
                 try:
                     reply = await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
                 except TimeoutError:
@@ -253,5 +256,7 @@ class PolicyClient:
             finally:
                 self._waiting.pop(rid, None)
         if reply.error:
-            raise InferenceError(reply.error, request_id=rid, reply=reply)
+            raise InferenceError(
+                reply.error, request_id=rid, retryable=reply.retryable, reply=reply
+            )
         return reply

@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import msgspec
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 from nats.js.kv import KeyValue
 
 from bus.codec import decode, encode
@@ -87,6 +87,17 @@ async def put_policy(kv: KeyValue, record: PolicyRecord, *, last: int) -> int:
     """Commit ``record`` if the job's entry is still at revision ``last`` (0: no entry yet);
     returns the new revision. Raises :class:`RevisionConflict` otherwise."""
     return await _put(kv, job_key(record.tenant, record.job_id), record, last)
+
+
+async def policy_history(kv: KeyValue, tenant: str, job_id: str) -> list[PolicyRecord]:
+    """The job's committed records that ``kv``'s history still holds, oldest first: which
+    object each recent version committed (its object store may also hold an object of the
+    same version that was never committed, left by a commit that failed after writing it)."""
+    try:
+        entries = await kv.history(job_key(tenant, job_id))
+    except NoKeysError:
+        return []
+    return [r for e in entries if (r := policy_of(e)) is not None]
 
 
 def policy_of(entry: KeyValue.Entry) -> PolicyRecord | None:

@@ -56,6 +56,9 @@ class ActReply(msgspec.Struct, frozen=True):
     error: str = ""
     #: Requests that shared this reply's backbone forward (observability of grouping).
     group_size: int = 1
+    #: With ``error``: whether asking again (a new request) may succeed (the inferencer gave
+    #: up on a transient failure, e.g. its checkpoint store away); False for a refusal.
+    retryable: bool = False
 
 
 INFER_DECODER = msgspec.msgpack.Decoder(ActRequest)

@@ -58,6 +58,7 @@ DECODERS: dict[str, msgspec.msgpack.Decoder[Any]] = {
     "act_request": INFER_DECODER,
     "act_reply": ACT_REPLY_DECODER,
     "act_reply_error": ACT_REPLY_DECODER,
+    "act_reply_retryable": ACT_REPLY_DECODER,
     "env_stream_dataset": ENV_DECODER,
     "env_rollout_task": ENV_DECODER,
     "env_eval_task": ENV_DECODER,
@@ -69,6 +70,13 @@ def test_golden_sample_decodes_and_reencodes_identically(name: str) -> None:
     data = (GOLDEN / f"{name}.msgpack").read_bytes()
     assert decode(DECODERS[name], data) == SAMPLES[name]
     assert encode(SAMPLES[name]) == data, f"encoding of {name} changed: schema evolution broke"
+
+
+def test_an_error_reply_written_before_retryable_decodes_as_a_refusal() -> None:
+    old = (GOLDEN / "act_reply_error_before_retryable.msgpack").read_bytes()
+    decoded = decode(ACT_REPLY_DECODER, old)
+    assert decoded.error and decoded.retryable is False
+    assert decoded == SAMPLES["act_reply_error"]
 
 
 def test_an_act_request_written_before_expires_at_still_decodes_without_a_deadline() -> None:

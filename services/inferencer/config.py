@@ -30,6 +30,12 @@ class InferencerConfig(HeadsConfig):
         5.0, gt=0, description="Consumer ack wait: a dead replica's requests return this fast."
     )
     max_deliver: int = Field(3, ge=1, description="Deliveries before a request is dead.")
+    checkpoint_read_s: float = Field(
+        60.0,
+        gt=0,
+        description="Reading a policy checkpoint may take this long; then its requests are "
+        "handed back (one whose chunks are gone would otherwise hold them for ever).",
+    )
     # A request's answer waits on the encode: a shorter wait than the trainer's.
     encode_timeout_s: float = Field(
         10.0, gt=0, description="With --backbone-service: wait this long for an encode answer."

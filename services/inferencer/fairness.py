@@ -40,6 +40,13 @@ def fair_take(waiting: Sequence[Waiting], target: int, credit: dict[str, float])
     for job in list(credit):
         if job not in queues:
             del credit[job]  # an idle job banks nothing
+    # A request larger than a batch never fits beside others: once its job's credit covers
+    # it, it goes alone (else, while other jobs keep the queue busy, it would wait for ever).
+    for job, queue in queues.items():
+        i = queue[0]
+        if waiting[i].observations > target and credit.get(job, 0.0) >= waiting[i].observations:
+            credit[job] -= waiting[i].observations
+            return [i]
     chosen: list[int] = []
     total = 0
     while True:

@@ -37,7 +37,7 @@ from nats.js.object_store import ObjectStore
 from bus import checkpoints as ckpt
 from bus.codec import DecodeError
 from bus.errors import Interrupted, PoisonError, RetryableError
-from bus.records import get_policy, policy_of
+from bus.records import get_policy, policy_history, policy_of
 from bus.watch import follow_kv
 from schemas import subjects
 from schemas.model import HeadConfig
@@ -129,6 +129,7 @@ class PolicyCache:
         device: str,
         max_versions_per_job: int,
         stop: asyncio.Event,
+        checkpoint_read_s: float = ckpt.READ_TIMEOUT_S,
     ) -> None:
         if max_versions_per_job < 1:
             raise ValueError(f"max_versions_per_job must be >= 1, got {max_versions_per_job}")
@@ -136,6 +137,8 @@ class PolicyCache:
         self.device = device
         self.max_versions = max_versions_per_job
         self.stop = stop
+        #: How long reading one checkpoint may take (then its requests are handed back).
+        self.checkpoint_read_s = checkpoint_read_s
         #: Latest committed record per job (from the KV watch, or read through on a miss).
         self.records: dict[JobKey, PolicyRecord] = {}
         #: Resident versions; per job, insertion order is recency order.
@@ -307,10 +310,10 @@ class PolicyCache:
         if self.stop.is_set():
             raise Interrupted()
         try:
-            data = await ckpt.get_checkpoint(self._store, name, sha256)
+            data = await ckpt.get_checkpoint(self._store, name, sha256, self.checkpoint_read_s)
         except ckpt.CheckpointError as exc:
             raise PoisonError(f"policy {tenant}/{job_id} v{version}: {exc}") from exc
-        except NatsError as exc:
+        except (NatsError, TimeoutError) as exc:
             raise RetryableError(f"checkpoint store unavailable: {exc}") from exc
         if self.stop.is_set():
             raise Interrupted()
@@ -324,7 +327,16 @@ class PolicyCache:
         return served
 
     async def _find_version(self, tenant: str, job_id: str, version: int) -> tuple[str, str]:
-        """Object name and sha256 of a job's checkpoint ``version`` in the object store."""
+        """Object name and sha256 of a job's checkpoint ``version``: the one its commit
+        recorded, while the ``policies`` history holds it; else the one object stored for it
+        (several, e.g. one a failed commit left behind: refused, none is known to be it)."""
+        try:
+            history = await policy_history(self._kv, tenant, job_id)
+        except NatsError as exc:
+            raise RetryableError(f"policies KV unavailable: {exc}") from exc
+        for record in reversed(history):
+            if record.version == version:
+                return record.object_name, record.sha256
         prefix = f"{tenant}/{job_id}/v{version:06d}-"
         try:
             infos = await self._store.list(ignore_deletes=True)
@@ -332,10 +344,18 @@ class PolicyCache:
             infos = []
         except NatsError as exc:
             raise RetryableError(f"checkpoint store unavailable: {exc}") from exc
-        for info in infos:
+        found = [
+            info for info in infos if not info.deleted and (info.name or "").startswith(prefix)
+        ]
+        if len(found) > 1:
+            names = ", ".join(sorted(info.name or "" for info in found))
+            raise PoisonError(
+                f"policy version {version} of {tenant}/{job_id} is stored as several objects "
+                f"({names}) and its commit record is gone: none is known to be the one "
+                "committed"
+            )
+        for info in found:
             name = info.name or ""
-            if info.deleted or not name.startswith(prefix):
-                continue
             sha256 = _hex_digest(info.digest)
             # The name carries the first 16 hex digits of the content hash: both must agree.
             if sha256 is None or not sha256.startswith(name[len(prefix) :]):

@@ -15,7 +15,7 @@ from opentelemetry import trace
 
 from bus import metrics
 from bus.codec import DecodeError, decode, encode
-from bus.errors import PoisonError
+from bus.errors import HandlerError, PoisonError
 from bus.publish import msg_id, publish
 from bus.service import Runtime
 from schemas import subjects
@@ -68,11 +68,7 @@ class Replies:
                 error: Exception = outcome.error
                 if isinstance(error, REQUEST_ERRORS):
                     error = PoisonError(f"bad observation for {policy.label}: {error}")
-                self._failing[id(msg)] = policy.version
-                try:
-                    await self.rt.consumer.settle(msg, error)
-                finally:
-                    self._failing.pop(id(msg), None)
+                await self._refuse(msg, policy.version, error)
                 return
             assert outcome.actions_B_C_A is not None and outcome.log_prob_B is not None
             reply = ActReply(
@@ -83,7 +79,16 @@ class Replies:
                 values=None if outcome.value_B is None else Tensor.from_numpy(outcome.value_B),
                 group_size=outcome.group_size,
             )
-            await self.reply(request.reply_to, reply)
+            data = encode(reply)
+            if len(data) > self.rt.nc.max_payload:  # the server would refuse it: say why
+                too_big = PoisonError(
+                    f"the answer to {pending.observations} observations of {policy.label} has "
+                    f"{len(data)} bytes, over the server's max_payload "
+                    f"({self.rt.nc.max_payload}): ask for fewer observations at once"
+                )
+                await self._refuse(msg, policy.version, too_big)
+                return
+            await self._send(request.reply_to, data)
             if request.sent_at > 0:  # the requester's clock: on one host, the whole wait
                 self.act_latency.record(
                     max(0.0, time.time() - request.sent_at), {"joynexus.tenant": request.tenant}
@@ -93,11 +98,23 @@ class Replies:
             self.residence_s += asyncio.get_running_loop().time() - pending.arrived
             await self.rt.consumer.settle(msg, None)
 
+    async def _refuse(self, msg: Msg, version: int, error: Exception) -> None:
+        """Let the runtime settle ``msg`` with ``error`` (its dead letter answers the sender,
+        naming the policy ``version`` it was refused by)."""
+        self._failing[id(msg)] = version
+        try:
+            await self.rt.consumer.settle(msg, error)
+        finally:
+            self._failing.pop(id(msg), None)
+
     async def reply(self, reply_to: str, reply: ActReply) -> None:
+        await self._send(reply_to, encode(reply))
+
+    async def _send(self, reply_to: str, data: bytes) -> None:
         if not answerable(reply_to):
             return  # nobody to tell (the dead letter still records why)
         try:
-            await self.rt.nc.publish(reply_to, encode(reply))
+            await self.rt.nc.publish(reply_to, data)
         except NatsError as exc:  # an invalid inbox must not stop the ack or the service
             log.warning("cannot reply to %r: %s", reply_to, exc)
 
@@ -107,7 +124,10 @@ class Replies:
         self.failed += 1
         sender = envelope(msg)
         version = self._failing.get(id(msg), 0)
-        await self.reply(sender.reply_to, ActReply(sender.request_id, version, error=reason))
+        # Given up on a transient failure, a new request may succeed; a refusal never will.
+        retryable = isinstance(error, HandlerError) and error.retryable
+        answer = ActReply(sender.request_id, version, error=reason, retryable=retryable)
+        await self.reply(sender.reply_to, answer)
         try:
             request = decode(INFER_DECODER, msg.data)
             subject = subjects.event(request.tenant, request.job_id, "error")

@@ -109,7 +109,9 @@ class Inferencer:
             max_deliver=config.max_deliver,
             max_ack_pending=10_000,
         )
-        self.policies = PolicyCache(rt.js, config.device, config.max_versions_per_job, rt.stop)
+        self.policies = PolicyCache(
+            rt.js, config.device, config.max_versions_per_job, rt.stop, config.checkpoint_read_s
+        )
         wire = (
             None
             if remote is None

@@ -168,7 +168,9 @@ class Sessions:
             )
         except InferenceTimeout as exc:
             return CtlError("unavailable", f"act: no inferencer answered: {exc}", True)
-        except InferenceError as exc:
+        except InferenceError as exc:  # a refusal, or a transient failure given up on
+            if exc.retryable:
+                return CtlError("unavailable", f"act: {exc}", True)
             return CtlError("invalid", f"act: {exc}")
         return Sampled(reply)
 

@@ -88,7 +88,17 @@ async def write_version(
         batches_done,
         named,
     )
-    return record, await records.put_policy(policies, record, last=revision or 0)
+    try:
+        return record, await records.put_policy(policies, record, last=revision or 0)
+    except records.RevisionConflict:
+        # Another record stands. Unless it names this very object (an earlier try of this
+        # commit landed unseen), the object was never committed: not left for a reader to
+        # take for this version.
+        with contextlib.suppress(NatsError, TimeoutError):
+            current, _ = await records.get_policy(policies, spec.tenant, spec.job_id)
+            if current is None or name not in (current.object_name, *current.saved.values()):
+                await store.delete(name)
+        raise
 
 
 @dataclass(frozen=True)

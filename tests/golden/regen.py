@@ -226,6 +226,12 @@ SAMPLES: dict[str, object] = {
         group_size=3,
     ),
     "act_reply_error": ActReply("req-0002", 0, error="no committed policy for acme/rl-0009"),
+    "act_reply_retryable": ActReply(
+        "req-0003",
+        2,
+        error="gave up after 3 deliveries: checkpoint store unavailable",
+        retryable=True,
+    ),
     "env_stream_dataset": StreamDataset(
         "acme",
         "sft-0001",
