@@ -205,25 +205,30 @@ def base_identities(registry: Registry, creds_dir: Path) -> list[Path]:
 def reply_allowed(reply: str, tenant: str | None = None) -> bool:
     """Whether a service may answer a request at ``reply``. The broker checks what a client
     publishes to, never the reply subject it names, so a tenant could name another tenant's
-    inbox or a stream's subject (``nexus.event.<other>...``) and have the service's answer
-    (which may publish anywhere) land there. Allowed: the default inbox prefix of the
-    services and the operator (``_INBOX.``), and ``tenant``'s own (``_INBOX_<tenant>.``)."""
+    inbox, a stream's subject (``nexus.event.<other>...``) or a service's own inbox (where a
+    pull consumer's deliveries arrive: a foreign message there stopped its consume loop) and
+    have the service's answer (which may publish anywhere) land there. Allowed: the
+    operator's (and every client's in open mode) ``_INBOX.``; for a request on ``tenant``'s
+    subject its own ``_INBOX_<tenant>.``; for one on a subject only services and the operator
+    may publish to (``tenant`` None), the services' ``_INBOX_SVC.``."""
     if reply.startswith("_INBOX."):
         return True
-    return tenant is not None and reply.startswith(f"{s.tenant_inbox_prefix(tenant)}.")
+    if tenant is None:
+        return reply.startswith(f"{s.SERVICE_INBOX_PREFIX}.")
+    return reply.startswith(f"{s.tenant_inbox_prefix(tenant)}.")
 
 
 def query_reply_allowed(subject: str, base: str, reply: str) -> bool:
     """Whether a shared query (env describe, backbones) on ``subject`` may be answered at
     ``reply``: one under a tenant's token (:func:`schemas.subjects.env_describe`) only on
     that tenant's inbox; the bare subject, which only services and the operator may publish
-    to, only on theirs (``_INBOX.``)."""
+    to, only on theirs (``_INBOX.``, ``_INBOX_SVC.``)."""
     try:
         tenant = s.shared_query_tenant(subject, base)
     except s.SubjectError:
         return False
     if tenant is None:
-        return reply.startswith("_INBOX.")
+        return reply_allowed(reply)
     return reply.startswith(f"{s.tenant_inbox_prefix(tenant)}.")
 
 

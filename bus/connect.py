@@ -11,7 +11,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from bus.identity import is_joynexus_creds, load_creds
-from schemas.subjects import tenant_inbox_prefix
+from schemas.subjects import SERVICE_INBOX_PREFIX, tenant_inbox_prefix
 
 
 async def connect(
@@ -80,6 +80,8 @@ def creds_options(creds: Path) -> dict[str, Any]:
         options: dict[str, Any] = {"nkeys_seed_str": identity.seed}
         if identity.role == "tenant":
             options["inbox_prefix"] = tenant_inbox_prefix(identity.name)
+        elif identity.role == "service":
+            options["inbox_prefix"] = SERVICE_INBOX_PREFIX
         return options
     if not creds.is_file():
         raise FileNotFoundError(f"creds file {creds} does not exist")

@@ -56,6 +56,8 @@ from schemas.dead import DeadLetter
 from schemas.headers import MSG_ID
 
 log = logging.getLogger(__name__)
+#: Where the stream's deliveries name their acks: every message a pull consumer fetches.
+JS_ACK_PREFIX = "$JS.ACK."
 
 #: Dead letters keep at most this many payload bytes (the rest is in the source stream's
 #: history only for limits streams; for work queues it is gone, so keep a generous slice).
@@ -210,6 +212,14 @@ class Consumer:
             return []
         finally:
             durable.fetched_at = time.monotonic()
+        stray = [m for m in msgs if not (m.reply or "").startswith(JS_ACK_PREFIX)]
+        if stray:
+            # Not delivered by the stream: published into the consumer's inbox by someone
+            # else (nothing to ack or settle; reading its metadata would raise).
+            log.warning(
+                "fetch on %s: dropped %d message(s) no stream delivered", durable.name, len(stray)
+            )
+            msgs = [m for m in msgs if (m.reply or "").startswith(JS_ACK_PREFIX)]
         for msg in msgs:
             self._unsettled[id(msg)] = msg
         if self.stop.is_set():

@@ -211,6 +211,12 @@ def tenant_bucket(tenant: str) -> str:
     return f"data-{validate_id(tenant, 'tenant')}"
 
 
+#: The inbox prefix of the services' connections (with creds): no tenant's (ids are lowercase),
+#: and not the operator's ``_INBOX``, which a tenant's request may name as its reply (so a
+#: tenant can never have a service's answer delivered into another service's inbox).
+SERVICE_INBOX_PREFIX = "_INBOX_SVC"
+
+
 def tenant_inbox_prefix(tenant: str) -> str:
     """The inbox prefix a tenant's connection uses (the only subjects it may subscribe to)."""
     return f"_INBOX_{validate_id(tenant, 'tenant')}"

@@ -64,6 +64,29 @@ def test_a_request_larger_than_the_batch_still_goes_alone() -> None:
     assert fair_take([Waiting("big/1", 40, 1)], 16, {}) == [0]
 
 
+def test_a_request_larger_than_the_batch_goes_alone_once_its_job_is_owed_it() -> None:
+    """Other jobs keep the queue busy with requests that fit: the large one still goes, after
+    its job has earned its observations (before, it waited as long as they kept sending)."""
+    small = [f"small-{i}/1" for i in range(6)]
+    queue = [Waiting("big/1", 32, 1)] + [Waiting(j, 8, 1) for j in small for _ in range(3)]
+    credit: dict[str, float] = {}
+    batches = 0
+    while batches < 200:
+        batches += 1
+        chosen = fair_take(queue, 16, credit)
+        if [queue[i].job for i in chosen] == ["big/1"]:
+            break
+        assert "big/1" not in {queue[i].job for i in chosen}
+        queue = [w for i, w in enumerate(queue) if i not in set(chosen)]
+        for job in small:  # everyone else keeps three requests waiting
+            queue += [Waiting(job, 8, 1)] * (3 - sum(w.job == job for w in queue))
+    else:
+        raise AssertionError("the large request never went")
+    # Its job's credit paid for it: about 32 rounds of weight 1, spread over the batches.
+    assert 2 <= batches <= 60, batches
+    assert credit["big/1"] < 1
+
+
 # -- what a job holds and is served -------------------------------------------------------------
 def _rl(**kw: object) -> dict[str, object]:
     spec: dict[str, object] = {

@@ -339,6 +339,28 @@ async def test_close_hands_back_what_a_pull_request_outliving_its_fetch_delivere
     await probe.unsubscribe()
 
 
+async def test_a_message_no_stream_delivered_is_dropped_by_fetch_not_a_crash(
+    nc: NATS, js: JetStreamContext
+) -> None:
+    """Someone publishes into a pull consumer's inbox (a service's answer that a tenant named
+    it as the reply of): fetch returns the stream's messages only; reading the stray one's
+    metadata used to raise and stop the consume loop."""
+    tenant = uid("stray")
+    consumer = Consumer(js, asyncio.Event())
+    spec = ConsumerSpec("TRAIN", uid("c"), subjects.train("tiny", tenant), ack_wait_s=30.0)
+    durable = await consumer.bind(spec)
+    await nc.publish(durable.sub._deliver, b"not from the stream")
+    await js.publish(subjects.train("tiny", tenant), b"real")
+    got: list[Msg] = []
+    for _ in range(20):  # the stray may come alone in a first fetch
+        got += await consumer.fetch(durable, 2, 0.5)
+        if got:
+            break
+    assert [m.data for m in got] == [b"real"]
+    await asyncio.gather(*(consumer.settle(m, None) for m in got))
+    await consumer.close()
+
+
 async def test_a_durable_with_several_filters_gets_only_those_and_an_old_one_is_narrowed(
     js: JetStreamContext,
 ) -> None:

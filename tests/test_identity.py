@@ -152,6 +152,11 @@ def test_services_answer_only_into_inboxes() -> None:
     assert not reply_allowed("_INBOX_alicex.abc", "alice")
     assert not reply_allowed("nexus.event.alice.j.state", "bob")
     assert not reply_allowed("nexus.job.alice.cancel")
+    # The services' own inboxes (their pull consumers' deliveries arrive there): only for a
+    # request on a subject no tenant may publish to.
+    assert reply_allowed("_INBOX_SVC.abc.1")
+    assert not reply_allowed("_INBOX_SVC.abc.1", "alice")
+    assert not reply_allowed("_INBOX_SVCX.abc.1")
 
 
 def test_tenant_add_writes_to_a_bus_before_its_services_start_or_says_it_was_not_reached(

@@ -395,6 +395,38 @@ async def _ask(tenant: Tenant, subject: str, body: bytes) -> object:
     return decode(TENANT_REPLY_DECODER, reply.data)
 
 
+async def test_a_tenant_cannot_have_a_services_answer_delivered_into_a_services_inbox(
+    secured: Secured, master: Queries
+) -> None:
+    """A service's connection has inboxes of its own prefix (its pull consumers' deliveries
+    arrive there; a tenant learns their names from the reply subjects of the events it
+    watches). A tenant naming one as the reply of its request gets nothing answered there: an
+    answer in a pull consumer's inbox stopped that service's consume loop."""
+    assert secured.service.new_inbox().startswith(f"{s.SERVICE_INBOX_PREFIX}.")
+    landed: list[Msg] = []
+
+    async def collect(msg: Msg) -> None:
+        landed.append(msg)
+
+    await secured.service.subscribe(f"{s.SERVICE_INBOX_PREFIX}.probe.>", cb=collect)
+    await secured.service.flush()
+    alice = await secured.tenant("alice")
+    try:
+        for i in range(3):
+            await alice.nc.publish(
+                s.tenant_ctl("alice", "jobs"),
+                encode(ListJobs("alice")),
+                reply=f"{s.SERVICE_INBOX_PREFIX}.probe.{i}",
+            )
+        # Requests are answered as they come: once two later ones are, the probes were seen.
+        for _ in range(2):
+            await _ask(alice, s.tenant_ctl("alice", "jobs"), encode(ListJobs("alice")))
+        await secured.service.flush()
+        assert landed == []
+    finally:
+        await alice.nc.close()
+
+
 async def test_revoked_tenant_is_disconnected_and_cannot_return(secured: Secured) -> None:
     sec = secured
     tenantadmin.ensure_tenant(sec.home, "carol")
