@@ -34,6 +34,12 @@ class EnvUnavailableError(RuntimeError):
     observation layout no adapter understands. Not retryable: the same request fails again."""
 
 
+class EnvRunError(RuntimeError):
+    """An episode cannot go on: the simulator raised on reset or step, or the policy's
+    actions cannot be applied (wrong shape, not finite). Not retryable: the same task with
+    the same seeds and policy version fails the same way."""
+
+
 class ProprioMismatchError(ValueError):
     """A head's ``proprio_dim`` that is neither the env's proprio dimension nor 0. Not
     retryable: the job's head does not fit its env."""

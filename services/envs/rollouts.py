@@ -30,7 +30,14 @@ from schemas.env import EvalTask, RolloutTask
 from schemas.model import Observation
 from schemas.tensor import Tensor
 from schemas.train import RolloutBatch
-from services.envs.adapters import EnvAdapter, StepObs, make_adapter, proprio_for_head
+from services.envs.adapters import (
+    EnvAdapter,
+    EnvRunError,
+    EnvUnavailableError,
+    StepObs,
+    make_adapter,
+    proprio_for_head,
+)
 
 EPISODE_SEED_STRIDE = 100_003
 R = TypeVar("R")
@@ -141,15 +148,26 @@ class AdapterPool:
         try:
             if self.on_build is not None:
                 await self.on_build()
-            adapter = await asyncio.to_thread(
-                partial(
-                    make_adapter,
-                    env_id,
-                    image_size=image_size,
-                    max_episode_steps=max_steps,
-                    **env_kwargs,
+            reserved = sorted({"image_size", "max_episode_steps"} & env_kwargs.keys())
+            if reserved:
+                raise EnvUnavailableError(
+                    f"env_kwargs: {', '.join(reserved)} is set by the job's own field of that "
+                    "name, not an env_kwargs entry"
                 )
-            )
+            try:
+                adapter = await asyncio.to_thread(
+                    partial(
+                        make_adapter,
+                        env_id,
+                        image_size=image_size,
+                        max_episode_steps=max_steps,
+                        **env_kwargs,
+                    )
+                )
+            except (TypeError, ValueError) as exc:  # the env's constructor refused them
+                raise EnvUnavailableError(
+                    f"env {env_id} cannot be built with env_kwargs {env_kwargs}: {exc}"
+                ) from exc
         finally:
             self.building -= 1
         self.built[env_id] += 1
@@ -250,7 +268,7 @@ async def run_sessions(
     sessions = []
     for (index, seed), adapter in zip(episodes, adapters, strict=False):
         started_ns = time.time_ns()
-        obs, seconds = await meter.simulate(partial(adapter.reset, seed))
+        obs, seconds = await meter.simulate(partial(_reset, adapter, seed))
         stats.resets += 1
         stats.reset_s += seconds
         meter.usage.charge(tenant, job_id, compute_s=seconds)
@@ -275,6 +293,17 @@ async def run_sessions(
         stats.act_observations += len(live)
         assert reply.actions is not None and reply.log_probs is not None
         actions_B_C_A = reply.actions.to_numpy()
+        action_dim = live[0].adapter.action_dim
+        if actions_B_C_A.ndim != 3 or actions_B_C_A.shape[::2] != (len(live), action_dim):
+            raise EnvRunError(
+                f"policy {job_id} v{reply.policy_version} answered {len(live)} observations "
+                f"with actions of shape {actions_B_C_A.shape}; the env takes "
+                f"({len(live)}, C, {action_dim})"
+            )
+        if not np.isfinite(actions_B_C_A).all():
+            raise EnvRunError(
+                f"policy {job_id} v{reply.policy_version} answered non-finite actions"
+            )
         log_probs_B = reply.log_probs.to_numpy()
         values_B = reply.values.to_numpy() if reply.values is not None else None
         for b, session in enumerate(live):
@@ -312,13 +341,25 @@ async def run_sessions(
     return sessions
 
 
+def _reset(adapter: EnvAdapter, seed: int) -> StepObs:
+    try:
+        return adapter.reset(seed)
+    except Exception as exc:
+        raise EnvRunError(f"the env raised on reset (seed {seed}): {exc!r}") from exc
+
+
 def _execute_chunks(live: list[Session], actions_B_C_A: np.ndarray) -> int:
     """Each live session steps through its action chunk; returns the env steps taken."""
     steps = 0
     for b, session in enumerate(live):
         total = 0.0
         for action_A in actions_B_C_A[b]:
-            obs, reward, terminated, truncated, info = session.adapter.step(action_A)
+            try:
+                obs, reward, terminated, truncated, info = session.adapter.step(action_A)
+            except Exception as exc:
+                raise EnvRunError(
+                    f"episode {session.episode}: the env raised on step: {exc!r}"
+                ) from exc
             steps += 1
             total += float(reward)
             session.obs = obs

@@ -47,7 +47,12 @@ from schemas.limits import InputLimits
 from schemas.model import Observation
 from schemas.tensor import Tensor
 from schemas.train import SFTBatch
-from services.envs.adapters import EnvUnavailableError, ProprioMismatchError, proprio_for_head
+from services.envs.adapters import (
+    EnvRunError,
+    EnvUnavailableError,
+    ProprioMismatchError,
+    proprio_for_head,
+)
 from services.envs.config import EnvsConfig, hang_later
 from services.envs.datasets import iter_batches
 from services.envs.describe import Describer
@@ -100,6 +105,8 @@ class EnvWorker:
         try:
             await self.run_task(task)
         except EnvUnavailableError as exc:
+            raise PoisonError(str(exc)) from exc
+        except EnvRunError as exc:
             raise PoisonError(str(exc)) from exc
         except ProprioMismatchError as exc:
             raise PoisonError(str(exc)) from exc
@@ -229,6 +236,14 @@ class EnvWorker:
             )
             assert reply.actions is not None
             predicted = reply.actions.to_numpy()
+            label = f"policy {task.policy_job} v{reply.policy_version}"
+            if predicted.shape != batch.actions_B_C_A.shape:
+                raise EnvRunError(
+                    f"{label} answered actions of shape {predicted.shape} for the dataset's "
+                    f"{batch.actions_B_C_A.shape}"
+                )
+            if not np.isfinite(predicted).all():
+                raise EnvRunError(f"{label} answered non-finite actions")
             valid = ~batch.action_pad_B_C[..., None]
             error = (predicted - batch.actions_B_C_A) * valid
             sq_err += float((error**2).sum())

@@ -47,6 +47,11 @@ DEFAULT_MAX_SPEED = 0.1
 _INSTRUCTION_CHARSET = frozenset(string.ascii_lowercase + " ")
 #: Dots are placed this far from the walls, so they are never clipped by the image border.
 _DOT_MARGIN = 0.8
+#: The farthest start asked of a reset: from a target anywhere on the arena such starts
+#: remain (from one at the centre, about 7% of the arena).
+MAX_START_DISTANCE = 1.0
+#: Rejection-sampling tries before a reset gives up (the bounds above make that unlikely).
+_MAX_TRIES = 10_000
 
 
 class Reach2DEnv(gym.Env[dict[str, Any], np.ndarray]):
@@ -101,6 +106,11 @@ class Reach2DEnv(gym.Env[dict[str, Any], np.ndarray]):
         ):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if not 0 <= min_start_distance <= MAX_START_DISTANCE:
+            raise ValueError(
+                f"min_start_distance must be in [0, {MAX_START_DISTANCE}] (a start that far "
+                f"from any target fits the arena), got {min_start_distance}"
+            )
         if render_mode not in (None, "rgb_array"):
             raise ValueError(f"render_mode must be None or 'rgb_array', got {render_mode!r}")
         self.height, self.width = int(height), int(width)
@@ -159,10 +169,15 @@ class Reach2DEnv(gym.Env[dict[str, Any], np.ndarray]):
             self._background_H_W_3[rows, cols][mask] = COLOURS[names[int(colour_id)]]
             self._dots_mask_H_W[rows, cols] |= mask
 
-        while True:  # rejection sampling; the accepted region covers most of the arena
+        for _ in range(_MAX_TRIES):  # rejection sampling; the accepted region is most of it
             ax, ay = (float(v) for v in rng.uniform(-0.9, 0.9, size=2))
             if math.dist((ax, ay), self._target) >= self.min_start_distance:
                 break
+        else:
+            raise RuntimeError(
+                f"no start at min_start_distance {self.min_start_distance} from the target at "
+                f"{self._target} in {_MAX_TRIES} tries"
+            )
         self._agent = (ax, ay)
         self._velocity = (0.0, 0.0)
         self._has_reset = True
@@ -249,11 +264,16 @@ class Reach2DEnv(gym.Env[dict[str, Any], np.ndarray]):
         # Dots keep clear of each other so the target is never covered by a distractor.
         min_gap = 3.0 * self.dot_radius
         dots: list[tuple[float, float]] = []
-        while len(dots) < count:
+        for _ in range(_MAX_TRIES):
             x, y = (float(v) for v in self.np_random.uniform(-_DOT_MARGIN, _DOT_MARGIN, size=2))
             if all(math.dist((x, y), d) >= min_gap for d in dots):
                 dots.append((x, y))
-        return dots
+                if len(dots) == count:
+                    return dots
+        raise RuntimeError(
+            f"{count} dots of dot_radius {self.dot_radius} do not fit the arena apart "
+            f"(placed {len(dots)} in {_MAX_TRIES} tries)"
+        )
 
     def _disk(self, cx: float, cy: float) -> tuple[slice, slice, np.ndarray]:
         """Pixels whose centre lies within ``dot_radius`` of ``(cx, cy)``, in a bounding box."""
