@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client as NATS
@@ -34,9 +36,12 @@ from bus.codec import decode, encode
 from bus.connect import connect
 from bus.declare import declare
 from bus.identity import IdentityError, creds_path, load_creds
+from bus.inference import observation
+from bus.records import put_job, put_policy
 from bus.server import EmbeddedServer
 from schemas import subjects as s
 from schemas.jobs import JobRecord, job_key
+from schemas.model import HeadConfig, OptimizerConfig
 from schemas.tenantctl import (
     TENANT_REPLY_DECODER,
     CancelJob,
@@ -45,10 +50,12 @@ from schemas.tenantctl import (
     JobsReply,
     ListJobs,
     ReadEvents,
+    SamplePolicy,
     SubmitJob,
 )
 from schemas.tenants import TENANT_RECORD_DECODER
-from services.master.queries import Queries
+from schemas.train import OpenSlot, PolicyRecord
+from services.master.queries import MAX_IN_FLIGHT_PER_TENANT, Queries
 from tests.helpers import eventually, uid
 
 pytestmark = pytest.mark.timeout(120)
@@ -425,6 +432,53 @@ async def test_a_tenant_cannot_have_a_services_answer_delivered_into_a_services_
         assert landed == []
     finally:
         await alice.nc.close()
+
+
+async def test_a_tenants_waiting_requests_leave_the_master_to_the_others(
+    secured: Secured, master: Queries
+) -> None:
+    """Alice's acts wait for an inferencer (none runs) until their timeout. Bob's request is
+    answered meanwhile: before, her 16 requests in flight held all 16 of the master's shared
+    slots, and Bob waited for her timeouts."""
+    js = secured.service.jetstream()
+    now = time.time()
+    spec = (
+        b'{"kind":"session","tenant":"alice","head":{"kind":"oft","action_dim":2,"proprio_dim":4}}'
+    )
+    await put_job(
+        await js.key_value(s.KV_JOBS),
+        JobRecord("alice", "j1", "session", "running", spec, now, now),
+        last=0,
+    )
+    head = HeadConfig("oft", action_dim=2, chunk_len=1, proprio_dim=4)
+    slot = OpenSlot("alice", "j1", head, OptimizerConfig(), seed=0, total_steps=2)
+    record = PolicyRecord("alice", "j1", 1, 1, "alice/j1/v000001-x", "0" * 64, 1, slot, now)
+    await put_policy(await js.key_value(s.KV_POLICIES), record, last=0)
+    alice, bob = await secured.tenant("alice"), await secured.tenant("bob")
+    obs = observation([np.zeros((64, 64, 3), np.uint8)], "x", np.zeros(4, np.float32))
+    act = encode(SamplePolicy("alice", "j1", [obs], timeout_s=20.0))
+    try:
+        acts = [
+            asyncio.create_task(alice.nc.request(s.tenant_ctl("alice", "act"), act, timeout=40))
+            for _ in range(MAX_IN_FLIGHT_PER_TENANT)
+        ]
+        await eventually(
+            lambda: master._in_flight["alice"] == MAX_IN_FLIGHT_PER_TENANT,
+            timeout=10,
+            what="alice's acts in flight",
+        )
+        loop = asyncio.get_running_loop()
+        asked = loop.time()
+        assert isinstance(
+            await _ask(bob, s.tenant_ctl("bob", "jobs"), encode(ListJobs("bob"))), JobsReply
+        )
+        assert loop.time() - asked < 5  # not after alice's 20 s timeouts
+        for task in acts:
+            task.cancel()
+        await asyncio.gather(*acts, return_exceptions=True)
+    finally:
+        await alice.nc.close()
+        await bob.nc.close()
 
 
 async def test_revoked_tenant_is_disconnected_and_cannot_return(secured: Secured) -> None:

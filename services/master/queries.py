@@ -105,7 +105,16 @@ log = logging.getLogger(__name__)
 #: no pile of uploads holds up a submit.
 HEAVY_OPS = frozenset({"dataset-plan", "dataset-part", "dataset-add", "export", "export-read"})
 HEAVY_CONCURRENCY = 4
+#: Requests that wait on another service for their answer (an act waits for an inferencer,
+#: up to its timeout) have slots of their own too: a tenant's slow acts never hold the
+#: others' status queries.
+WAITING_OPS = frozenset({"act"})
+WAITING_CONCURRENCY = 16
 LIGHT_CONCURRENCY = 16
+#: Slots per kind of request.
+POOLS = {"heavy": HEAVY_CONCURRENCY, "waiting": WAITING_CONCURRENCY, "light": LIGHT_CONCURRENCY}
+#: The part of each kind's slots one tenant may hold at once: the rest stay for the others.
+TENANT_SHARE = 0.5
 #: A tenant's requests running or waiting at once; past it, more are refused at once
 #: (retryable), without keeping their payloads.
 MAX_IN_FLIGHT_PER_TENANT = 16
@@ -137,8 +146,9 @@ class Queries:
         self._sweeper: asyncio.Task[None] | None = None
         self._subs: list[Subscription] = []
         self._replies: set[asyncio.Task[None]] = set()
-        self._heavy = asyncio.Semaphore(HEAVY_CONCURRENCY)
-        self._light = asyncio.Semaphore(LIGHT_CONCURRENCY)
+        self._pools = {pool: asyncio.Semaphore(size) for pool, size in POOLS.items()}
+        #: Each tenant's share of each pool, made on its first request of that kind.
+        self._shares: dict[tuple[str, str], asyncio.Semaphore] = {}
         self._in_flight: Counter[str] = Counter()
         self._max_payload = 1 << 20
 
@@ -334,11 +344,17 @@ class Queries:
 
     # -- subscription -----------------------------------------------------------------------
 
-    async def _reply(self, msg: Msg, heavy: bool, wait_s: float) -> None:
+    def _share(self, tenant: str, pool: str) -> asyncio.Semaphore:
+        key = (tenant, pool)
+        if key not in self._shares:
+            self._shares[key] = asyncio.Semaphore(max(1, int(POOLS[pool] * TENANT_SHARE)))
+        return self._shares[key]
+
+    async def _reply(self, msg: Msg, tenant: str, pool: str, wait_s: float) -> None:
         if wait_s > 0:  # paced: the tenant is over its rate (a stop answers at once)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), wait_s)
-        async with self._heavy if heavy else self._light:
+        async with self._share(tenant, pool), self._pools[pool]:
             attributes = {"messaging.system": "nats", "messaging.destination.name": msg.subject}
             with tracing.consumer_span(
                 f"answer {msg.subject}", msg.headers, attributes, kind=SpanKind.SERVER
@@ -407,7 +423,8 @@ class Queries:
         self._in_flight[tenant] += 1
         wait_s = self.pacer.reserve(tenant, len(msg.data))
         # One task per request: a dataset-add's download must not hold up a status query.
-        task = asyncio.create_task(self._reply(msg, op in HEAVY_OPS, wait_s))
+        pool = "heavy" if op in HEAVY_OPS else "waiting" if op in WAITING_OPS else "light"
+        task = asyncio.create_task(self._reply(msg, tenant, pool, wait_s))
         self._replies.add(task)
         task.add_done_callback(self._replies.discard)
         task.add_done_callback(lambda _: self._done(tenant))
@@ -416,6 +433,8 @@ class Queries:
         self._in_flight[tenant] -= 1
         if self._in_flight[tenant] <= 0:
             del self._in_flight[tenant]
+            for pool in self._pools:  # nothing of the tenant's holds a share now
+                self._shares.pop((tenant, pool), None)
 
     async def subscribe(self, nc: NATS) -> None:
         """Start answering in the master's queue group (one master answers each request)."""
