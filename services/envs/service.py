@@ -54,7 +54,7 @@ from services.envs.adapters import (
     proprio_for_head,
 )
 from services.envs.config import EnvsConfig, hang_later
-from services.envs.datasets import iter_batches
+from services.envs.datasets import LoadedDatasets, directory_version, iter_batches
 from services.envs.describe import Describer
 from services.envs.flow import Flow
 from services.envs.jobstate import committed_batches, iteration_done, job_ended, unconsumed
@@ -63,6 +63,8 @@ from services.envs.rollouts import AdapterPool, EnvMeter, collect, evaluate_env
 from vla.data import Dataset, DatasetError, load_dataset, read_meta
 
 log = logging.getLogger(__name__)
+
+
 DURABLE = "envs"
 #: A stream that is not throttled checks whether its job ended this often.
 JOB_CHECK_S = 1.0
@@ -86,7 +88,7 @@ class EnvWorker:
         #: The service's stop event: a long stream hands its task back when it is set.
         self.stop = stop or asyncio.Event()
         #: Loaded datasets by (tenant, dataset id, path or manifest digest).
-        self.datasets: dict[tuple[str, str, str], Dataset] = {}
+        self.datasets = LoadedDatasets()
         self.pool = AdapterPool()
         self.policies = policies
         #: Simulator and act-request measurements (heartbeat gauges).
@@ -265,16 +267,18 @@ class EnvWorker:
             path, record = await resolve(self.js, tenant, dataset_id, self.dataset_cache)
         except DatasetStoreError as exc:
             raise (RetryableError if exc.retryable else PoisonError)(f"dataset: {exc}") from exc
-        key = (tenant, dataset_id, record.digest or str(path))
-        if key not in self.datasets:
+        version = record.digest or directory_version(path, record.created_at)
+        loaded = self.datasets.get(tenant, dataset_id, version)
+        if loaded is None:
             try:
                 # Within the operator's limits before any frame is read.
                 meta = await asyncio.to_thread(read_meta, path)
                 await asyncio.to_thread(check_dataset, dataset_id, meta, self.limits)
-                self.datasets[key] = await asyncio.to_thread(load_dataset, path)
+                loaded = await asyncio.to_thread(load_dataset, path)
             except DatasetError as exc:
                 raise PoisonError(f"dataset {dataset_id!r}: {exc}") from exc
-        return self.datasets[key]
+            self.datasets.put(tenant, dataset_id, version, loaded)
+        return loaded
 
     async def stream(self, task: StreamDataset) -> None:
         ds = await self.dataset(task.tenant, task.dataset)

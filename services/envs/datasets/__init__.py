@@ -5,7 +5,8 @@ The on-disk format -- layout, PNG codec, writer, reader and validators, summary 
 this role.
 """
 
+from services.envs.datasets.loaded import LoadedDatasets, directory_version
 from services.envs.datasets.recorder import record
 from services.envs.datasets.sampler import Batch, iter_batches
 
-__all__ = ["Batch", "iter_batches", "record"]
+__all__ = ["Batch", "LoadedDatasets", "directory_version", "iter_batches", "record"]
