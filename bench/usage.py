@@ -17,6 +17,7 @@ from typing import Any
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from bus.kv import list_objects
 from bus.usage import Bill, Charges, read_bill, stored_checkpoint_bytes
 from schemas import subjects
 
@@ -46,10 +47,10 @@ async def stored_now(js: JetStreamContext) -> dict[str, int]:
     """Bytes of checkpoints each tenant has in the object store now."""
     try:
         store = await js.object_store(subjects.OBJ_CHECKPOINTS)
-        infos = await store.list()
-    except NotFoundError:  # an empty store lists nothing as "not found"
+    except NotFoundError:
         return {}
-    return stored_checkpoint_bytes((i.name or "", i.size or 0) for i in infos if not i.deleted)
+    infos = await list_objects(store)
+    return stored_checkpoint_bytes((i.name or "", i.size or 0) for i in infos)
 
 
 async def collect(js: JetStreamContext, since: float | None, tenant: str | None) -> dict[str, Any]:

@@ -19,6 +19,8 @@ from nats.js.errors import (
 )
 from nats.js.object_store import ObjectStore
 
+from bus.kv import list_objects
+
 #: How long reading one checkpoint may take.
 READ_TIMEOUT_S = 60.0
 
@@ -94,13 +96,9 @@ async def prune(
     named in ``keep``: a session's saved states); return how many."""
     prefix = f"{tenant}/{job_id}/v"
     removed = 0
-    try:
-        infos = await store.list()
-    except NotFoundError:
-        return 0
-    for info in infos:
+    for info in await list_objects(store, prefix):
         name = info.name or ""
-        if info.deleted or not name.startswith(prefix) or name in keep:
+        if name in keep:
             continue
         try:
             version = int(name[len(prefix) :].split("-", 1)[0])

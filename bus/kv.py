@@ -1,14 +1,32 @@
-"""Listing KV keys without leaving consumers behind.
+"""Reading KV and object-store state without consumers.
 
-nats.py's ``KeyValue.keys()`` creates a watcher (an ephemeral consumer) per call; polled in a
-loop, those pile up on the server. A KV bucket is a stream ``KV_<bucket>`` whose subjects are
-``$KV.<bucket>.<key>``, so the stream's per-subject state lists the live keys in one request.
+nats.py's ``KeyValue.keys()``, ``KeyValue.history()`` and ``ObjectStore.list()`` each create a
+watcher (an ordered consumer, with tasks of its own) per call: polled in a loop, those pile up
+on the server, and a call cancelled mid-way (a service stopping) never stops its watcher, so
+its subscription and tasks outlive the caller. A KV bucket is a stream ``KV_<bucket>`` whose
+subjects are ``$KV.<bucket>.<key>``, and an object store a stream ``OBJ_<bucket>`` whose
+metadata subjects are ``$O.<bucket>.M.<name>``: the stream's per-subject state lists them in
+one request, and each is read with a plain message get, which a cancellation leaves nothing of.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
 from nats.js import JetStreamContext
+from nats.js.api import ObjectInfo, RawStreamMsg
 from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+
+#: Message gets in flight at once while listing an object store's metadata.
+LIST_CONCURRENCY = 16
+
+A = TypeVar("A")
+T = TypeVar("T")
 
 
 async def kv_keys(js: JetStreamContext, bucket: str, prefix: str = "") -> list[str]:
@@ -35,3 +53,67 @@ async def kv_values(js: JetStreamContext, bucket: str, prefix: str = "") -> dict
         if entry.value:
             values[key] = entry.value
     return values
+
+
+async def kv_history(kv: KeyValue, key: str) -> list[KeyValue.Entry]:
+    """The entries the bucket still holds for ``key``, oldest first (deletions and purges
+    included, as ``operation``); empty when it holds none."""
+    # nats.py keeps the stream and subject prefix private; these are its KV layout.
+    js, stream, subject = kv._js, kv._stream, f"{kv._pre}{key}"
+    entries: list[KeyValue.Entry] = []
+    seq = 1
+    while True:
+        try:
+            msg = await js.get_msg(stream, seq=seq, subject=subject, next=True)
+        except NotFoundError:
+            return entries
+        entries.append(
+            KeyValue.Entry(
+                bucket=kv._name,
+                key=key,
+                value=msg.data,
+                revision=msg.seq,
+                delta=None,
+                created=None,
+                operation=_header(msg, "KV-Operation"),
+            )
+        )
+        seq = (msg.seq or seq) + 1
+
+
+async def list_objects(store: ObjectStore, prefix: str = "") -> list[ObjectInfo]:
+    """The live (not deleted) objects of ``store`` whose name starts with ``prefix``, in no
+    particular order; empty for an empty or missing bucket."""
+    js, stream = store._js, store._stream
+    meta_prefix = f"$O.{store._name}.M."
+    try:
+        info = await js.stream_info(stream, subjects_filter=f"{meta_prefix}>")
+    except NotFoundError:
+        return []
+
+    async def read(subject: str) -> ObjectInfo | None:
+        try:
+            msg = await js.get_msg(stream, subject=subject)
+        except NotFoundError:  # purged since the listing
+            return None
+        return ObjectInfo.from_response(json.loads(msg.data or b"{}"))
+
+    infos = await _bounded(read, list(info.state.subjects or {}), LIST_CONCURRENCY)
+    return [
+        i for i in infos if i is not None and not i.deleted and (i.name or "").startswith(prefix)
+    ]
+
+
+def _header(msg: RawStreamMsg, name: str) -> str | None:
+    return (msg.headers or {}).get(name)
+
+
+async def _bounded(call: Callable[[A], Awaitable[T]], args: list[A], limit: int) -> list[T]:
+    """``call`` on each of ``args``, at most ``limit`` at once; results in order."""
+    slots = asyncio.Semaphore(limit)
+
+    async def one(arg: A) -> T:
+        async with slots:
+            return await call(arg)
+
+    return list(await asyncio.gather(*(one(a) for a in args)))

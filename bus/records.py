@@ -24,12 +24,12 @@ from typing import TypeVar
 
 import msgspec
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from bus.codec import decode, encode
 from bus.errors import RetryableError
-from bus.kv import kv_values
+from bus.kv import kv_history, kv_values
 from schemas import subjects
 from schemas.jobs import JOB_RECORD_DECODER, JobRecord, job_key
 from schemas.train import POLICY_RECORD_DECODER, PolicyRecord
@@ -93,10 +93,7 @@ async def policy_history(kv: KeyValue, tenant: str, job_id: str) -> list[PolicyR
     """The job's committed records that ``kv``'s history still holds, oldest first: which
     object each recent version committed (its object store may also hold an object of the
     same version that was never committed, left by a commit that failed after writing it)."""
-    try:
-        entries = await kv.history(job_key(tenant, job_id))
-    except NoKeysError:
-        return []
+    entries = await kv_history(kv, job_key(tenant, job_id))
     return [r for e in entries if (r := policy_of(e)) is not None]
 
 

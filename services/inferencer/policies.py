@@ -30,13 +30,13 @@ from typing import Any, TypeVar
 
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from bus import checkpoints as ckpt
 from bus.codec import DecodeError
 from bus.errors import Interrupted, PoisonError, RetryableError
+from bus.kv import list_objects
 from bus.records import get_policy, policy_history, policy_of
 from bus.watch import follow_kv
 from schemas import subjects
@@ -339,14 +339,9 @@ class PolicyCache:
                 return record.object_name, record.sha256
         prefix = f"{tenant}/{job_id}/v{version:06d}-"
         try:
-            infos = await self._store.list(ignore_deletes=True)
-        except NotFoundError:
-            infos = []
+            found = await list_objects(self._store, prefix)
         except NatsError as exc:
             raise RetryableError(f"checkpoint store unavailable: {exc}") from exc
-        found = [
-            info for info in infos if not info.deleted and (info.name or "").startswith(prefix)
-        ]
         if len(found) > 1:
             names = ", ".join(sorted(info.name or "" for info in found))
             raise PoisonError(

@@ -39,7 +39,6 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 from opentelemetry.trace import SpanKind, StatusCode
@@ -57,6 +56,7 @@ from bus.datasets import (
     put_dataset,
 )
 from bus.errors import PoisonError
+from bus.kv import list_objects
 from bus.placement import live_placements
 from bus.records import get_job, get_policy, list_jobs
 from schemas import subjects
@@ -314,14 +314,8 @@ class Queries:
         """A version older than the latest: found by its content-hashed name (retention may
         have pruned it); its bytes must hash to the digest prefix in the name."""
         prefix = f"{tenant}/{job_id}/v{version:06d}-"
-        try:
-            infos = await store.list()
-        except NotFoundError:
-            infos = []
-        for info in infos:
+        for info in await list_objects(store, prefix):
             name = info.name or ""
-            if info.deleted or not name.startswith(prefix):
-                continue
             data = (await store.get(name)).data or b""
             if not digest(data).startswith(name[len(prefix) :]):
                 raise CheckpointError(f"checkpoint {name} does not match its name's digest")

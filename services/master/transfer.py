@@ -58,6 +58,7 @@ from bus.datasets import (
     read_manifest,
     tenant_store,
 )
+from bus.kv import list_objects
 from schemas import subjects
 from schemas.ids import validate_id
 from schemas.tenantctl import (
@@ -158,11 +159,7 @@ async def _bounded(calls: Iterable[Awaitable[None]]) -> None:
 async def _objects(store: ObjectStore) -> dict[str, ObjectInfo]:
     """Every live object of the bucket by name (one pass over its metadata, not one request
     per file)."""
-    try:
-        infos = await store.list(ignore_deletes=True)
-    except NotFoundError:  # nats.py's answer for an empty bucket
-        return {}
-    return {info.name: info for info in infos if info.name and not info.deleted}
+    return {info.name: info for info in await list_objects(store) if info.name}
 
 
 async def _delete(store: ObjectStore, name: str) -> None:

@@ -37,6 +37,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundErr
 from nats.js.object_store import ObjectStore
 
 from bus.codec import DecodeError, decode, encode
+from bus.kv import list_objects
 from schemas import subjects
 from schemas.feature import FEATURE_RECORD_DECODER
 from vla.feature import VLAFeature
@@ -126,12 +127,8 @@ class BucketFeatureStore:
     async def relist(self) -> None:
         """Learn the bucket's objects (other trainers' too), oldest first by their time."""
         assert self.store is not None
-        try:
-            infos = await self.store.list()
-        except NotFoundError:  # an empty bucket lists nothing
-            infos = []
         known = sorted(
-            (i for i in infos if not i.deleted and i.name),
+            (i for i in await list_objects(self.store) if i.name),
             key=lambda i: i.mtime or "",
         )
         fresh: OrderedDict[str, int] = OrderedDict((i.name, int(i.size or 0)) for i in known)

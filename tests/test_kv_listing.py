@@ -1,0 +1,90 @@
+"""bus.kv's consumer-free reads against a real nats-server: a key's history and an object
+store's listing equal what nats.py's watcher-based calls return, and a read cancelled at any
+moment (a service stopping) leaves no task, subscription or consumer behind."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, ObjectStoreConfig
+
+from bus.kv import kv_history, list_objects
+from tests.helpers import uid
+
+
+async def test_a_keys_history_equals_nats_pys_with_deletions_and_other_keys_between(
+    js: JetStreamContext,
+) -> None:
+    kv = await js.create_key_value(KeyValueConfig(bucket=uid("hist"), history=10))
+    assert await kv_history(kv, "a.job") == []
+    await kv.put("a.job", b"one")
+    await kv.put("other", b"x")
+    await kv.put("a.job", b"two")
+    await kv.delete("a.job")
+    await kv.put("a.job", b"three")
+    ours = await kv_history(kv, "a.job")
+    theirs = await kv.history("a.job")
+    assert [(e.key, e.value or b"", e.revision, e.operation) for e in ours] == [
+        (e.key, e.value or b"", e.revision, e.operation) for e in theirs
+    ]
+    assert [e.value or b"" for e in ours] == [b"one", b"two", b"", b"three"]
+    assert [e.operation for e in ours] == [None, None, "DEL", None]
+    await kv.purge("a.job")
+    assert [e.operation for e in await kv_history(kv, "a.job")] == ["PURGE"]
+
+
+async def test_an_object_listing_equals_nats_pys_live_objects_under_the_prefix(
+    js: JetStreamContext,
+) -> None:
+    store = await js.create_object_store(uid("objs"), config=ObjectStoreConfig())
+    assert await list_objects(store) == []
+    names = [f"t/job/v{v:06d}-abc" for v in range(1, 6)] + ["u/job/v000001-def", "t/other"]
+    for i, name in enumerate(names):
+        await store.put(name, bytes([i]) * (i + 1))
+    await store.delete("t/job/v000002-abc")
+    await store.put("t/job/v000003-abc", b"rewritten")
+    theirs = {i.name: (i.size, i.digest, i.nuid) for i in await store.list() if not i.deleted}
+    ours = {i.name: (i.size, i.digest, i.nuid) for i in await list_objects(store)}
+    assert ours == theirs
+    assert sorted(ours) == sorted(set(names) - {"t/job/v000002-abc"})
+    under = sorted(i.name or "" for i in await list_objects(store, "t/job/v"))
+    assert under == [
+        "t/job/v000001-abc",
+        "t/job/v000003-abc",
+        "t/job/v000004-abc",
+        "t/job/v000005-abc",
+    ]
+    assert ours["t/job/v000003-abc"][0] == len(b"rewritten")
+
+
+async def test_reads_cancelled_at_random_moments_leave_nothing_behind(
+    nc: NATS, js: JetStreamContext
+) -> None:
+    bucket = uid("cancel")
+    store = await js.create_object_store(bucket, config=ObjectStoreConfig())
+    for v in range(40):
+        await store.put(f"t/job/v{v:06d}-abc", b"x" * 10)
+    kv = await js.create_key_value(KeyValueConfig(bucket=uid("cancelkv"), history=10))
+    for v in range(10):
+        await kv.put("t.job", str(v).encode())
+    rng = random.Random(7)
+    before = asyncio.all_tasks()
+    subscriptions_before = len(nc._subs)
+    for i in range(40):
+        read = list_objects(store) if i % 2 else kv_history(kv, "t.job")
+        task = asyncio.ensure_future(read)
+        await asyncio.sleep(rng.uniform(0, 0.01))
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    current = asyncio.current_task()
+    leaked = [t for t in asyncio.all_tasks() if t not in before and t is not current]
+    assert not leaked
+    assert len(nc._subs) == subscriptions_before
+    for stream in (f"OBJ_{bucket}", kv._stream):
+        assert (await js.stream_info(stream)).state.consumer_count == 0
+    # and a read not cancelled still completes
+    assert len(await list_objects(store)) == 40
+    assert len(await kv_history(kv, "t.job")) == 10
