@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from nats.js import JetStreamContext
 
+from bus.kv import read_object_into
 from bus.records import get_policy
 from clients.sdk import Job
 from schemas import subjects
@@ -87,7 +88,7 @@ async def final_policy(js: JetStreamContext, tenant: str, job_id: str) -> Final:
         return Final()
     store = await js.object_store(subjects.OBJ_CHECKPOINTS)
     buf = io.BytesIO()
-    await store.get(rec.object_name, writeinto=buf)
+    await read_object_into(store, rec.object_name, buf)
     params = dict(TenantSlot.from_bytes(buf.getvalue()).module.state_dict())
     return Final(rec.batches_done, params)
 

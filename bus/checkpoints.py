@@ -19,7 +19,7 @@ from nats.js.errors import (
 )
 from nats.js.object_store import ObjectStore
 
-from bus.kv import list_objects
+from bus.kv import list_objects, read_object_into
 
 #: How long reading one checkpoint may take.
 READ_TIMEOUT_S = 60.0
@@ -54,7 +54,7 @@ async def read_object(store: ObjectStore, name: str) -> bytes | None:
     """An object's bytes (the object store checks its own digest); None if it is gone."""
     buffer = io.BytesIO()
     try:
-        await store.get(name, writeinto=buffer)
+        await read_object_into(store, name, buffer)
     except (ObjectNotFoundError, NotFoundError):
         return None
     return buffer.getvalue()
@@ -68,9 +68,9 @@ async def get_checkpoint(
     one; ``TimeoutError`` after ``timeout_s``."""
     buffer = io.BytesIO()
     try:
-        # nats.py waits for the chunks without a deadline: an object whose chunks are gone
-        # (deleted while it was read) would hold its reader for ever.
-        await asyncio.wait_for(store.get(name, writeinto=buffer), timeout_s)
+        # Each chunk is one request with its own deadline; this bounds the whole read (a
+        # large checkpoint on a slow server). A cancelled read leaves nothing behind.
+        await asyncio.wait_for(read_object_into(store, name, buffer), timeout_s)
     except (ObjectNotFoundError, NotFoundError) as exc:
         raise CheckpointError(f"checkpoint {name} not found") from exc
     except (DigestMismatchError, BadObjectMetaError) as exc:

@@ -21,7 +21,6 @@ Checking that the files are a valid dataset is :mod:`vla.data`'s job (the master
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
 import io
 import os
@@ -36,7 +35,9 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import StorageType
 from nats.js.errors import (
+    BadObjectMetaError,
     BucketNotFoundError,
+    DigestMismatchError,
     KeyNotFoundError,
     NotFoundError,
     ObjectNotFoundError,
@@ -45,7 +46,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from bus.codec import DecodeError, decode, encode
-from bus.kv import kv_values
+from bus.kv import ChunksMissingError, kv_values, read_object_into
 from schemas import subjects
 from schemas.ids import InvalidIdError, validate_id
 from schemas.tenantctl import (
@@ -101,16 +102,6 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def object_sha256(digest: str | None) -> str:
-    """The hex SHA-256 of an object store entry (nats writes ``SHA-256=<base64url>``)."""
-    if not digest or "=" not in digest:
-        return ""
-    try:
-        return base64.urlsafe_b64decode(digest.split("=", 1)[1]).hex()
-    except ValueError:
-        return ""
 
 
 def scan(directory: Path) -> list[ManifestFile]:
@@ -241,37 +232,22 @@ async def download(
     js: JetStreamContext, bucket: str, name: str, out: BinaryIO, *, timeout: float = 30.0
 ) -> int:
     """Write object ``name`` of ``bucket`` into ``out``, checked against the object's own
-    digest; return its size (services: a tenant has no JetStream). Unlike nats.py's
-    ``ObjectStore.get`` it names the bucket's stream when it subscribes to the chunks, so it
-    needs no ``$JS.API.STREAM.NAMES`` lookup and streams the object instead of holding it
-    in memory. Raises ObjectNotFoundError
-    for a missing object and :class:`DatasetStoreError` for a torn one."""
+    digest; return its size (services: a tenant has no JetStream). Streams the object
+    (:func:`bus.kv.read_object_into`) instead of holding it in memory. Raises
+    ObjectNotFoundError for a missing object and :class:`DatasetStoreError` for a torn one,
+    or one not read within ``timeout`` (retryable)."""
     store = await js.object_store(bucket)
-    info = await store.get_info(name)
-    if not info.size:
-        return 0
-    chunks = f"$O.{bucket}.C.{info.nuid}"
-    sub = await js.subscribe(chunks, stream=f"OBJ_{bucket}", ordered_consumer=True)
-    h = hashlib.sha256()
-    received = 0
     try:
-        while received < info.size:
-            try:
-                msg = await sub.next_msg(timeout=timeout)
-            except NatsTimeoutError as exc:
-                raise DatasetStoreError(
-                    f"{name}: no chunk within {timeout:g}s ({received} of {info.size} bytes)",
-                    code="unavailable",
-                    retryable=True,
-                ) from exc
-            out.write(msg.data)
-            h.update(msg.data)
-            received += len(msg.data)
-    finally:
-        await sub.unsubscribe()
-    if received != info.size or h.hexdigest() != object_sha256(info.digest):
-        raise DatasetStoreError(f"{name}: object does not match its own digest")
-    return received
+        info = await asyncio.wait_for(read_object_into(store, name, out), timeout)
+    except (TimeoutError, ChunksMissingError) as exc:
+        raise DatasetStoreError(
+            f"{name}: not read within {timeout:g}s" if isinstance(exc, TimeoutError) else str(exc),
+            code="unavailable",
+            retryable=True,
+        ) from exc
+    except (DigestMismatchError, BadObjectMetaError) as exc:
+        raise DatasetStoreError(f"{name}: object does not match its own digest") from exc
+    return int(info.size or 0)
 
 
 async def _download(

@@ -28,6 +28,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundErr
 from nats.js.object_store import ObjectStore
 
 from bus.codec import DecodeError, decode, encode
+from bus.kv import ChunksMissingError, read_object_into
 from schemas import subjects
 from schemas.feature import (
     FEATURE_DECODER,
@@ -100,8 +101,8 @@ async def unpack(js: JetStreamContext, data: bytes) -> FeatureRecord:
     buffer = io.BytesIO()
     try:
         store = await js.object_store(message.bucket)
-        await store.get(message.object_name, writeinto=buffer)
-    except (BucketNotFoundError, ObjectNotFoundError, NotFoundError) as exc:
+        await read_object_into(store, message.object_name, buffer)
+    except (BucketNotFoundError, ObjectNotFoundError, NotFoundError, ChunksMissingError) as exc:
         raise FeatureTransportError(
             f"feature object {message.bucket}/{message.object_name} is gone"
         ) from exc
@@ -151,8 +152,8 @@ async def take_blob(js: JetStreamContext, ref: BlobRef, backbone: str) -> bytes:
     buffer = io.BytesIO()
     try:
         store = await js.object_store(ref.bucket)
-        await store.get(ref.object_name, writeinto=buffer)
-    except (BucketNotFoundError, ObjectNotFoundError, NotFoundError) as exc:
+        await read_object_into(store, ref.object_name, buffer)
+    except (BucketNotFoundError, ObjectNotFoundError, NotFoundError, ChunksMissingError) as exc:
         raise FeatureTransportError(f"object {ref.bucket}/{ref.object_name} is gone") from exc
     with contextlib.suppress(NatsError, ObjectNotFoundError, NotFoundError):
         await store.delete(ref.object_name)

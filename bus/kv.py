@@ -12,13 +12,24 @@ one request, and each is read with a plain message get, which a cancellation lea
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import hashlib
 import json
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import ObjectInfo, RawStreamMsg
-from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
+from nats.js.errors import (
+    BadObjectMetaError,
+    DigestMismatchError,
+    KeyDeletedError,
+    KeyNotFoundError,
+    NotFoundError,
+    ObjectNotFoundError,
+)
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
@@ -55,6 +66,11 @@ async def kv_values(js: JetStreamContext, bucket: str, prefix: str = "") -> dict
     return values
 
 
+class ChunksMissingError(NatsError):
+    """An object's metadata names chunks its stream no longer holds: the object was deleted
+    (or lost) while it was read. Reading it again may find it whole, or gone."""
+
+
 async def kv_history(kv: KeyValue, key: str) -> list[KeyValue.Entry]:
     """The entries the bucket still holds for ``key``, oldest first (deletions and purges
     included, as ``operation``); empty when it holds none."""
@@ -83,13 +99,19 @@ async def kv_history(kv: KeyValue, key: str) -> list[KeyValue.Entry]:
 
 async def list_objects(store: ObjectStore, prefix: str = "") -> list[ObjectInfo]:
     """The live (not deleted) objects of ``store`` whose name starts with ``prefix``, in no
-    particular order; empty for an empty or missing bucket."""
+    particular order; empty for an empty or missing bucket. Only the objects under
+    ``prefix`` are read (a name is in its metadata subject)."""
     js, stream = store._js, store._stream
     meta_prefix = f"$O.{store._name}.M."
     try:
         info = await js.stream_info(stream, subjects_filter=f"{meta_prefix}>")
     except NotFoundError:
         return []
+    wanted = [
+        subject
+        for subject in info.state.subjects or {}
+        if _object_name(subject[len(meta_prefix) :]).startswith(prefix)
+    ]
 
     async def read(subject: str) -> ObjectInfo | None:
         try:
@@ -98,10 +120,77 @@ async def list_objects(store: ObjectStore, prefix: str = "") -> list[ObjectInfo]
             return None
         return ObjectInfo.from_response(json.loads(msg.data or b"{}"))
 
-    infos = await _bounded(read, list(info.state.subjects or {}), LIST_CONCURRENCY)
+    infos = await _bounded(read, wanted, LIST_CONCURRENCY)
     return [
         i for i in infos if i is not None and not i.deleted and (i.name or "").startswith(prefix)
     ]
+
+
+async def read_object_into(store: ObjectStore, name: str, out: BinaryIO) -> ObjectInfo:
+    """Write object ``name`` into ``out`` chunk by chunk, checked against its own digest;
+    returns its info. Raises ``ObjectNotFoundError`` for a missing or deleted object,
+    ``BadObjectMetaError`` for unreadable metadata, :class:`ChunksMissingError` for chunks
+    gone, ``DigestMismatchError`` for chunks that do not match the metadata (also one more
+    chunk than it names)."""
+    info = await store.get_info(name)
+    if info.deleted:
+        raise ObjectNotFoundError
+    if not info.nuid:
+        raise BadObjectMetaError
+    if not info.size:
+        return info
+    js, stream = store._js, store._stream
+    subject = f"$O.{store._name}.C.{info.nuid}"
+    sha = hashlib.sha256()
+    received, seq = 0, 1
+    while received < info.size:
+        # A direct get carries the chunk's bytes as they are (no base64 in JSON); object
+        # stores are created with direct gets allowed.
+        msg = await _next_chunk(js, stream, subject, seq)
+        if msg is None:
+            raise ChunksMissingError(
+                f"object {name}: its chunks end after {received} of {info.size} bytes "
+                "(deleted while it was read?)"
+            )
+        chunk = msg.data or b""
+        out.write(chunk)
+        sha.update(chunk)
+        received += len(chunk)
+        seq = (msg.seq or seq) + 1
+    trailing = await _next_chunk(js, stream, subject, seq)
+    if (
+        trailing is not None
+        or received != info.size
+        or sha.hexdigest() != object_sha256(info.digest)
+    ):
+        raise DigestMismatchError(description=f"{name}: chunks do not match its own digest")
+    return info
+
+
+async def _next_chunk(
+    js: JetStreamContext, stream: str, subject: str, seq: int
+) -> RawStreamMsg | None:
+    try:
+        return await js.get_msg(stream, seq=seq, subject=subject, next=True, direct=True)
+    except NotFoundError:
+        return None
+
+
+def object_sha256(digest: str | None) -> str:
+    """The hex SHA-256 of an object store entry (nats writes ``SHA-256=<base64url>``)."""
+    if not digest or "=" not in digest:
+        return ""
+    try:
+        return base64.urlsafe_b64decode(digest.split("=", 1)[1]).hex()
+    except (ValueError, binascii.Error):
+        return ""
+
+
+def _object_name(token: str) -> str:
+    try:
+        return base64.urlsafe_b64decode(token).decode()
+    except (ValueError, binascii.Error):  # not written by an object store: read it to see
+        return ""
 
 
 def _header(msg: RawStreamMsg, name: str) -> str | None:
@@ -109,11 +198,14 @@ def _header(msg: RawStreamMsg, name: str) -> str | None:
 
 
 async def _bounded(call: Callable[[A], Awaitable[T]], args: list[A], limit: int) -> list[T]:
-    """``call`` on each of ``args``, at most ``limit`` at once; results in order."""
+    """``call`` on each of ``args``, at most ``limit`` at once; results in order. One that
+    fails cancels the rest (a task group), so none is left running unobserved."""
     slots = asyncio.Semaphore(limit)
 
     async def one(arg: A) -> T:
         async with slots:
             return await call(arg)
 
-    return list(await asyncio.gather(*(one(a) for a in args)))
+    async with asyncio.TaskGroup() as group:
+        tasks = [group.create_task(one(a)) for a in args]
+    return [t.result() for t in tasks]

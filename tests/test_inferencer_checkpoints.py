@@ -92,10 +92,10 @@ async def test_unreadable_checkpoints_are_answered_and_others_served_meanwhile(
         served = await client.act(good, "job", obs, timeout=20)
         assert served.policy_version == 1
         for task in waiting:
-            with pytest.raises(InferenceError, match=r"not read within 2s") as given_up:
+            with pytest.raises(InferenceError, match=r"chunks end after 0 of") as given_up:
                 await task
             assert given_up.value.retryable  # the store may serve it later: ask again
-        assert loop.time() - sent < 45  # three deliveries of a 2 s read, not the timeout
+        assert loop.time() - sent < 45  # three deliveries, not the timeout
     (letter,) = await dead_letters(js, corrupt)
     assert letter.num_delivered == 1  # a corrupt object is not read again and again
 

@@ -5,13 +5,17 @@ moment (a service stopping) leaves no task, subscription or consumer behind."""
 from __future__ import annotations
 
 import asyncio
+import io
+import os
 import random
 
+import pytest
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, ObjectStoreConfig
+from nats.js.errors import DigestMismatchError, ObjectNotFoundError
 
-from bus.kv import kv_history, list_objects
+from bus.kv import ChunksMissingError, kv_history, list_objects, read_object_into
 from tests.helpers import uid
 
 
@@ -60,6 +64,32 @@ async def test_an_object_listing_equals_nats_pys_live_objects_under_the_prefix(
     assert ours["t/job/v000003-abc"][0] == len(b"rewritten")
 
 
+async def test_an_object_reads_whole_and_one_missing_torn_or_grown_is_refused(
+    js: JetStreamContext,
+) -> None:
+    bucket = uid("read")
+    store = await js.create_object_store(bucket, config=ObjectStoreConfig())
+    data = os.urandom(300_000)  # three chunks of nats.py's 128 KiB
+    for name in ("whole", "torn", "grown", "gone"):
+        await store.put(name, data)
+    await store.put("empty", b"")
+    out = io.BytesIO()
+    info = await read_object_into(store, "whole", out)
+    assert out.getvalue() == data and info.size == len(data)
+    assert (await read_object_into(store, "empty", io.BytesIO())).size == 0
+    chunks = f"$O.{bucket}.C."
+    await js.purge_stream(f"OBJ_{bucket}", subject=chunks + (await store.get_info("torn")).nuid)
+    with pytest.raises(ChunksMissingError, match="chunks end after 0 of 300000 bytes"):
+        await read_object_into(store, "torn", io.BytesIO())
+    await js.publish(chunks + (await store.get_info("grown")).nuid, b"one chunk too many")
+    with pytest.raises(DigestMismatchError):
+        await read_object_into(store, "grown", io.BytesIO())
+    await store.delete("gone")
+    for name in ("gone", "never-put"):
+        with pytest.raises(ObjectNotFoundError):
+            await read_object_into(store, name, io.BytesIO())
+
+
 async def test_reads_cancelled_at_random_moments_leave_nothing_behind(
     nc: NATS, js: JetStreamContext
 ) -> None:
@@ -67,14 +97,20 @@ async def test_reads_cancelled_at_random_moments_leave_nothing_behind(
     store = await js.create_object_store(bucket, config=ObjectStoreConfig())
     for v in range(40):
         await store.put(f"t/job/v{v:06d}-abc", b"x" * 10)
+    await store.put("big", os.urandom(2_000_000))
     kv = await js.create_key_value(KeyValueConfig(bucket=uid("cancelkv"), history=10))
     for v in range(10):
         await kv.put("t.job", str(v).encode())
     rng = random.Random(7)
     before = asyncio.all_tasks()
     subscriptions_before = len(nc._subs)
-    for i in range(40):
-        read = list_objects(store) if i % 2 else kv_history(kv, "t.job")
+    reads = (
+        lambda: list_objects(store),
+        lambda: kv_history(kv, "t.job"),
+        lambda: read_object_into(store, "big", io.BytesIO()),
+    )
+    for i in range(45):
+        read = reads[i % 3]()
         task = asyncio.ensure_future(read)
         await asyncio.sleep(rng.uniform(0, 0.01))
         task.cancel()
@@ -86,5 +122,5 @@ async def test_reads_cancelled_at_random_moments_leave_nothing_behind(
     for stream in (f"OBJ_{bucket}", kv._stream):
         assert (await js.stream_info(stream)).state.consumer_count == 0
     # and a read not cancelled still completes
-    assert len(await list_objects(store)) == 40
+    assert len(await list_objects(store)) == 41
     assert len(await kv_history(kv, "t.job")) == 10

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 import time
 from collections import Counter
@@ -56,7 +57,7 @@ from bus.datasets import (
     put_dataset,
 )
 from bus.errors import PoisonError
-from bus.kv import list_objects
+from bus.kv import list_objects, read_object_into
 from bus.placement import live_placements
 from bus.records import get_job, get_policy, list_jobs
 from schemas import subjects
@@ -316,7 +317,9 @@ class Queries:
         prefix = f"{tenant}/{job_id}/v{version:06d}-"
         for info in await list_objects(store, prefix):
             name = info.name or ""
-            data = (await store.get(name)).data or b""
+            buffer = io.BytesIO()
+            await read_object_into(store, name, buffer)
+            data = buffer.getvalue()
             if not digest(data).startswith(name[len(prefix) :]):
                 raise CheckpointError(f"checkpoint {name} does not match its name's digest")
             return bytes(data)
@@ -393,10 +396,13 @@ class Queries:
         inbox of whoever its subject names (a tenant's, or the services' for the bare one)."""
         if subject.startswith(subjects.BACKBONES_QUERY):
             return query_reply_allowed(subject, subjects.BACKBONES_QUERY, reply)
+        tokens = subject.split(".")
         try:
-            tenant = subjects.parse_tenant_ctl(subject).tenant
-        except subjects.SubjectError:
-            tenant = None
+            # The tenant's token, whatever the op: a tenant may publish any op under its own
+            # subject, and one the master does not know is still that tenant's request.
+            tenant = validate_id(tokens[3] if len(tokens) > 3 else "", "tenant")
+        except InvalidIdError:
+            return reply.startswith("_INBOX.")  # only the operator publishes there
         return reply_allowed(reply, tenant)
 
     async def _on_request(self, msg: Msg) -> None:

@@ -51,14 +51,13 @@ from bus.datasets import (
     DatasetStoreError,
     download,
     encode_manifest,
-    object_sha256,
     part_count,
     path_problem,
     prefix_of,
     read_manifest,
     tenant_store,
 )
-from bus.kv import list_objects
+from bus.kv import list_objects, object_sha256
 from schemas import subjects
 from schemas.ids import validate_id
 from schemas.tenantctl import (

@@ -33,11 +33,16 @@ import torch
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import ObjectStoreConfig
-from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundError
+from nats.js.errors import (
+    BucketNotFoundError,
+    DigestMismatchError,
+    NotFoundError,
+    ObjectNotFoundError,
+)
 from nats.js.object_store import ObjectStore
 
 from bus.codec import DecodeError, decode, encode
-from bus.kv import list_objects
+from bus.kv import ChunksMissingError, list_objects, read_object_into
 from schemas import subjects
 from schemas.feature import FEATURE_RECORD_DECODER
 from vla.feature import VLAFeature
@@ -160,16 +165,16 @@ class BucketFeatureStore:
             return None
         buffer = io.BytesIO()
         try:
-            await self.store.get(name, writeinto=buffer)
+            await read_object_into(self.store, name, buffer)
             record = decode(FEATURE_RECORD_DECODER, buffer.getvalue())
             _, layer, compat, digest = key
             if record.sample_ids != [digest]:
                 raise FeatureRecordError(f"object {name} holds other samples")
             feature = from_record(record, FeatureOrigin(compat, layer))
-        except (ObjectNotFoundError, NotFoundError):
+        except (ObjectNotFoundError, NotFoundError, ChunksMissingError):
             self._forget(name)  # evicted by another trainer
             return None
-        except (DecodeError, FeatureRecordError, ValueError) as exc:
+        except (DecodeError, FeatureRecordError, ValueError, DigestMismatchError) as exc:
             log.warning("feature store: object %s is unusable (%s); dropping it", name, exc)
             self._forget(name)
             with contextlib.suppress(NatsError, NotFoundError, ObjectNotFoundError):
