@@ -233,10 +233,12 @@ def query_reply_allowed(subject: str, base: str, reply: str) -> bool:
 
 
 def any_inbox(reply: str) -> bool:
-    """Whether ``reply`` is some identity's inbox (``_INBOX.`` or ``_INBOX_<tenant>.``): the
-    test for answering requests open to every tenant (env describe, backbones, health), whose
-    answer must never be published onto a stream's or a service's subject."""
-    if reply.startswith("_INBOX."):
+    """Whether ``reply`` is some identity's inbox (``_INBOX.``, ``_INBOX_SVC.`` or
+    ``_INBOX_<tenant>.``): the test for answering a request only services and the operator
+    may publish (health), whose answer must never be published onto a stream's subject.
+    (A subject a tenant may publish to is answered on that tenant's inbox only:
+    :func:`reply_allowed`, :func:`query_reply_allowed`.)"""
+    if reply.startswith(("_INBOX.", f"{s.SERVICE_INBOX_PREFIX}.")):
         return True
     prefix, dot, rest = reply.partition(".")
     if not dot or not rest or not prefix.startswith("_INBOX_"):

@@ -329,5 +329,13 @@ def test_shared_queries_answer_the_subjects_own_inbox_only() -> None:
 
 def test_any_inbox_accepts_inboxes_only() -> None:
     assert any_inbox("_INBOX.abc.1") and any_inbox("_INBOX_alice.x")
-    for reply in ("", "nexus.event.alice.j.state", "$KV.jobs.alice.j", "_INBOX_", "_INBOX_a*.x"):
+    assert any_inbox("_INBOX_SVC.abc.1")  # a service asking for the health report
+    for reply in (
+        "",
+        "nexus.event.alice.j.state",
+        "$KV.jobs.alice.j",
+        "_INBOX_",
+        "_INBOX_a*.x",
+        "_INBOX_SVCX.abc",
+    ):
         assert not any_inbox(reply), reply
