@@ -54,9 +54,11 @@ class _Policy:
 
 
 class _Exploding(gym.Env[dict[str, np.ndarray], np.ndarray]):
-    """A simulator that raises at its third step."""
+    """A simulator that raises at its third step: the physics (the task's fault), or out of
+    memory or files (this machine's)."""
 
-    def __init__(self, image_size: int = 64) -> None:
+    def __init__(self, image_size: int = 64, error: str = "physics") -> None:
+        self.error = error
         self.observation_space = spaces.Dict(
             {
                 "image": spaces.Box(0, 255, (image_size, image_size, 3), np.uint8),
@@ -82,6 +84,10 @@ class _Exploding(gym.Env[dict[str, np.ndarray], np.ndarray]):
     ) -> tuple[dict[str, np.ndarray], float, bool, bool, dict[str, Any]]:
         self.steps += 1
         if self.steps >= 3:
+            if self.error == "memory":
+                raise MemoryError("no room for the contact buffer")
+            if self.error == "files":
+                raise OSError(24, "Too many open files")
             raise RuntimeError("physics exploded")
         return self._obs(), 0.0, False, False, {}
 
@@ -179,3 +185,17 @@ def test_reach_refuses_a_start_distance_no_reset_can_meet() -> None:
     crowded = Reach2DEnv(num_distractors=3, dot_radius=0.9)
     with pytest.raises(RuntimeError, match=r"4 dots of dot_radius 0.9 do not fit"):
         crowded.reset(seed=0)  # placing them used to loop for ever
+
+
+@pytest.mark.parametrize(("error", "raised"), [("memory", MemoryError), ("files", OSError)])
+async def test_a_simulator_out_of_memory_or_files_is_ours_to_retry_not_the_tenants_fault(
+    js: JetStreamContext, error: str, raised: type[Exception]
+) -> None:
+    worker = EnvWorker(js, {"tiny": _Policy()})  # type: ignore[dict-item]
+    try:
+        task = _rollout(uid("acme"), env_id=EXPLODING_ID, env_kwargs={"error": error})
+        with pytest.raises(raised) as caught:
+            await _handle(worker, task)
+        assert not isinstance(caught.value, PoisonError)
+    finally:
+        worker.pool.close()

@@ -341,9 +341,16 @@ async def run_sessions(
     return sessions
 
 
+#: What a simulator raises for this machine, not for the task (out of memory, files or
+#: devices): left to the consume loop to retry, perhaps on another worker.
+_OURS = (MemoryError, OSError)
+
+
 def _reset(adapter: EnvAdapter, seed: int) -> StepObs:
     try:
         return adapter.reset(seed)
+    except _OURS:
+        raise
     except Exception as exc:
         raise EnvRunError(f"the env raised on reset (seed {seed}): {exc!r}") from exc
 
@@ -356,6 +363,8 @@ def _execute_chunks(live: list[Session], actions_B_C_A: np.ndarray) -> int:
         for action_A in actions_B_C_A[b]:
             try:
                 obs, reward, terminated, truncated, info = session.adapter.step(action_A)
+            except _OURS:
+                raise
             except Exception as exc:
                 raise EnvRunError(
                     f"episode {session.episode}: the env raised on step: {exc!r}"
