@@ -91,12 +91,14 @@ async def write_version(
     try:
         return record, await records.put_policy(policies, record, last=revision or 0)
     except records.RevisionConflict:
-        # Another record stands. Unless it names this very object (an earlier try of this
-        # commit landed unseen), the object was never committed: not left for a reader to
-        # take for this version.
+        # Another record stands. Unless a record names this very object (an earlier try of
+        # this commit landed unseen, perhaps followed by later commits: names are content
+        # hashes), the object was never committed: not left for a reader to take for this
+        # version.
         with contextlib.suppress(NatsError, TimeoutError):
-            current, _ = await records.get_policy(policies, spec.tenant, spec.job_id)
-            if current is None or name not in (current.object_name, *current.saved.values()):
+            history = await records.policy_history(policies, spec.tenant, spec.job_id)
+            named_by = {n for r in history for n in (r.object_name, *r.saved.values())}
+            if name not in named_by:
                 await store.delete(name)
         raise
 
