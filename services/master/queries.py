@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import logging
 import time
 from collections import Counter
@@ -46,7 +45,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from bus import tracing
 from bus.auth import query_reply_allowed, reply_allowed
-from bus.checkpoints import CheckpointError, digest, get_checkpoint
+from bus.checkpoints import CheckpointError, digest, get_checkpoint, read_object
 from bus.codec import DecodeError, decode, encode
 from bus.datasets import (
     DatasetStoreError,
@@ -57,7 +56,7 @@ from bus.datasets import (
     put_dataset,
 )
 from bus.errors import PoisonError
-from bus.kv import list_objects, read_object_into
+from bus.kv import list_objects
 from bus.placement import live_placements
 from bus.records import get_job, get_policy, list_jobs
 from schemas import subjects
@@ -317,9 +316,9 @@ class Queries:
         prefix = f"{tenant}/{job_id}/v{version:06d}-"
         for info in await list_objects(store, prefix):
             name = info.name or ""
-            buffer = io.BytesIO()
-            await read_object_into(store, name, buffer)
-            data = buffer.getvalue()
+            data = await read_object(store, name)
+            if data is None:  # pruned since the listing
+                continue
             if not digest(data).startswith(name[len(prefix) :]):
                 raise CheckpointError(f"checkpoint {name} does not match its name's digest")
             return bytes(data)

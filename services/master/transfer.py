@@ -155,10 +155,10 @@ async def _bounded(calls: Iterable[Awaitable[None]]) -> None:
     await asyncio.gather(*(one(call) for call in calls))
 
 
-async def _objects(store: ObjectStore) -> dict[str, ObjectInfo]:
-    """Every live object of the bucket by name (one pass over its metadata, not one request
-    per file)."""
-    return {info.name: info for info in await list_objects(store) if info.name}
+async def _objects(store: ObjectStore, prefix: str) -> dict[str, ObjectInfo]:
+    """The bucket's live objects under ``prefix`` by name (only theirs are read, not every
+    dataset's of the tenant)."""
+    return {info.name: info for info in await list_objects(store, prefix) if info.name}
 
 
 async def _delete(store: ObjectStore, name: str) -> None:
@@ -220,10 +220,10 @@ class Transfer:
         prefix = prefix_of(dataset)
         # The manifest first: from here on the dataset is incomplete until dataset-add.
         await _delete(store, prefix + MANIFEST)
-        objects = await _objects(store)
+        objects = await _objects(store, prefix)
         # A push resumes file by file, so parts of an interrupted one are never used again;
         # they would only hold the tenant's storage.
-        stale = [name for name in objects if name.startswith(uploads_prefix(dataset))]
+        stale = list(await _objects(store, uploads_prefix(dataset)))
         await _bounded(_delete(store, name) for name in stale)
         needed = [f.path for f in files if not _same(objects.get(prefix + f.path), f)]
         log.info("push of %s/%s: %d of %d files needed", tenant, dataset, len(needed), len(files))
@@ -359,7 +359,7 @@ class Transfer:
         files = checked_files(request.files)
         store = await self.store(request.tenant)
         prefix = prefix_of(dataset)
-        objects = await _objects(store)
+        objects = await _objects(store, prefix)
         for entry in files:
             info = objects.get(prefix + entry.path)
             if info is None:
