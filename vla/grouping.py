@@ -125,11 +125,16 @@ def encode_each(
     backbone: FeatureEncoder, parts: Sequence[ModelInputs]
 ) -> list[VLAFeature | Exception]:
     """Grouped features for same-key ``parts``; if the grouped forward fails, one forward per
-    part so that only the part whose input is at fault gets the error."""
+    part so that only the part whose input is at fault gets the error.
+
+    A failure that says it is ``retryable`` (a backbone role that did not answer, a busy
+    device) is no part's fault: every part gets it at once, since a forward per part would
+    only wait it out again, once for each."""
     try:
         return list(encode_group(backbone, parts))
-    except Exception:  # noqa: BLE001 - retried per part below; each failure is reported there
-        pass
+    except Exception as exc:  # noqa: BLE001 - retried per part below; each failure is reported there
+        if getattr(exc, "retryable", False) is True:
+            return [exc] * len(parts)
     out: list[VLAFeature | Exception] = []
     for part in parts:
         try:

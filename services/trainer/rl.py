@@ -16,7 +16,7 @@ import torch
 
 from schemas.train import PPOConfig, RolloutBatch
 from vla.feature import ModelInputs
-from vla.grouping import FeatureEncoder, encode_group
+from vla.grouping import FeatureEncoder, encode_each
 from vla.normalize import Normaliser
 from vla.rl import Episode, RolloutData, build_rollout_data, ppo_update
 from vla.slot import TenantSlot
@@ -89,13 +89,13 @@ def update_iterations(
         if it.key in prepared:
             by_key[prepared[it.key].key].append(it)
     for group in by_key.values():
-        try:
-            features = encode_group(encoder, [prepared[it.key] for it in group])
-        except Exception as exc:  # noqa: BLE001 - the group's jobs' result; steps decides
-            for it in group:
-                results[it.key] = exc
-            continue
+        # A shared forward that fails is retried one job at a time: only the job whose
+        # rollouts are at fault fails.
+        features = encode_each(encoder, [prepared[it.key] for it in group])
         for it, feature in zip(group, features, strict=True):
+            if isinstance(feature, Exception):
+                results[it.key] = feature
+                continue
             try:
                 episodes = [Episode.from_rollout(e) for e in it.episodes]
                 data = build_rollout_data(feature, episodes, it.config)
