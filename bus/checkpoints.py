@@ -19,7 +19,7 @@ from nats.js.errors import (
 )
 from nats.js.object_store import ObjectStore
 
-from bus.kv import list_objects, read_object_into
+from bus.kv import ChunksMissingError, list_objects, read_object_into
 
 #: How long reading one checkpoint may take.
 READ_TIMEOUT_S = 60.0
@@ -51,12 +51,29 @@ async def put_checkpoint(store: ObjectStore, name: str, data: bytes) -> None:
 
 
 async def read_object(store: ObjectStore, name: str) -> bytes | None:
-    """An object's bytes (the object store checks its own digest); None if it is gone."""
+    """An object's bytes (the object store checks its own digest); None if it is gone.
+
+    :class:`CheckpointError` when it is damaged: its chunks missing on a second read too
+    (the first may have raced a deletion, after which the object reads as gone), or not
+    matching its metadata. Retrying cannot mend either, so the caller answers instead."""
+    try:
+        return await _read_whole(store, name)
+    except ChunksMissingError:
+        pass
+    try:
+        return await _read_whole(store, name)
+    except ChunksMissingError as exc:
+        raise CheckpointError(f"checkpoint {name} is damaged: {exc}") from exc
+
+
+async def _read_whole(store: ObjectStore, name: str) -> bytes | None:
     buffer = io.BytesIO()
     try:
         await read_object_into(store, name, buffer)
     except (ObjectNotFoundError, NotFoundError):
         return None
+    except (DigestMismatchError, BadObjectMetaError) as exc:
+        raise CheckpointError(f"checkpoint {name} is corrupt: {exc}") from exc
     return buffer.getvalue()
 
 

@@ -15,6 +15,7 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, ObjectStoreConfig
 from nats.js.errors import DigestMismatchError, ObjectNotFoundError
 
+from bus.checkpoints import CheckpointError, read_object
 from bus.kv import ChunksMissingError, kv_history, list_objects, read_object_into
 from tests.helpers import uid
 
@@ -88,6 +89,29 @@ async def test_an_object_reads_whole_and_one_missing_torn_or_grown_is_refused(
     for name in ("gone", "never-put"):
         with pytest.raises(ObjectNotFoundError):
             await read_object_into(store, name, io.BytesIO())
+
+
+async def test_a_checkpoint_read_answers_gone_and_refuses_damaged_once_and_for_all(
+    js: JetStreamContext,
+) -> None:
+    """bus.checkpoints.read_object: a damaged object is a CheckpointError its caller answers
+    (a NatsError would be retried for ever), one deleted is None."""
+    bucket = uid("ckpt")
+    store = await js.create_object_store(bucket, config=ObjectStoreConfig())
+    data = os.urandom(300_000)
+    for name in ("whole", "torn", "grown", "gone"):
+        await store.put(name, data)
+    chunks = f"$O.{bucket}.C."
+    await js.purge_stream(f"OBJ_{bucket}", subject=chunks + (await store.get_info("torn")).nuid)
+    await js.publish(chunks + (await store.get_info("grown")).nuid, b"one chunk too many")
+    await store.delete("gone")
+    assert await read_object(store, "whole") == data
+    with pytest.raises(CheckpointError, match=r"torn is damaged: .*chunks end after 0 of"):
+        await read_object(store, "torn")
+    with pytest.raises(CheckpointError, match="grown is corrupt"):
+        await read_object(store, "grown")
+    assert await read_object(store, "gone") is None
+    assert await read_object(store, "never-put") is None
 
 
 async def test_reads_cancelled_at_random_moments_leave_nothing_behind(

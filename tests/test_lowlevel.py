@@ -230,6 +230,22 @@ async def test_pipelined_calls_apply_in_order_as_in_process_with_errors_states_a
         assert loaded.version == version and loaded.metrics["step"] == 4
         again = await training.forward(make_batch(99))
         assert again.loss == forward.loss
+        # A saved state whose object lost its chunks is answered as damaged, once (it was
+        # retried every round for ever); the session goes on.
+        await training.save_state("to-damage")
+        record, _ = await get_policy(
+            await bus.key_value(subjects.KV_POLICIES), tenant, training.session_id
+        )
+        assert record is not None
+        store = await bus.object_store(subjects.OBJ_CHECKPOINTS)
+        nuid = (await store.get_info(record.object_name)).nuid
+        await bus.purge_stream(
+            f"OBJ_{subjects.OBJ_CHECKPOINTS}", subject=f"$O.{subjects.OBJ_CHECKPOINTS}.C.{nuid}"
+        )
+        with pytest.raises(CallError, match=r"'to-damage' does not load: .* is damaged") as lost:
+            await asyncio.wait_for(training.load_state("to-damage"), 30)
+        assert not lost.value.retryable
+        assert (await training.forward(make_batch(99))).loss == forward.loss
 
         # Sampling from exactly the version saved for it, through an inferencer.
         sampling = await training.save_weights_and_get_sampling_client("for-sampler")

@@ -99,12 +99,17 @@ async def apply_now(
 ) -> CallResult | None:
     """Apply a call that needs no backbone to the session's slot (made resident). Returns
     its answer, or None for a ``save_state``, which the commit it asks for answers (with the
-    version). The call is counted as done either way, except when the broker does not
-    answer (``NatsError`` / ``TimeoutError`` are raised with nothing changed: triage tries
-    the call again next round)."""
+    version). The call is counted as done either way, a state that is gone or damaged
+    answered as such, except when the broker does not answer (``NatsError`` /
+    ``TimeoutError`` are raised with nothing changed: triage tries the call again next
+    round)."""
     state: bytes | None = None
+    damage = ""
     if isinstance(call, LoadState) and call.name in job.saved:
-        state = await _read_state(registry, job.saved[call.name])
+        try:
+            state = await _read_state(registry, job.saved[call.name])
+        except ckpt.CheckpointError as exc:  # rereading next round would find it as damaged
+            damage = str(exc)
     job.slot = slots.acquire([job.key])[0]
     job.batches_done = call.call + 1
     match call:
@@ -142,6 +147,8 @@ async def apply_now(
                 return result(
                     job, call, error=f"name: no state {call.name!r} was saved (saved: {known})"
                 )
+            if damage:
+                return result(job, call, error=f"state {call.name!r} does not load: {damage}")
             if state is None:
                 return result(job, call, error=f"state {call.name!r} ({name}) is gone")
             try:
