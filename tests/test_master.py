@@ -21,17 +21,17 @@ from bus.codec import decode, encode
 from bus.connect import connect
 from bus.datasets import register_path
 from bus.declare import declare
-from bus.errors import PoisonError
+from bus.errors import PoisonError, RetryableError
 from bus.publish import publish_event
-from bus.records import put_job
+from bus.records import put_job, put_policy
 from bus.server import EmbeddedServer
 from schemas import headers, subjects
-from schemas.events import EVENT_DECODER, Accepted, Rejected, StateChanged
-from schemas.jobs import JobRecord, JobSubmit
+from schemas.events import EVENT_DECODER, Accepted, PolicyPublished, Rejected, StateChanged
+from schemas.jobs import JobCancel, JobRecord, JobSubmit
 from schemas.limits import InputLimits
 from schemas.model import HeadConfig, OptimizerConfig
 from schemas.specs import EvalJobSpec, parse_job_spec
-from schemas.train import OpenSlot, PolicyRecord
+from schemas.train import TRAIN_DECODER, CloseSlot, OpenSlot, PolicyRecord
 from services.envs.datasets import record
 from services.envs.describe import Describer
 from services.envs.sims import REACH2D_ID
@@ -410,3 +410,93 @@ async def test_an_eval_on_a_dataset_checks_the_policys_head_and_the_held_out_spl
     one = spec.model_copy(update={"dataset": "one"})
     with pytest.raises(PoisonError, match=r"^val_fraction: 0\.2 of dataset one's 1 episodes "):
         await compile_eval("ev", one, policy(2), datasets)
+
+
+def _rl_pipeline(tenant: str, stages: int) -> bytes:
+    stage = json.loads(_rl_spec(tenant))
+    return json.dumps({"kind": "pipeline", "tenant": tenant, "stages": [stage] * stages}).encode()
+
+
+async def _submit_pipeline(own_nc: NATS, master: Master, tenant: str, job: str) -> None:
+    data = encode(JobSubmit(tenant, job, _rl_pipeline(tenant, 3), 0.0))
+    await master.handle(Msg(own_nc, subject=subjects.job(tenant, "submit"), data=data))
+
+
+async def _status(master: Master, tenant: str, job: str) -> str | None:
+    found = await master.record(tenant, job)
+    return None if found is None else found[0].status
+
+
+async def test_a_stages_end_handled_again_after_a_failure_starts_the_next_stage_once(
+    own_nc: NATS, own_js: JetStreamContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage's final policy event recorded the stage succeeded, then starting the next
+    stage failed (a bus error): the event is redelivered, and the next stage must start
+    (the redelivery found the stage ended and did nothing: the pipeline ran for ever)."""
+    tenant, job = uid("acme"), "p"
+    describer = Describer()
+    await describer.subscribe(own_nc)
+    master = await _master(own_js)
+    try:
+        await _submit_pipeline(own_nc, master, tenant, job)
+        assert await _status(master, tenant, "p-s0") == "running"
+        # What the trainer commits before the final policy event (the next stage's init).
+        opened = await own_js.pull_subscribe(subjects.train("tiny", tenant), durable=uid("o"))
+        (slot,) = [decode(TRAIN_DECODER, m.data) for m in await opened.fetch(1, timeout=5)]
+        assert isinstance(slot, OpenSlot) and slot.job_id == "p-s0"
+        trained = PolicyRecord(tenant, "p-s0", 3, 3, "obj", "sha", 1, slot, 1.0)
+        await put_policy(await own_js.key_value(subjects.KV_POLICIES), trained, last=0)
+        real_accept = master.accept
+        failures: list[str] = []
+
+        async def accept_fails_once(job_id: str, *args: Any, **kw: Any) -> None:
+            if not failures:
+                failures.append(job_id)
+                raise RetryableError("the bus did not answer")
+            await real_accept(job_id, *args, **kw)
+
+        monkeypatch.setattr(master, "accept", accept_fails_once)
+        final = PolicyPublished(tenant, "p-s0", 3, "obj", 3, 1.0, final=True)
+        with pytest.raises(RetryableError):
+            await master.handle_event(Msg(own_nc, subject="ev", data=encode(final)))
+        assert failures == ["p-s1"]
+        assert await _status(master, tenant, "p-s0") == "succeeded"
+        assert await _status(master, tenant, "p-s1") is None
+        for _ in range(2):  # the redelivery, and one more: nothing twice
+            await master.handle_event(Msg(own_nc, subject="ev", data=encode(final)))
+        assert await _status(master, tenant, "p-s1") == "running"
+        assert await _stored(own_js, subjects.event(tenant, "p-s0", "state")) == 2
+        assert await _stored(own_js, subjects.event(tenant, "p-s1", "accepted")) == 1
+        assert await _status(master, tenant, "p-s2") is None
+    finally:
+        await describer.close()
+
+
+async def test_a_cancelled_pipeline_cancels_its_running_stage_and_starts_no_other(
+    own_nc: NATS, own_js: JetStreamContext
+) -> None:
+    """Cancelling a pipeline cancelled only its own record: its stage ran on (its services
+    follow the stage's record) and, when it ended, the next stage started."""
+    tenant, job = uid("acme"), "p"
+    describer = Describer()
+    await describer.subscribe(own_nc)
+    master = await _master(own_js)
+    try:
+        await _submit_pipeline(own_nc, master, tenant, job)
+        closes = await own_js.pull_subscribe(subjects.train("tiny", tenant), durable=uid("closes"))
+        await master.cancel(JobCancel(tenant, job, "enough"))
+        assert await _status(master, tenant, job) == "cancelled"
+        found = await master.record(tenant, "p-s0")
+        assert found is not None and found[0].status == "cancelled"
+        assert found[0].reason == "its pipeline p cancelled"
+        sent = [decode(TRAIN_DECODER, m.data) for m in await closes.fetch(10, timeout=5)]
+        assert [c for c in sent if isinstance(c, CloseSlot)] == [
+            CloseSlot(tenant, "p-s0", "cancelled")
+        ]
+        # The stage's final policy arriving after the cancel changes nothing.
+        final = PolicyPublished(tenant, "p-s0", 3, "obj", 3, 1.0, final=True)
+        await master.handle_event(Msg(own_nc, subject="ev", data=encode(final)))
+        assert await _status(master, tenant, "p-s0") == "cancelled"
+        assert await _status(master, tenant, "p-s1") is None
+    finally:
+        await describer.close()

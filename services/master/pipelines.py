@@ -1,7 +1,8 @@
 """Pipelines: a job of stages run one after another, each stage a child job of its own
 (``<pipeline id>-s<index>``) that starts from the policy the stage before it trained (an
 eval stage passes on the policy it evaluated). The pipeline ends with its last stage, or
-fails with the first stage that does not succeed.
+fails with the first stage that does not succeed. A pipeline cancelled or failed ends its
+unfinished stages with it (a stage's services follow the stage's record, not the pipeline's).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from bus.errors import PoisonError
 from schemas.ids import MAX_ID_CHARS
-from schemas.jobs import JobRecord
+from schemas.jobs import TERMINAL_STATUSES, JobRecord
 from schemas.specs import EvalJobSpec, PipelineSpec, RLJobSpec, SFTJobSpec, parse_job_spec
 
 if TYPE_CHECKING:
@@ -85,7 +86,27 @@ async def advance_pipeline(master: Master, child: JobRecord) -> None:
             policy_version=child.policy_version,
         )
         return
+    if parent.status in TERMINAL_STATUSES:
+        return  # cancelled meanwhile (its stages with it): no stage after this one
+    following = await master.record(child.tenant, stage_id(parent.job_id, index + 1))
+    if following is not None and following[0].status != "accepted":
+        return  # started already (this stage's end handled again)
     trained = child.job_id
     if child.kind == "eval":  # an eval stage passes on the policy it evaluated
         trained = parse_job_spec(child.spec_json).policy_job  # type: ignore[union-attr]
     await start_stage(master, parent.job_id, spec, index + 1, previous=trained)
+
+
+async def end_stages(
+    master: Master, tenant: str, pipeline_id: str, spec: PipelineSpec, reason: str
+) -> None:
+    """The pipeline ended ``reason`` (cancelled, failed): so do its unfinished stages."""
+    for index in range(len(spec.stages)):
+        child = stage_id(pipeline_id, index)
+        found = await master.record(tenant, child)
+        if found is None or found[0].status in TERMINAL_STATUSES:
+            continue
+        if await master.transition(
+            tenant, child, "cancelled", reason=f"its pipeline {pipeline_id} {reason}"
+        ):
+            await master.close_slot(tenant, child, "cancelled")

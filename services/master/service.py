@@ -72,7 +72,7 @@ from services.master.limits import (
     check_spec_bounds,
 )
 from services.master.pacing import Pacer
-from services.master.pipelines import advance_pipeline, check_stage_ids, start_stage
+from services.master.pipelines import advance_pipeline, check_stage_ids, end_stages, start_stage
 from services.master.plans import (
     Datasets,
     Plan,
@@ -304,13 +304,21 @@ class Master:
         metrics: dict[str, float] | None = None,
         policy_version: int | None = None,
     ) -> JobRecord | None:
-        """Move a job's state (compare-and-set on its KV revision); terminal states stick."""
+        """Move a job's state (compare-and-set on its KV revision); terminal states stick.
+
+        Returns the record, or None where the job had ended otherwise. Entering the terminal
+        state it is in already is its handler run again after a failure past the record's
+        write (its event redelivered): what follows the write is done again (each step is
+        idempotent), so a lost ``StateChanged`` or a pipeline's next stage is not lost."""
         found = await self.record(tenant, job_id)
         if found is None:
             raise PoisonError(f"unknown job {tenant}/{job_id}")
         record, revision = found
         if record.status in TERMINAL_STATUSES:
-            return None
+            if record.status != status:
+                return None
+            await self._entered(record, reason)
+            return record
         updated = msgspec.structs.replace(
             record,
             status=status,
@@ -320,15 +328,20 @@ class Master:
             policy_version=record.policy_version if policy_version is None else policy_version,
         )
         await put_job(self.jobs, updated, last=revision)
-        self.admissions.noted(tenant, job_id, status, record.created_at)
         if status != record.status:
             # A job enters each status once (accepted -> running -> a terminal one).
-            await publish_event(
-                self.js, StateChanged(tenant, job_id, status, updated.updated_at, reason), status
-            )
-            if status in TERMINAL_STATUSES and updated.parent:
-                await advance_pipeline(self, updated)
+            await self._entered(updated, reason)
         return updated
+
+    async def _entered(self, record: JobRecord, reason: str) -> None:
+        """What follows a job's entering ``record.status``."""
+        tenant, job_id, status = record.tenant, record.job_id, record.status
+        self.admissions.noted(tenant, job_id, status, record.created_at)
+        await publish_event(
+            self.js, StateChanged(tenant, job_id, status, record.updated_at, reason), status
+        )
+        if status in TERMINAL_STATUSES and record.parent:
+            await advance_pipeline(self, record)
 
     async def close_slot(self, tenant: str, job_id: str, reason: str) -> None:
         found = await self.record(tenant, job_id)
@@ -342,6 +355,8 @@ class Master:
                 CloseSlot(tenant, job_id, reason),
                 message_id=msg_id("close", tenant, job_id),
             )
+        elif isinstance(spec, PipelineSpec):
+            await end_stages(self, tenant, job_id, spec, reason)
 
     async def handle_event(self, msg: Msg) -> None:
         """Follow the trainer's and env workers' events of running jobs."""
@@ -366,8 +381,8 @@ class Master:
 
     async def on_policy(self, event: PolicyPublished) -> None:
         found = await self.record(event.tenant, event.job_id)
-        if found is None or found[0].status in TERMINAL_STATUSES:
-            return
+        if found is None or (found[0].status in TERMINAL_STATUSES and not event.final):
+            return  # (a final one again may be a redelivery after a failure: transition redoes)
         policy = await self.policy_record(event.tenant, event.job_id)
         metrics = dict(policy.metrics) if policy else None
         if event.final:
