@@ -53,9 +53,10 @@ async def put_checkpoint(store: ObjectStore, name: str, data: bytes) -> None:
 async def read_object(store: ObjectStore, name: str) -> bytes | None:
     """An object's bytes (the object store checks its own digest); None if it is gone.
 
-    :class:`CheckpointError` when it is damaged: its chunks missing on a second read too
-    (the first may have raced a deletion, after which the object reads as gone), or not
-    matching its metadata. Retrying cannot mend either, so the caller answers instead."""
+    :class:`CheckpointError` when it is damaged: its chunks missing (by the stream leader's
+    word) on a second read too (the first may have raced a deletion, after which the object
+    reads as gone), or not matching its metadata. Retrying cannot mend either, so the
+    caller answers instead."""
     try:
         return await _read_whole(store, name)
     except ChunksMissingError:
@@ -81,22 +82,16 @@ async def get_checkpoint(
     store: ObjectStore, name: str, sha256: str, timeout_s: float = READ_TIMEOUT_S
 ) -> bytes:
     """Read a checkpoint (streamed into one buffer, avoiding nats.py's quadratic
-    concatenation) and verify its digest. :class:`CheckpointError` for a missing or corrupt
-    one; ``TimeoutError`` after ``timeout_s``."""
-    buffer = io.BytesIO()
+    concatenation) and verify its digest. :class:`CheckpointError` for a missing, damaged or
+    corrupt one; ``TimeoutError`` after ``timeout_s``."""
     try:
         # Each chunk is one request with its own deadline; this bounds the whole read (a
         # large checkpoint on a slow server). A cancelled read leaves nothing behind.
-        await asyncio.wait_for(read_object_into(store, name, buffer), timeout_s)
-    except (ObjectNotFoundError, NotFoundError) as exc:
-        raise CheckpointError(f"checkpoint {name} not found") from exc
-    except (DigestMismatchError, BadObjectMetaError) as exc:
-        raise CheckpointError(f"checkpoint {name} is corrupt: {exc}") from exc
+        data = await asyncio.wait_for(read_object(store, name), timeout_s)
     except TimeoutError as exc:
-        raise TimeoutError(
-            f"checkpoint {name} not read within {timeout_s:g}s (its chunks may be gone)"
-        ) from exc
-    data = buffer.getvalue()
+        raise TimeoutError(f"checkpoint {name} not read within {timeout_s:g}s") from exc
+    if data is None:
+        raise CheckpointError(f"checkpoint {name} not found")
     if digest(data) != sha256:
         raise CheckpointError(f"checkpoint {name} does not match its recorded sha256")
     return data

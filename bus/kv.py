@@ -67,8 +67,8 @@ async def kv_values(js: JetStreamContext, bucket: str, prefix: str = "") -> dict
 
 
 class ChunksMissingError(NatsError):
-    """An object's metadata names chunks its stream no longer holds: the object was deleted
-    (or lost) while it was read. Reading it again may find it whole, or gone."""
+    """An object's metadata names chunks its stream (its leader) no longer holds: the object
+    was deleted while it was read (reading it again finds it gone), or it is damaged."""
 
 
 async def kv_history(kv: KeyValue, key: str) -> list[KeyValue.Entry]:
@@ -172,6 +172,13 @@ async def _next_chunk(
 ) -> RawStreamMsg | None:
     try:
         return await js.get_msg(stream, seq=seq, subject=subject, next=True, direct=True)
+    except NotFoundError:
+        pass
+    # A direct get may be answered by a replica that has not caught up yet (a cluster's R3
+    # streams): "no more chunks" is the leader's word, so a read never calls an object
+    # damaged that is only not replicated everywhere yet.
+    try:
+        return await js.get_msg(stream, seq=seq, subject=subject, next=True, direct=False)
     except NotFoundError:
         return None
 

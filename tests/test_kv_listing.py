@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, ObjectStoreConfig
 from nats.js.errors import DigestMismatchError, ObjectNotFoundError
 
-from bus.checkpoints import CheckpointError, read_object
+from bus.checkpoints import CheckpointError, digest, get_checkpoint, read_object
 from bus.kv import ChunksMissingError, kv_history, list_objects, read_object_into
 from tests.helpers import uid
 
@@ -95,7 +95,7 @@ async def test_a_checkpoint_read_answers_gone_and_refuses_damaged_once_and_for_a
     js: JetStreamContext,
 ) -> None:
     """bus.checkpoints.read_object: a damaged object is a CheckpointError its caller answers
-    (a NatsError would be retried for ever), one deleted is None."""
+    (a NatsError would be retried for ever), one deleted is None; get_checkpoint likewise."""
     bucket = uid("ckpt")
     store = await js.create_object_store(bucket, config=ObjectStoreConfig())
     data = os.urandom(300_000)
@@ -112,6 +112,17 @@ async def test_a_checkpoint_read_answers_gone_and_refuses_damaged_once_and_for_a
         await read_object(store, "grown")
     assert await read_object(store, "gone") is None
     assert await read_object(store, "never-put") is None
+    # A checkpoint read (the trainer's restore, the inferencer's load) says the same, where
+    # a missing chunk was a NatsError: retried by the trainer every round for ever.
+    assert await get_checkpoint(store, "whole", digest(data)) == data
+    with pytest.raises(CheckpointError, match="does not match its recorded sha256"):
+        await get_checkpoint(store, "whole", digest(b"other"))
+    with pytest.raises(CheckpointError, match="torn is damaged"):
+        await get_checkpoint(store, "torn", digest(data))
+    with pytest.raises(CheckpointError, match="grown is corrupt"):
+        await get_checkpoint(store, "grown", digest(data))
+    with pytest.raises(CheckpointError, match="gone not found"):
+        await get_checkpoint(store, "gone", digest(data))
 
 
 async def test_reads_cancelled_at_random_moments_leave_nothing_behind(
