@@ -41,6 +41,7 @@ from schemas.tenantctl import (
     PART_BYTES,
     AddDataset,
     ExportBytes,
+    ExportPolicy,
     PartStored,
     PlanDataset,
     PutDatasetPart,
@@ -367,3 +368,18 @@ async def test_an_export_is_read_back_in_parts_and_matches_the_checkpoint(
     with pytest.raises(RequestError, match="no exported policy policies/j2/v1") as missing:
         await client.request(tenant, ReadExport(tenant, "policies/j2/v1", 0))
     assert missing.value.code == "not_found"
+
+
+async def test_an_export_past_the_tenants_storage_limit_is_refused_naming_the_limit(
+    client: Client, tmp_path: Path
+) -> None:
+    """It was answered 'unavailable: the bus did not answer' (retryable), which no retry
+    mends."""
+    tenant, job = uid("small"), "j1"
+    await client.js.create_object_store(bucket=subjects.tenant_bucket(tenant), max_bytes=4096)
+    await _committed_policy(client, tenant, job, os.urandom(3 * 4096))
+    with pytest.raises(RequestError, match=r"policies/j1/v1: .*refused it: .*storage limit"):
+        await client.export_policy(tenant, job, out_dir=tmp_path)
+    with pytest.raises(RequestError) as full:
+        await client.request(tenant, ExportPolicy(tenant, job))
+    assert full.value.code == "invalid" and not full.value.retryable

@@ -303,7 +303,7 @@ class Queries:
             return CtlError("not_found", f"version {version} of job {job_id!r}: {exc}")
         bucket = await self.transfer.store(tenant)
         name = policy_object(job_id, version)
-        await bucket.put(name, data)
+        await self.transfer.put_object(bucket, tenant, name, name, data)
         return PolicyExported(
             subjects.tenant_bucket(tenant), name, job_id, version, digest(data), len(data)
         )

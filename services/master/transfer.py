@@ -259,7 +259,7 @@ class Transfer:
         if index < parts - 1:
             # One chunk per part: the join then reads each with a single request.
             name = part_object(dataset, entry.sha256, index)
-            await self._put(store, request.tenant, path, name, request.data, chunk=PART_BYTES)
+            await self.put_object(store, request.tenant, path, name, request.data, chunk=PART_BYTES)
             return PartStored(path, index, complete=False)
         await self._join(store, request.tenant, dataset, entry, request.data)
         return PartStored(path, index, complete=True)
@@ -306,7 +306,9 @@ class Transfer:
                     f"pushed file's {entry.sha256[:16]}… ({entry.size} bytes)"
                 )
             joined.seek(0)
-            await self._put(store, tenant, entry.path, prefix_of(dataset) + entry.path, joined)
+            await self.put_object(
+                store, tenant, entry.path, prefix_of(dataset) + entry.path, joined
+            )
         log.info("push of %s/%s: %s stored (%d bytes)", tenant, dataset, entry.path, size)
 
     async def _read_part(self, store: ObjectStore, bucket: str, name: str) -> bytes:
@@ -326,7 +328,7 @@ class Transfer:
             raise DatasetStoreError(f"{name}: object does not match its own digest")
         return data
 
-    async def _put(
+    async def put_object(
         self,
         store: ObjectStore,
         tenant: str,
@@ -379,7 +381,7 @@ class Transfer:
             # copy already materialised is used (not one more copy per request).
             return
         manifest = encode_manifest(DatasetManifest(dataset, files, time.time()))
-        await self._put(store, request.tenant, MANIFEST, prefix + MANIFEST, manifest)
+        await self.put_object(store, request.tenant, MANIFEST, prefix + MANIFEST, manifest)
 
     # -- policy downloads -------------------------------------------------------------------
 
