@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 from nats.errors import Error as NatsError
 
-from bus.codec import decode, encode
+from bus.codec import DecodeError, decode, encode
 from clients.calls import AdamParams, CallError, CallOutput, SessionClosed, VLABatch
 from clients.errors import RequestError
 from clients.follow import EventFollower
@@ -440,11 +440,24 @@ class TrainingClient:
                     stored = await follower.next(3600.0)
                 except TimeoutError:
                     continue
-                except (RequestError, NatsError) as exc:
+                except RequestError as exc:
+                    if not exc.retryable:  # e.g. the tenant revoked: no answer can come
+                        reason = f"session {self.session_id}: events unreadable: {exc}"
+                        self._fail_all(SessionClosed(reason, call=-1, retryable=False))
+                        self._ended.set()
+                        return
                     log.warning("session %s: events unreadable (%s)", self.session_id, exc)
                     await asyncio.sleep(1.0)
                     continue
-                event = decode(EVENT_DECODER, stored.data)
+                except NatsError as exc:
+                    log.warning("session %s: events unreadable (%s)", self.session_id, exc)
+                    await asyncio.sleep(1.0)
+                    continue
+                try:
+                    event = decode(EVENT_DECODER, stored.data)
+                except DecodeError as exc:  # not one of ours (a newer kind): not for a call
+                    log.warning("session %s: an event skipped: %s", self.session_id, exc)
+                    continue
                 match event:
                     case CallResult():
                         self._answer(event)

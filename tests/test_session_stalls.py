@@ -8,6 +8,7 @@ import asyncio
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from bench.lowlevel import make_batch
@@ -17,14 +18,14 @@ from bus.declare import declare
 from bus.publish import wire_size
 from bus.server import EmbeddedServer
 from clients.errors import RequestError
-from clients.lowlevel import MAX_UNANSWERED, CallError, ServiceClient, VLABatch
+from clients.lowlevel import MAX_UNANSWERED, CallError, ServiceClient, SessionClosed, VLABatch
 from schemas import subjects
 from schemas.tenantctl import CallSession
 from schemas.tenants import TenantLimits, TenantRecord
 from schemas.tensor import Tensor
 from schemas.train import ForwardBackward, OptimStep
 from tests.conftest import Procs
-from tests.helpers import start_service, uid
+from tests.helpers import eventually, start_service, uid
 from tests.test_lowlevel import HEAD, TOKEN_BUDGET
 
 
@@ -145,3 +146,36 @@ async def test_a_session_not_open_in_time_is_closed_and_calls_past_max_calls_are
             await service.client.request(tenant, CallSession(tenant, "capped", past))
     finally:
         await service.close()
+
+
+@pytest.mark.timeout(120)
+async def test_a_session_whose_tenant_is_revoked_fails_its_waiting_calls_at_once(
+    fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
+) -> None:
+    """The client's event follower took the master's "unknown tenant" (not retryable) for a
+    passing error and asked again every second for ever: calls waiting for an answer hung
+    until a lease renewal found the tenant gone (a third of ``lease_s``, 100 s here)."""
+    tenant = uid("ll")
+    record = TenantRecord(tenant, "U" + "A" * 55, time.time(), TenantLimits(4))
+    nc = await connect(fresh_server.url)
+    await declare(nc.jetstream())
+    tenants = await nc.jetstream().key_value(subjects.KV_TENANTS)
+    await tenants.put(tenant, encode(record))
+    procs.add(start_service("master", fresh_server.url, tmp_path / "master.log"))
+    service = await ServiceClient.connect(fresh_server.url, tenant=tenant)
+    try:
+        training = await service.create_training_client(head=HEAD, lease_s=300.0)
+        waiting = training.optim_step()  # no trainer runs: no answer comes
+        queue = subjects.train("tiny", tenant)
+
+        async def queued() -> bool:
+            info = await nc.jetstream().stream_info(subjects.STREAM_TRAIN, subjects_filter=queue)
+            return (info.state.subjects or {}).get(queue, 0) >= 2  # the OpenSlot and the call
+
+        await eventually(queued, timeout=20, what="the call queued")
+        await tenants.put(tenant, encode(msgspec.structs.replace(record, revoked=True)))
+        with pytest.raises(SessionClosed, match=r"events unreadable: .*unknown tenant"):
+            await asyncio.wait_for(waiting, 30)
+    finally:
+        await service.close()
+        await nc.close()
