@@ -193,3 +193,50 @@ def test_the_launcher_runs_the_backbone_role_and_head_only_roles_when_asked(
         assert "--backbone-service" in split.args_of(role, served)
     backbone_args = split.args_of("backbone", served)
     assert "--backbone-service" not in backbone_args and "--backbone-id" in backbone_args
+
+
+@pytest.mark.timeout(120)
+async def test_an_answer_the_feature_bucket_refuses_is_a_retryable_refusal_not_a_crash(
+    tmp_path: Path, procs: Procs
+) -> None:
+    """An answer over max_payload goes through the feature bucket; a bucket that refused it
+    (full here; a slow or leaderless store alike) crashed the role, answering no one."""
+    server = EmbeddedServer(tmp_path / "nats", max_payload=128 * 1024).start()
+    nc = await connect(server.url)
+    try:
+        js = nc.jetstream()
+        await declare(js)
+        await js.create_object_store(subjects.feature_bucket("tiny"), max_bytes=1024)
+        backbone = Backbone.load("tiny")
+        client = FeatureClient(nc, js, asyncio.get_running_loop(), "tiny", timeout_s=5)
+        proc = procs.add(start_service("backbone", server.url, tmp_path / "backbone.log"))
+
+        def ask(inputs: ModelInputs) -> Awaitable[FeatureRecord]:
+            ids = [str(i) for i in range(inputs.batch_size)]
+            return client.request(to_encode_request(inputs, backbone.feature_layer, ids))
+
+        async def answered() -> bool:
+            client._unavailable_until = 0.0
+            try:
+                await ask(inputs_of(backbone, 1))
+            except BackboneUnavailable:
+                return False
+            return True
+
+        await eventually(answered, timeout=60, what="the backbone role answering")
+        # Long instructions under a large token budget: a small request (inline), an answer
+        # of ~140 KiB of features, more than one message holds.
+        rng = np.random.default_rng(0)
+        size = backbone.image_size
+        wordy = Normaliser(backbone, 1, 256).normalise_arrays(
+            rng.integers(0, 255, (1, 1, size, size, 3), dtype=np.uint8),
+            [" ".join(["push the block"] * 400)],
+            rng.standard_normal((1, 4)).astype(np.float32),
+        )
+        with pytest.raises(BackboneUnavailable, match="the feature bucket refused it"):
+            await ask(wordy)
+        assert proc.poll() is None
+        assert isinstance(await ask(inputs_of(backbone, 2)), FeatureRecord)  # still serving
+    finally:
+        await nc.close()
+        server.kill()

@@ -11,7 +11,8 @@ messages back), so a killed backbone loses nothing accepted.
 
 A request that can never succeed (another backbone or layer, a malformed tensor) is answered
 with a non-retryable :class:`~schemas.feature.EncodeError` naming the field; one that comes
-while the role stops, with a retryable one.
+while the role stops, or whose answer could not be stored (the feature bucket not answering),
+with a retryable one.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from schemas.feature import (
     EncodeError,
 )
 from vla.backbone import Backbone
-from vla.feature import CompatKey, ModelInputs
+from vla.feature import CompatKey, ModelInputs, VLAFeature
 from vla.grouping import encode_each
 from vla.wire import FeatureOrigin, FeatureRecordError, from_encode_request, to_record
 
@@ -130,28 +131,41 @@ class EncodeServer:
         by_key: dict[CompatKey, list[_Pending]] = {}
         for pending in batch:
             by_key.setdefault(pending.inputs.key, []).append(pending)
-        for key, group in by_key.items():
+        groups = list(by_key.items())
+        for index, (key, group) in enumerate(groups):
             t0 = time.perf_counter()
             try:
                 features = await self.rt.slow(encode_each, self.backbone, [p.inputs for p in group])
-            except ServiceStopping:
-                await self.refuse_stopping(group)
+            except ServiceStopping:  # this group and those after it are answered: retry
+                await self.refuse_stopping([p for _, later in groups[index:] for p in later])
                 raise
             self.busy_s += time.perf_counter() - t0
             self.forwards += 1
             origin = FeatureOrigin(key, self.backbone.feature_layer)
             for pending, feature in zip(group, features, strict=True):
-                if isinstance(feature, Exception):
-                    self.refused += 1
-                    reply = encode(EncodeError(f"encode failed: {feature}", retryable=False))
-                else:
-                    record = to_record(feature, origin, pending.sample_ids)
-                    reply = await pack_transient(
-                        self.rt.js, record, self.bid, self.rt.nc.max_payload
-                    )
-                    self.requests += 1
-                    self.samples += pending.inputs.batch_size
-                await self.answer(pending.msg, reply)
+                await self.answer(pending.msg, await self.reply(pending, feature, origin))
+
+    async def reply(
+        self, pending: _Pending, feature: VLAFeature | Exception, origin: FeatureOrigin
+    ) -> bytes:
+        """The answer to one request: its record (by reference when it does not fit one
+        message), or why not. A fault of the request's tensors is answered for good; any
+        other (a device out of memory, the feature bucket not answering) may pass, so the
+        requester retries, as it would a forward of its own."""
+        if isinstance(feature, Exception):
+            self.refused += 1
+            retryable = not isinstance(feature, ValueError | TypeError | IndexError | KeyError)
+            return encode(EncodeError(f"encode failed: {feature}", retryable=retryable))
+        record = to_record(feature, origin, pending.sample_ids)
+        try:
+            data = await pack_transient(self.rt.js, record, self.bid, self.rt.nc.max_payload)
+        except (NatsError, TimeoutError) as exc:  # it crashed the role, answering no one
+            self.refused += 1
+            message = f"the answer did not fit one message and the feature bucket refused it: {exc}"
+            return encode(EncodeError(message, retryable=True))
+        self.requests += 1
+        self.samples += pending.inputs.batch_size
+        return data
 
     async def refuse_stopping(self, pending: list[_Pending]) -> None:
         stopping = encode(EncodeError("the backbone is stopping; retry", retryable=True))
