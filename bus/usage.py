@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -136,6 +137,11 @@ class UsageReporter:
     every_s: float = REPORT_EVERY_S
     seq: int = 0
     reported_busy: float = 0.0
+    #: This process's own token in the reports' msg ids: a restarted role may have the same
+    #: instance name (a container restarted in place keeps its hostname, and its pid is 1)
+    #: and counts ``seq`` from 1 again, and the server would drop its first reports as
+    #: duplicates of the last run's within the duplicate window.
+    run: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     def __post_init__(self) -> None:
         self.reported_busy = self.busy()
@@ -165,7 +171,7 @@ class UsageReporter:
                 self.js,
                 subjects.usage(self.service, self.instance),
                 report,
-                message_id=msg_id("usage", self.instance, seq),
+                message_id=msg_id("usage", self.instance, self.run, seq),
                 timeout=timeout,
             )
         except (NatsError, TimeoutError) as exc:

@@ -19,7 +19,7 @@ from bench.usage import as_document, parse_since, render
 from bus.connect import connect
 from bus.declare import declare
 from bus.server import EmbeddedServer
-from bus.usage import Bill, UsageMeter, _report, read_bill
+from bus.usage import Bill, UsageMeter, UsageReporter, _report, read_bill
 from clients.sdk import Client
 from tests.conftest import Procs
 from tests.helpers import joynexus, print_log_tails, start_service, uid
@@ -196,3 +196,29 @@ async def test_two_tenants_usage_is_reported_and_reconciles_with_the_services_bu
     print(out.stdout, table.stdout)
     assert table.returncode == 0, table.stderr
     assert rl_tenant in table.stdout and sft_tenant not in table.stdout
+
+
+async def test_a_restarted_role_of_the_same_instance_name_is_billed_for_its_first_reports(
+    tmp_path: Path,
+) -> None:
+    """A container restarted in place keeps its hostname and pid 1, so its instance name,
+    and counts reports from 1 again: the server took its first reports for duplicates of
+    the last run's (the same msg ids within the duplicate window) and dropped them."""
+    server = EmbeddedServer(tmp_path / "nats").start()
+    nc = await connect(server.url)
+    try:
+        js = nc.jetstream()
+        await declare(js)
+        tenant = uid("acme")
+        for run in range(2):  # the role, then its restart
+            meter = UsageMeter()
+            meter.charge(tenant, "j1", samples=10 + run)
+            reporter = UsageReporter(js, "trainer", "trainer-host-1", meter, lambda: 0.0)
+            await reporter.report()
+            assert reporter.seq == 1
+        bill = await read_bill(js, tenant=tenant)
+        assert bill.reports == 2
+        assert bill.by_job[(tenant, "j1", "trainer")].samples == 21
+    finally:
+        await nc.close()
+        server.kill()
