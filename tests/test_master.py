@@ -271,6 +271,8 @@ async def test_another_submits_refusal_leaves_an_accepted_job_alone(
     await master.on_dead(stored, "job id 's-1' is already used by another job", ValueError())
     found = await master.record(tenant, job)
     assert found is not None and found[0].status == "accepted"
+    # Nor is it told on that job's events, where a ``rejected`` would end its followers.
+    assert await _stored(own_js, subjects.event(tenant, job, "rejected")) == 0
 
 
 async def test_a_queued_job_that_cannot_be_started_fails_and_the_next_one_starts(

@@ -19,12 +19,13 @@ from nats.js import JetStreamContext
 from bus.codec import decode, encode
 from bus.connect import connect
 from bus.declare import declare
+from bus.records import put_job
 from bus.server import EmbeddedServer
 from clients.follow import EventFollower
 from clients.sdk import Client, RequestError
 from schemas import subjects
 from schemas.events import EVENT_DECODER, Progress
-from schemas.jobs import JOB_COMMAND_DECODER, JobCancel, JobSubmit
+from schemas.jobs import JOB_COMMAND_DECODER, JobCancel, JobRecord, JobSubmit
 from schemas.tenantctl import (
     TENANT_REPLY_DECODER,
     CancelJob,
@@ -73,6 +74,26 @@ async def test_submit_and_cancel_are_queued_on_jobs_once(stack: tuple[NATS, Clie
     with pytest.raises(RequestError, match="job id") as bad:
         await client.request(tenant, SubmitJob(tenant, "no spaces allowed", b"{}"))
     assert bad.value.code == "invalid"
+
+
+async def test_a_submit_under_a_recorded_jobs_id_with_another_spec_is_refused_at_once(
+    stack: tuple[NATS, Client],
+) -> None:
+    """It was queued; within the duplicate window it was dropped as the first submit (the
+    caller then followed the other job), after it the master refused it on the recorded
+    job's own event subject (ending that job's followers with ``rejected``)."""
+    nc, client = stack
+    tenant, job = uid("acme"), "exp1"
+    spec = b'{"kind": "sft"}'
+    record = JobRecord(tenant, job, "sft", "running", spec, 1.0, 1.0)
+    await put_job(await nc.jetstream().key_value(subjects.KV_JOBS), record, last=0)
+    with pytest.raises(
+        RequestError, match=r"'exp1' is already used by another job .*new id"
+    ) as used:
+        await client.request(tenant, SubmitJob(tenant, job, b'{"kind": "sft", "seed": 7}'))
+    assert used.value.code == "invalid" and not used.value.retryable
+    same = await client.request(tenant, SubmitJob(tenant, job, spec))  # the same submit again
+    assert isinstance(same, Queued)
 
 
 async def test_events_are_read_in_pages_of_the_tenants_own_job_only(

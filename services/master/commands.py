@@ -98,9 +98,25 @@ async def answer_refused(master: Master, msg: Msg, reason: str) -> None:
     except InvalidIdError:
         log.warning("rejected unattributable job command on %s: %s", msg.subject, reason)
         return
+    if await _anothers_job(master, tenant, job_id, msg.data):
+        # Its events are that job's: a ``rejected`` among them would end its followers.
+        log.warning("refused a submit under %s/%s, another job's id: %s", tenant, job_id, reason)
+        return
     rejected = Rejected(tenant, job_id, reason, time.time())
     await publish_event(master.js, rejected, msg.metadata.sequence.stream)
     await _fail_unstarted(master, tenant, job_id, msg.data, reason)
+
+
+async def _anothers_job(master: Master, tenant: str, job_id: str, data: bytes) -> bool:
+    """Whether ``data`` is a submit whose job id a recorded job with another spec holds."""
+    try:
+        command = decode(JOB_COMMAND_DECODER, data)
+    except DecodeError:
+        return False
+    if not isinstance(command, JobSubmit):
+        return False
+    found = await master.record(tenant, job_id)
+    return found is not None and found[0].spec_json != command.spec_json
 
 
 async def _fail_unstarted(

@@ -17,6 +17,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from bus.publish import msg_id, publish
+from bus.records import get_job
 from schemas import headers, subjects
 from schemas.ids import validate_id
 from schemas.jobs import JobCancel, JobSubmit
@@ -46,9 +47,20 @@ class TenantJobs:
 
     async def command(self, request: SubmitJob | CancelJob) -> TenantReply:
         """Put the command on ``JOBS``; the master's consumer applies it like any other (a bad
-        spec is answered there, by a ``rejected`` event naming the field)."""
+        spec is answered there, by a ``rejected`` event naming the field). A submit under the
+        id of a recorded job with another spec is refused at once (the same spec again is the
+        same submit, answered as queued)."""
         tenant, job_id = request.tenant, validate_id(request.job_id, "job id")
         if isinstance(request, SubmitJob):
+            existing, _ = await get_job(await self.js.key_value(subjects.KV_JOBS), tenant, job_id)
+            if existing is not None and existing.spec_json != request.spec_json:
+                # Refused here, to its sender: refused on JOBS, it would be answered on the
+                # job's own event subject, where the live job's followers would read it.
+                return CtlError(
+                    "invalid",
+                    f"job id {job_id!r} is already used by another job of tenant {tenant} "
+                    f"({existing.kind}, {existing.status}): submit under a new id",
+                )
             verb = "submit"
             command: JobSubmit | JobCancel = JobSubmit(
                 tenant, job_id, request.spec_json, time.time()
