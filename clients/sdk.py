@@ -355,9 +355,13 @@ class Client:
         tenant = tenant or self.tenant
         if tenant is None:
             return await list_jobs(self.js)
-        reply = await self.request(tenant, ListJobs(tenant))
-        assert isinstance(reply, JobsReply)
-        return reply.records
+        records: list[JobRecord] = []
+        while True:
+            reply = await self.request(tenant, ListJobs(tenant, len(records)))
+            assert isinstance(reply, JobsReply)
+            records += reply.records
+            if not reply.next_offset or not reply.records:
+                return records
 
     async def datasets(self, tenant: str) -> list[DatasetRecord]:
         """The datasets in the tenant's namespace (pushed or registered by the operator)."""

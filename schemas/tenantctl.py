@@ -49,9 +49,12 @@ class GetJob(msgspec.Struct, frozen=True, tag="job"):
 
 
 class ListJobs(msgspec.Struct, frozen=True, tag="jobs"):
-    """Every job record of the tenant, oldest first."""
+    """The tenant's job records, oldest first, as many as fit one reply from ``offset`` on
+    (the reply's ``next_offset`` asks for the rest)."""
 
     tenant: str
+    #: How many of the tenant's records (oldest first) to skip.
+    offset: int = 0
 
 
 class ListDatasets(msgspec.Struct, frozen=True, tag="datasets"):
@@ -218,6 +221,8 @@ class JobReply(msgspec.Struct, frozen=True, tag="job"):
 
 class JobsReply(msgspec.Struct, frozen=True, tag="jobs"):
     records: list[JobRecord]
+    #: The ``offset`` of the next page; 0 when these are the last records.
+    next_offset: int = 0
 
 
 class DatasetsReply(msgspec.Struct, frozen=True, tag="datasets"):

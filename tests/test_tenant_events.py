@@ -32,6 +32,8 @@ from schemas.tenantctl import (
     CtlError,
     DatasetPlan,
     EventsPage,
+    JobsReply,
+    ListJobs,
     PlanDataset,
     Queued,
     ReadEvents,
@@ -94,6 +96,25 @@ async def test_a_submit_under_a_recorded_jobs_id_with_another_spec_is_refused_at
     assert used.value.code == "invalid" and not used.value.retryable
     same = await client.request(tenant, SubmitJob(tenant, job, spec))  # the same submit again
     assert isinstance(same, Queued)
+
+
+async def test_a_tenants_jobs_are_listed_in_pages_past_what_one_reply_holds(
+    stack: tuple[NATS, Client],
+) -> None:
+    """Job records are kept for ever and carry their specs (64 KiB at most): listing them
+    in one reply failed for good once they passed the server's max_payload."""
+    nc, client = stack
+    kv = await nc.jetstream().key_value(subjects.KV_JOBS)
+    tenant = uid("acme")
+    for i in range(24):
+        spec = b'{"kind": "sft", "pad": "' + b"x" * 60_000 + b'"}'
+        await put_job(kv, JobRecord(tenant, f"j{i:02d}", "sft", "succeeded", spec, i, i), last=0)
+    listed = await client.jobs(tenant)
+    assert [r.job_id for r in listed] == [f"j{i:02d}" for i in range(24)]
+    first = await client.request(tenant, ListJobs(tenant))
+    assert isinstance(first, JobsReply) and 0 < first.next_offset == len(first.records) < 24
+    with pytest.raises(RequestError, match="offset: -1 is negative"):
+        await client.request(tenant, ListJobs(tenant, -1))
 
 
 async def test_events_are_read_in_pages_of_the_tenants_own_job_only(

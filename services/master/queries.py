@@ -61,6 +61,7 @@ from bus.placement import live_placements
 from bus.records import get_job, get_policy, list_jobs
 from schemas import subjects
 from schemas.ids import InvalidIdError, validate_id
+from schemas.jobs import JobRecord
 from schemas.limits import InputLimits
 from schemas.tenantctl import (
     BACKBONES_QUERY_DECODER,
@@ -214,7 +215,7 @@ class Queries:
                     )
                 return JobReply(record)
             case ListJobs():
-                return JobsReply(await list_jobs(self.js, request.tenant))
+                return await self.jobs_page(request)
             case ListDatasets():
                 return DatasetsReply(await list_datasets(self.js, request.tenant))
             case AddDataset():
@@ -273,6 +274,23 @@ class Queries:
         await put_dataset(self.js, record)
         log.info("dataset %s/%s added (%d files)", tenant, dataset, record.files)
         return DatasetAdded(record)
+
+    async def jobs_page(self, request: ListJobs) -> TenantReply:
+        """The tenant's records from ``request.offset``, as many as fit half a message (job
+        records are kept for ever: all of them would outgrow one)."""
+        if request.offset < 0:
+            return CtlError("invalid", f"offset: {request.offset} is negative")
+        records = await list_jobs(self.js, request.tenant)
+        page: list[JobRecord] = []
+        size = 0
+        for record in records[request.offset :]:
+            n = len(encode(record))
+            if page and size + n > self.tenant_jobs.page_bytes:
+                break
+            page.append(record)
+            size += n
+        end = request.offset + len(page)
+        return JobsReply(page, next_offset=end if end < len(records) else 0)
 
     # -- policies ---------------------------------------------------------------------------
 
