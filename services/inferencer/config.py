@@ -26,6 +26,12 @@ class InferencerConfig(HeadsConfig):
     max_versions_per_job: int = Field(
         3, ge=1, description="Resident policy versions per job (older ones serve pinned calls)."
     )
+    max_resident_jobs: int = Field(
+        64,
+        ge=1,
+        description="Jobs whose policies stay resident (the least recently served dropped "
+        "first; its next request loads it again).",
+    )
     ack_wait_s: float = Field(
         5.0, gt=0, description="Consumer ack wait: a dead replica's requests return this fast."
     )

@@ -130,19 +130,23 @@ class PolicyCache:
         max_versions_per_job: int,
         stop: asyncio.Event,
         checkpoint_read_s: float = ckpt.READ_TIMEOUT_S,
+        max_resident_jobs: int = 64,
     ) -> None:
         if max_versions_per_job < 1:
             raise ValueError(f"max_versions_per_job must be >= 1, got {max_versions_per_job}")
+        if max_resident_jobs < 1:
+            raise ValueError(f"max_resident_jobs must be >= 1, got {max_resident_jobs}")
         self.js = js
         self.device = device
         self.max_versions = max_versions_per_job
+        self.max_jobs = max_resident_jobs
         self.stop = stop
         #: How long reading one checkpoint may take (then its requests are handed back).
         self.checkpoint_read_s = checkpoint_read_s
         #: Latest committed record per job (from the KV watch, or read through on a miss).
         self.records: dict[JobKey, PolicyRecord] = {}
-        #: Resident versions; per job, insertion order is recency order.
-        self._resident: dict[JobKey, OrderedDict[int, ServedPolicy]] = {}
+        #: Resident versions per job; the jobs and each job's versions in recency order.
+        self._resident: OrderedDict[JobKey, OrderedDict[int, ServedPolicy]] = OrderedDict()
         #: Loads in progress, so concurrent requests for one version share one fetch.
         self._loading: dict[VersionKey, asyncio.Task[ServedPolicy]] = {}
         #: KV read-throughs in progress, shared by concurrent requests for one job.
@@ -181,7 +185,9 @@ class PolicyCache:
         if record is None:
             self.records.pop(job, None)  # nothing committed any more: stop serving it
             return
-        if self._note(record):
+        # Preloaded only for a job being served: at start the watch replays every job ever
+        # committed (records are kept), and most will never be asked for again.
+        if self._note(record) and job in self._resident:
             self._start_load(record.tenant, record.job_id, record.version, record)
 
     @staticmethod
@@ -255,6 +261,7 @@ class PolicyCache:
         resident = self._resident.get(job)
         if resident is not None and version in resident:
             resident.move_to_end(version)
+            self._resident.move_to_end(job)
             return resident[version]
         exact = record if record.version == version else None
         # A request that gives up on stop leaves the shared load running (close() waits).
@@ -362,9 +369,14 @@ class PolicyCache:
         )
 
     def _admit(self, served: ServedPolicy) -> None:
-        """Make ``served`` resident, dropping the least recently used older versions."""
+        """Make ``served`` resident, dropping the least recently used older versions, and the
+        least recently used jobs past ``max_resident_jobs`` (a dropped job's next request
+        loads it again)."""
         job = (served.tenant, served.job_id)
         versions = self._resident.setdefault(job, OrderedDict())
+        self._resident.move_to_end(job)
+        while len(self._resident) > self.max_jobs:
+            self._resident.popitem(last=False)
         versions[served.version] = served
         versions.move_to_end(served.version)
         record = self.records.get(job)
@@ -378,6 +390,7 @@ class PolicyCache:
     def gauges(self) -> dict[str, float]:
         return {
             "resident_policies": float(self.resident_count),
+            "resident_jobs": float(len(self._resident)),
             "jobs_known": float(len(self.records)),
             "policy_loads": float(self.loads),
         }

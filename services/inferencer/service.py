@@ -110,7 +110,12 @@ class Inferencer:
             max_ack_pending=10_000,
         )
         self.policies = PolicyCache(
-            rt.js, config.device, config.max_versions_per_job, rt.stop, config.checkpoint_read_s
+            rt.js,
+            config.device,
+            config.max_versions_per_job,
+            rt.stop,
+            config.checkpoint_read_s,
+            config.max_resident_jobs,
         )
         wire = (
             None

@@ -1,0 +1,56 @@
+"""The inferencer's resident policies across jobs: at most ``max_resident_jobs`` jobs stay
+in memory (the least recently served dropped first), and a restarted inferencer does not
+load every job ever committed (the ``policies`` watch replays them all: records are kept)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.js import JetStreamContext
+
+from services.inferencer.policies import PolicyCache
+from tests.helpers import eventually, uid
+from tests.test_inferencer import OFT, commit_policy
+from vla.backbone import Backbone
+
+
+async def test_resident_jobs_are_bounded_and_only_served_jobs_are_preloaded(
+    js: JetStreamContext,
+) -> None:
+    hidden = Backbone.load("tiny").hidden_size
+    tenant = uid("resident")
+    jobs = ["a", "b", "c", "d"]
+    for job in jobs:
+        await commit_policy(js, tenant, job, OFT, hidden)
+    stop = asyncio.Event()
+    cache = PolicyCache(js, "cpu", 3, stop, max_resident_jobs=2)
+    await cache.open()
+    ready = asyncio.Event()
+    follow = asyncio.create_task(cache.follow(ready))
+    try:
+        await asyncio.wait_for(ready.wait(), 20)
+        assert all((tenant, job) in cache.records for job in jobs)
+        assert cache.resident_count == 0 and cache.loads == 0, "nothing loaded unasked"
+
+        for job in ("a", "b", "c"):
+            assert (await cache.resolve(tenant, job, 0)).version == 1
+        assert cache.gauges()["resident_jobs"] == 2  # a, the least recently served, dropped
+        assert (await cache.resolve(tenant, "b", 0)).version == 1  # b now the most recent
+        loads = cache.loads
+        assert loads == 3
+
+        # A new version of a job being served is preloaded; one of a job nobody asks for
+        # (d, or a dropped) is not.
+        await commit_policy(js, tenant, "c", OFT, hidden, version=2)
+        await commit_policy(js, tenant, "d", OFT, hidden, version=2)
+        await eventually(lambda: cache.loads == loads + 1, timeout=20, what="c v2 preloaded")
+        assert (await cache.resolve(tenant, "c", 0)).version == 2
+        assert cache.loads == loads + 1, "c v2 was resident"
+        assert cache.gauges()["resident_jobs"] == 2
+        assert (await cache.resolve(tenant, "a", 0)).version == 1  # loaded again, on demand
+        assert cache.loads == loads + 2
+        assert cache.gauges()["resident_jobs"] == 2
+    finally:
+        stop.set()
+        await asyncio.wait_for(follow, 20)
+        await cache.close(5)
