@@ -197,9 +197,14 @@ class Consumer:
         self.durables[spec.durable] = durable
         return durable
 
-    async def fetch(self, durable: Durable, n: int, timeout: float) -> list[Msg]:
+    async def fetch(
+        self, durable: Durable, n: int, timeout: float, *, count_crashes: bool = True
+    ) -> list[Msg]:
         """Up to ``n`` messages within ``timeout``; [] on timeout, on a broker error (the
-        connection reconnects on its own; the caller just tries again) or once stopping."""
+        connection reconnects on its own; the caller just tries again) or once stopping.
+        Redeliveries are counted in the crash ledger (those past its limit dead-lettered)
+        unless ``count_crashes`` is False: the caller counts each when it starts it
+        (:meth:`begin_redelivered`)."""
         if n <= 0 or self.stop.is_set():
             return []
         try:
@@ -225,29 +230,26 @@ class Consumer:
         if self.stop.is_set():
             await self.hand_back(msgs)
             return []
-        if any(m.metadata.num_delivered > 1 for m in msgs):
-            msgs = await self._past_crash_loops(durable, msgs)
+        if count_crashes and any(m.metadata.num_delivered > 1 for m in msgs):
+            kept = await asyncio.gather(*(self.begin_redelivered(durable, m) for m in msgs))
+            msgs = [m for m, keep in zip(msgs, kept, strict=True) if keep]
         return msgs
 
-    async def _past_crash_loops(self, durable: Durable, msgs: list[Msg]) -> list[Msg]:
-        """``msgs`` less those whose handling died too often in a row (dead-lettered here);
-        counts every redelivery first (:mod:`bus.crashes`)."""
-        counts = await asyncio.gather(*(self.crashes.begin(m) for m in msgs))
-        limit = durable.spec.crash_limit
-        kept = []
-        for msg, count in zip(msgs, counts, strict=True):
-            if count <= limit:
-                kept.append(msg)
-                continue
-            seq = msg.metadata.sequence.stream
-            log.error("%s seq %d: crash loop, dead-lettered", msg.subject, seq)
-            error = CrashLoopError(
-                f"its handling began {count} times in a row without finishing (delivery "
-                f"{msg.metadata.num_delivered}): the process of consumer {durable.name} died "
-                "or was killed while handling it; dead-lettered so that the consumer carries on"
-            )
-            await self.settle(msg, error)
-        return kept
+    async def begin_redelivered(self, durable: Durable, msg: Msg) -> bool:
+        """Count ``msg``'s handling as begun (:mod:`bus.crashes`); False when its handling
+        died too often in a row, and it was dead-lettered here instead."""
+        count = await self.crashes.begin(msg)
+        if count <= durable.spec.crash_limit:
+            return True
+        seq = msg.metadata.sequence.stream
+        log.error("%s seq %d: crash loop, dead-lettered", msg.subject, seq)
+        error = CrashLoopError(
+            f"its handling began {count} times in a row without finishing (delivery "
+            f"{msg.metadata.num_delivered}): the process of consumer {durable.name} died "
+            "or was killed while handling it; dead-lettered so that the consumer carries on"
+        )
+        await self.settle(msg, error)
+        return False
 
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -407,25 +409,58 @@ class Consumer:
         :data:`DRAIN_S` to finish (long ones should watch the stop event and raise
         :class:`~bus.errors.Interrupted`); the messages of those still running are handed
         back."""
+        if concurrency == 1:
+            while not self.stop.is_set():
+                msgs = await self.fetch(durable, 1, fetch_timeout_s)
+                for i, msg in enumerate(msgs):
+                    if self.stop.is_set():
+                        await self.hand_back(msgs[i:])
+                        break
+                    await self.process(msg, handler)
+            return
+        # Several at once: a message in flight when the process died before (a suspect:
+        # counted in the crash ledger already) waits until nothing else runs, then runs
+        # alone, counted only then; so the crash of a poison message stops counting against
+        # the innocent ones that shared its process (:mod:`bus.crashes`).
         running: dict[asyncio.Task[Fate], Msg] = {}
+        suspects: list[Msg] = []
+        alone: asyncio.Task[Fate] | None = None  # a suspect's handling
         while not self.stop.is_set():
             for task in [t for t in running if t.done()]:
                 del running[task]
+            if alone is not None and not alone.done():
+                await asyncio.wait({alone}, timeout=fetch_timeout_s)
+                continue
+            alone = None
+            if suspects:
+                if running:
+                    await asyncio.wait(
+                        running, timeout=fetch_timeout_s, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    continue
+                suspect = suspects.pop(0)
+                if await self.begin_redelivered(durable, suspect):
+                    alone = asyncio.create_task(self.process(suspect, handler))
+                    running[alone] = suspect
+                continue
             free = concurrency - len(running)
             if free <= 0:
                 await asyncio.wait(
                     running, timeout=fetch_timeout_s, return_when=asyncio.FIRST_COMPLETED
                 )
                 continue
-            msgs = await self.fetch(durable, min(free, batch), fetch_timeout_s)
+            msgs = await self.fetch(durable, min(free, batch), fetch_timeout_s, count_crashes=False)
             for i, msg in enumerate(msgs):
                 if self.stop.is_set():
                     await self.hand_back(msgs[i:])
                     break
-                if concurrency == 1:
-                    await self.process(msg, handler)
-                else:
+                if await self.crashes.peek(msg) > 0:
+                    self._keep(msg)  # alive while it waits its turn
+                    suspects.append(msg)
+                elif msg.metadata.num_delivered == 1 or await self.begin_redelivered(durable, msg):
                     running[asyncio.create_task(self.process(msg, handler))] = msg
+        if suspects:
+            await self.hand_back(suspects)
         if running:
             _, still = await asyncio.wait(running, timeout=DRAIN_S)
             if still:

@@ -18,6 +18,11 @@ again (:class:`CrashLoopError`), with a reason its sender is told. The count liv
 own stream, apart from the consumer's state, so a rolled-back delivery counter does not
 reset it: a rollback costs at most the one delivery that showed ``num_delivered == 1``.
 
+A consumer that handles several messages at once counts every message in flight when its
+process dies, the innocent beside the poison; so a message with a count already (a
+*suspect*) is handled alone (:meth:`bus.consume.Consumer.run`), counted only when it starts:
+only the poison's count then keeps rising.
+
 The bucket has a TTL (a day, :class:`bus.declare.BusLayout`): a key left by a message that
 was purged or deleted otherwise goes away on its own.
 """
@@ -95,6 +100,22 @@ class CrashLedger:
             return 0
         self._written.add(key)
         return count
+
+    async def peek(self, msg: Msg) -> int:
+        """``msg``'s count of unsettled starts so far, without counting this delivery (0 for
+        a first delivery, or when the ledger cannot be read)."""
+        if msg.metadata.num_delivered <= 1:
+            return 0
+        try:
+            kv = await self._bucket()
+            if kv is None:
+                return 0
+            return int((await kv.get(ledger_key(msg))).value or b"0")
+        except (KeyNotFoundError, KeyDeletedError):
+            return 0
+        except (NatsError, TimeoutError, ValueError) as exc:
+            log.warning("crash ledger: could not read %s: %s", ledger_key(msg), exc)
+            return 0
 
     async def end(self, msg: Msg) -> None:
         """``msg`` settled: forget its count (only if this process wrote one)."""

@@ -1,8 +1,9 @@
 """A consumer process for the crash-loop test: it handles one durable of a tenant's TRAIN
 subject through the real consume runtime and dies (``os._exit``, as a segfaulting simulator
 would: no exception, no settle) on a message whose payload is ``crash``; every other payload
-is appended to a file and acked. ``python -m tests.crashing_consumer URL DURABLE SUBJECT
-MAX_CRASHES OUT``; runs until SIGTERM."""
+is appended to a file and acked (one starting ``slow`` after 2 s). ``python -m
+tests.crashing_consumer URL DURABLE SUBJECT MAX_CRASHES OUT [CONCURRENCY]``; runs until
+SIGTERM."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from bus.durable import ConsumerSpec
 CRASH = b"crash"
 
 
-async def main(url: str, durable: str, subject: str, max_crashes: int, out: Path) -> None:
+async def main(
+    url: str, durable: str, subject: str, max_crashes: int, out: Path, concurrency: int
+) -> None:
     nc = await connect(url, name=f"crashing-{durable}")
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -34,14 +37,19 @@ async def main(url: str, durable: str, subject: str, max_crashes: int, out: Path
     async def handle(msg: Msg) -> None:
         if msg.data == CRASH:
             os._exit(3)
+        if msg.data.startswith(b"slow"):
+            await asyncio.sleep(2.0)  # in flight when another message kills the process
         with out.open("ab") as f:
             f.write(msg.data + b"\n")
 
-    await asyncio.gather(consumer.run(bound, handle), consumer.keep_alive())
+    await asyncio.gather(
+        consumer.run(bound, handle, concurrency=concurrency), consumer.keep_alive()
+    )
     await consumer.close()
     await nc.close()
 
 
 if __name__ == "__main__":
     url, durable, subject, max_crashes, out = sys.argv[1:6]
-    asyncio.run(main(url, durable, subject, int(max_crashes), Path(out)))
+    concurrency = int(sys.argv[6]) if len(sys.argv) > 6 else 1
+    asyncio.run(main(url, durable, subject, int(max_crashes), Path(out), concurrency))

@@ -51,11 +51,13 @@ async def _dead_letters(js: JetStreamContext, tenant: str) -> list[DeadLetter]:
         await sub.unsubscribe()
 
 
-def _start(url: str, durable: str, subject: str, out: Path, log: Path) -> subprocess.Popen[bytes]:
+def _start(
+    url: str, durable: str, subject: str, out: Path, log: Path, concurrency: int = 1
+) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "tests.crashing_consumer", url, durable, subject]
     with log.open("ab") as f:
         return subprocess.Popen(
-            [*argv, str(MAX_CRASHES), str(out)],
+            [*argv, str(MAX_CRASHES), str(out), str(concurrency)],
             cwd=ROOT,
             env=service_env(url),
             stdout=f,
@@ -107,6 +109,36 @@ async def test_a_message_that_kills_its_handler_is_dead_lettered_though_delivery
         raise AssertionError(f"the ledger still counts the dead message: {entry.value!r}")
     except (KeyNotFoundError, KeyDeletedError):
         pass
+    assert procs.stop(proc) == 0
+
+
+async def test_a_message_in_flight_beside_the_poison_is_handled_not_dead_lettered(
+    nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs, tmp_path: Path
+) -> None:
+    """A consumer handling two at once (as env workers do): every crash counted the innocent
+    message in flight beside the poison too, and both were dead-lettered together. A message
+    with a count already now runs alone, counted only then."""
+    tenant, durable = uid("crash"), uid("c")
+    subject = subjects.train("tiny", tenant)
+    out, log = tmp_path / "handled", tmp_path / "consumer.log"
+    await js.publish(subject, b"slow-innocent")
+    poison = await js.publish(subject, b"crash")
+    crashes = 0
+    for _ in range(8):  # bounded: a few crashes, then a run that carries on
+        proc = procs.add(_start(nats_server.url, durable, subject, out, log, concurrency=2))
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:
+            handled = out.read_text().split() if out.exists() else []
+            if handled and await _dead_letters(js, tenant):
+                break
+            await asyncio.sleep(0.05)  # polling a child process; it sends no event
+        if proc.poll() is None:
+            break
+        assert proc.returncode == CRASHED, log.read_text()
+        crashes += 1
+    assert out.read_text().split() == ["slow-innocent"], log.read_text()
+    dead = await eventually(lambda: _dead_letters(js, tenant), what="the poison's dead letter")
+    assert [d.stream_seq for d in dead] == [poison.seq], crashes
     assert procs.stop(proc) == 0
 
 
