@@ -450,15 +450,20 @@ class Consumer:
                 )
                 continue
             msgs = await self.fetch(durable, min(free, batch), fetch_timeout_s, count_crashes=False)
-            for i, msg in enumerate(msgs):
-                if self.stop.is_set():
-                    await self.hand_back(msgs[i:])
-                    break
-                if await self.crashes.peek(msg) > 0:
-                    self._keep(msg)  # alive while it waits its turn
-                    suspects.append(msg)
-                elif msg.metadata.num_delivered == 1 or await self.begin_redelivered(durable, msg):
-                    running[asyncio.create_task(self.process(msg, handler))] = msg
+            for msg in msgs:
+                self._keep(msg)  # alive while the ledger is asked and while it waits
+            counts = await asyncio.gather(*(self.crashes.peek(m) for m in msgs))
+            fresh = [m for m, c in zip(msgs, counts, strict=True) if c == 0]
+            # The least counted first: an innocent stays at its count, the poison climbs.
+            order = sorted(range(len(msgs)), key=lambda i: counts[i])
+            suspects += [msgs[i] for i in order if counts[i]]
+            starts = await asyncio.gather(*(self._start_fresh(durable, m) for m in fresh))
+            ready = [m for m, start in zip(fresh, starts, strict=True) if start]
+            if self.stop.is_set():
+                await self.hand_back(ready)
+                break
+            for msg in ready:
+                running[asyncio.create_task(self.process(msg, handler))] = msg
         if suspects:
             await self.hand_back(suspects)
         if running:
@@ -468,6 +473,10 @@ class Consumer:
                 await self.hand_back(running[t] for t in still)
                 for task in still:
                     task.cancel()  # their messages are already back; not awaited (see module)
+
+    async def _start_fresh(self, durable: Durable, msg: Msg) -> bool:
+        """Whether a message with no crash count may start (a redelivery is counted now)."""
+        return msg.metadata.num_delivered == 1 or await self.begin_redelivered(durable, msg)
 
     async def close(self) -> None:
         """Hand back everything fetched or held and not settled, and what the server sent
