@@ -475,7 +475,7 @@ async def test_a_stages_end_handled_again_after_a_failure_starts_the_next_stage_
 
 
 async def test_a_cancelled_pipeline_cancels_its_running_stage_and_starts_no_other(
-    own_nc: NATS, own_js: JetStreamContext
+    own_nc: NATS, own_js: JetStreamContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Cancelling a pipeline cancelled only its own record: its stage ran on (its services
     follow the stage's record) and, when it ended, the next stage started."""
@@ -500,5 +500,18 @@ async def test_a_cancelled_pipeline_cancels_its_running_stage_and_starts_no_othe
         await master.handle_event(Msg(own_nc, subject="ev", data=encode(final)))
         assert await _status(master, tenant, "p-s0") == "cancelled"
         assert await _status(master, tenant, "p-s1") is None
+        # Cancelled again (a session's lease running out after its client closed it, past
+        # the duplicate window): its state event is stored already, not published again.
+        real_publish = bus_publish.publish
+        states: list[object] = []
+
+        async def counting(js: JetStreamContext, subject: str, message: Any, **kw: Any) -> Any:
+            if isinstance(message, StateChanged):
+                states.append(message)
+            return await real_publish(js, subject, message, **kw)
+
+        monkeypatch.setattr(bus_publish, "publish", counting)
+        await master.cancel(JobCancel(tenant, job, "again"))
+        assert states == []
     finally:
         await describer.close()

@@ -58,6 +58,12 @@ async def start_stage(
         await master.transition(
             spec.tenant, pipeline_id, "failed", reason=f"stage {index} ({stage.kind}): {exc}"
         )
+        return
+    # The pipeline may have been cancelled while the stage was being accepted (its
+    # end_stages found no record of it yet): the stage, recorded now, ends with it.
+    found = await master.record(spec.tenant, pipeline_id)
+    if found is not None and found[0].status in TERMINAL_STATUSES:
+        await end_stages(master, spec.tenant, pipeline_id, spec, found[0].status)
 
 
 async def advance_pipeline(master: Master, child: JobRecord) -> None:

@@ -83,6 +83,7 @@ from schemas.tenantctl import (
     PlanDataset,
     PolicyExported,
     PutDatasetPart,
+    Queued,
     ReadEvents,
     ReadExport,
     RenewLease,
@@ -223,9 +224,10 @@ class Queries:
             case ExportPolicy():
                 return await self.export(request)
             case SubmitJob() | CancelJob():
-                if isinstance(request, SubmitJob):
-                    self.sessions.submitted(request)
-                return await self.tenant_jobs.command(request)
+                reply = await self.tenant_jobs.command(request)
+                if isinstance(request, SubmitJob) and isinstance(reply, Queued):
+                    self.sessions.submitted(request)  # (a refused one has no lease to run)
+                return reply
             case ReadEvents():
                 return await self.tenant_jobs.events(request)
             case PlanDataset():

@@ -15,6 +15,7 @@ from pathlib import Path
 import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
 from bus import tracing
@@ -317,7 +318,10 @@ class Master:
         if record.status in TERMINAL_STATUSES:
             if record.status != status:
                 return None
-            await self._entered(record, reason)
+            if not await self._state_event_stored(record):
+                await self._entered(record, record.reason)
+            elif record.parent:
+                await advance_pipeline(self, record)  # (guarded: a stage starts once)
             return record
         updated = msgspec.structs.replace(
             record,
@@ -332,6 +336,20 @@ class Master:
             # A job enters each status once (accepted -> running -> a terminal one).
             await self._entered(updated, reason)
         return updated
+
+    async def _state_event_stored(self, record: JobRecord) -> bool:
+        """Whether the job's last ``StateChanged`` is the one for ``record.status`` (a
+        handler run again long after the first, past the duplicate window, must not publish
+        it twice)."""
+        subject = subjects.event(record.tenant, record.job_id, "state")
+        try:
+            stored = await self.js.get_msg(subjects.STREAM_EVENTS, subject=subject)
+            event = decode(EVENT_DECODER, stored.data or b"")
+        except NotFoundError:
+            return False
+        except DecodeError:
+            return True  # not ours to mend
+        return isinstance(event, StateChanged) and event.status == record.status
 
     async def _entered(self, record: JobRecord, reason: str) -> None:
         """What follows a job's entering ``record.status``."""

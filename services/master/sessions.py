@@ -213,6 +213,10 @@ class Sessions:
             lease = self.leases[(tenant, job_id)][1]
             reason = f"lease expired: no call or renewal for {lease:g} s"
             try:
+                record, _ = await get_job(self.jobs, tenant, job_id)
+                if record is not None and record.status in TERMINAL_STATUSES:
+                    del self.leases[(tenant, job_id)]  # closed by its client, or ended
+                    continue
                 await self.tenant_jobs.command(CancelJob(tenant, job_id, reason))
             except (NatsError, TimeoutError) as exc:
                 log.warning("could not close expired session %s/%s: %s", tenant, job_id, exc)
