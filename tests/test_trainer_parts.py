@@ -75,7 +75,7 @@ def run_sft(deliveries: list[int], crash_at: set[int], commit_every: int = 3) ->
         while progressed:
             progressed = False
             for step in list(buffer):
-                verdict = sft_verdict(done, step)
+                verdict = sft_verdict(done, step, committed)
                 if verdict is Verdict.WAIT:
                     continue
                 buffer.remove(step)
@@ -91,7 +91,8 @@ def run_sft(deliveries: list[int], crash_at: set[int], commit_every: int = 3) ->
             done, applied = committed, applied[:committed]
             queue = held + buffer + queue
             held, buffer = [], []
-        if not queue and buffer and all(sft_verdict(done, s) is Verdict.WAIT for s in buffer):
+        waiting = all(sft_verdict(done, s, committed) is Verdict.WAIT for s in buffer)
+        if not queue and buffer and waiting:
             break  # stuck: a gap nobody will fill (the test then fails)
     return applied
 
@@ -112,11 +113,24 @@ def test_sft_steps_apply_once_each_in_order_under_redelivery_and_crashes(seed: i
 def test_episode_verdicts_with_policy_lag() -> None:
     # Iteration 0 collecting, episode 0 held: iteration 1's episode 0 must wait, not be
     # taken for a duplicate (defect B).
-    assert episode_verdict(0, {0}, 1, 0) is Verdict.WAIT
-    assert episode_verdict(0, {0}, 0, 0) is Verdict.CONSUMED  # a true duplicate
-    assert episode_verdict(0, {0}, 0, 1) is Verdict.COLLECT
-    assert episode_verdict(1, set(), 0, 1) is Verdict.CONSUMED  # replay of a done iteration
-    assert episode_verdict(1, set(), 1, 0) is Verdict.COLLECT
+    assert episode_verdict(0, {0}, 1, 0, 0) is Verdict.WAIT
+    assert episode_verdict(0, {0}, 0, 1, 0) is Verdict.COLLECT
+    assert episode_verdict(1, set(), 0, 1, 1) is Verdict.CONSUMED  # replay of a done iteration
+    assert episode_verdict(1, set(), 1, 0, 1) is Verdict.COLLECT
+
+
+def test_a_copy_of_a_message_held_for_a_commit_waits_for_that_commit() -> None:
+    """A held message whose in-progress acks stalled past the ack wait is redelivered as a
+    second copy of the same stream message; acking that copy deletes the held one, and a
+    crash before the commit then lost the step (or episode) for good."""
+    # SFT (and session calls): steps 0..2 applied, none committed.
+    assert sft_verdict(3, 1, 0) is Verdict.WAIT
+    assert sft_verdict(3, 1, 2) is Verdict.CONSUMED  # in the checkpoint: ack it
+    assert sft_verdict(3, 3, 0) is Verdict.APPLY
+    # RL: episode 0 of iteration 0 held; iteration 1 updated, not committed.
+    assert episode_verdict(0, {0}, 0, 0, 0) is Verdict.WAIT
+    assert episode_verdict(2, set(), 1, 0, 1) is Verdict.WAIT
+    assert episode_verdict(2, set(), 1, 0, 2) is Verdict.CONSUMED
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -132,7 +146,7 @@ def test_every_episode_of_overlapping_iterations_is_used_exactly_once(seed: int)
     buffer = list(stream)
     for _ in range(100):
         for item in list(buffer):
-            verdict = episode_verdict(done, held, *item)
+            verdict = episode_verdict(done, held, *item, done)  # each update commits at once
             if verdict is Verdict.WAIT:
                 continue
             buffer.remove(item)

@@ -6,8 +6,9 @@ the ack wait, while never-delivered ones arrive at once, and a re-publish after 
 window arrives under a new stream sequence; so the decision is made from the message's
 identity (step; iteration and episode), never from delivery order or stream sequence:
 
-* ``CONSUMED``: already applied (or dropped) and contained in the job's progress: ack it
-  without applying it again;
+* ``CONSUMED``: already applied (or dropped) and contained in the job's last checkpoint:
+  ack it without applying it again (one applied but not committed yet waits for the commit:
+  it may be a redelivered copy of the message held for it, which an ack would delete);
 * ``APPLY``: the job's next SFT step;
 * ``COLLECT``: an episode of the RL iteration being collected, not seen yet: hold it;
 * ``WAIT``: a later step or iteration: keep it buffered until the job gets there.
@@ -30,24 +31,37 @@ class Verdict(enum.Enum):
     WAIT = "wait"
 
 
-def sft_verdict(batches_done: int, step: int) -> Verdict:
-    """An SFT batch for ``step`` of a job that has consumed ``batches_done`` batches."""
-    if step < batches_done:
+def sft_verdict(batches_done: int, step: int, committed: int) -> Verdict:
+    """An SFT batch (or session call) for ``step`` of a job that has consumed
+    ``batches_done`` batches, ``committed`` of them in its last checkpoint."""
+    if step < committed:
         return Verdict.CONSUMED
+    if step < batches_done:
+        # Applied, not committed yet: this may be a redelivery of the message held for that
+        # commit (its in-progress acks stalled past the ack wait); acked now, the stream
+        # would delete the held one, and a crash before the commit would lose the step.
+        return Verdict.WAIT
     if step == batches_done:
         return Verdict.APPLY
     return Verdict.WAIT
 
 
 def episode_verdict(
-    iterations_done: int, collected: Container[int], iteration: int, episode: int
+    iterations_done: int,
+    collected: Container[int],
+    iteration: int,
+    episode: int,
+    committed: int,
 ) -> Verdict:
     """An RL episode of ``iteration`` for a job that has finished ``iterations_done``
-    iterations and holds the episodes in ``collected`` of the current one."""
-    if iteration < iterations_done:
+    iterations (``committed`` of them in its last checkpoint) and holds the episodes in
+    ``collected`` of the current one."""
+    if iteration < committed:
         return Verdict.CONSUMED
+    if iteration < iterations_done:
+        return Verdict.WAIT  # its update is not committed yet (see sft_verdict)
     if iteration > iterations_done:
         return Verdict.WAIT  # collected with a policy up to max_policy_lag versions ahead
     if episode in collected:
-        return Verdict.CONSUMED  # a duplicate of an episode already held
+        return Verdict.WAIT  # a copy of an episode held: settled once the update commits
     return Verdict.COLLECT

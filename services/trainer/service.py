@@ -320,7 +320,7 @@ class Trainer:
             raise job.error(f"SFT batch sent to session {body.job_id!r}", fatal=False)
         if job.spec.rl is not None:
             raise job.error(f"SFT batch sent to RL job {body.job_id!r}")
-        verdict = sft_verdict(job.batches_done, body.step)
+        verdict = sft_verdict(job.batches_done, body.step, job.committed_batches)
         if verdict is Verdict.CONSUMED:
             # Already applied (a replay after a crash, or a re-publish after the duplicate
             # window): never apply twice.
@@ -334,7 +334,7 @@ class Trainer:
             raise job.error(f"{session.op_of(call)} sent to job {call.job_id!r}, not a session")
         if job.save_as is not None:
             return Verdict.WAIT  # a save not committed yet: nothing moves until it lands
-        verdict = sft_verdict(job.batches_done, call.call)
+        verdict = sft_verdict(job.batches_done, call.call, job.committed_batches)
         if verdict is Verdict.APPLY and isinstance(call, ForwardBackward):
             try:
                 check_call(call, self.config.limit)

@@ -231,7 +231,9 @@ class Stepper:
             check_rollout_fits(body, job.spec)
         except PoisonError as exc:
             raise job.error(f"rollout of episode {body.episode}: {exc}") from exc
-        verdict = episode_verdict(job.batches_done, job.rollouts, body.iteration, body.episode)
+        verdict = episode_verdict(
+            job.batches_done, job.rollouts, body.iteration, body.episode, job.committed_batches
+        )
         if verdict is Verdict.CONSUMED:
             await self.trainer.consumer.settle(msg, None)
         if verdict is not Verdict.COLLECT:
