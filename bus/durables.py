@@ -70,7 +70,12 @@ class DurableSet:
             if key is None:
                 continue
             if key not in self.durables:
-                self.durables[key] = await self.consumer.bind(self.spec_for(key), self.on_dead)
+                try:
+                    bound = await self.consumer.bind(self.spec_for(key), self.on_dead)
+                except (NatsError, TimeoutError) as exc:  # the next discovery tries again
+                    log.warning("binding %s on %s failed: %s", key, self.stream, exc)
+                    continue
+                self.durables[key] = bound
                 new.append(key)
             if count > self.consumer.unsettled(self.durables[key].name):
                 self.active.add(key)

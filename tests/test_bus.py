@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StreamConfig
 from opentelemetry import trace
@@ -20,6 +22,7 @@ from bus.connect import connect
 from bus.consume import HOLD, Consumer, Handler, Hold
 from bus.declare import BusLayout, DeclareConflict, declare
 from bus.durable import ConsumerSpec
+from bus.durables import DurableSet
 from bus.errors import Interrupted, PoisonError, RetryableError
 from bus.publish import Outgoing, publish, publish_all
 from bus.server import EmbeddedServer, ServerError
@@ -485,3 +488,36 @@ async def _stream_messages(js: JetStreamContext, name: str) -> int | None:
         return (await js.stream_info(name)).state.messages
     except NatsError:  # reconnecting
         return None
+
+
+async def test_a_durable_that_fails_to_bind_is_bound_at_the_next_discovery(
+    js: JetStreamContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A broker timeout while binding a new tenant's consumer went up through the trainer's
+    loop and ended the process (every tenant's uncommitted work replayed)."""
+    tenant = uid("bind")
+    await js.publish(subjects.train("tiny", tenant), b"x")
+    stop = asyncio.Event()
+    consumer = Consumer(js, stop)
+    durable = uid("d")
+    found = DurableSet(
+        consumer,
+        subjects.STREAM_TRAIN,
+        subjects.train("tiny", tenant),
+        lambda key: ConsumerSpec(subjects.STREAM_TRAIN, durable, subjects.train("tiny", key)),
+        lambda subject: tenant if subject == subjects.train("tiny", tenant) else None,
+    )
+    real_bind = consumer.bind
+    failures: list[str] = []
+
+    async def bind_times_out_once(spec: ConsumerSpec, on_dead: Any = None) -> Any:
+        if not failures:
+            failures.append(spec.durable)
+            raise NatsTimeoutError
+        return await real_bind(spec, on_dead)
+
+    monkeypatch.setattr(consumer, "bind", bind_times_out_once)
+    assert await found.discover() == []
+    assert await found.discover() == [tenant]
+    assert failures == [durable]
+    await consumer.close()
