@@ -44,11 +44,13 @@ async def test_resident_jobs_are_bounded_and_only_served_jobs_are_preloaded(
         await commit_policy(js, tenant, "c", OFT, hidden, version=2)
         await commit_policy(js, tenant, "d", OFT, hidden, version=2)
         await eventually(lambda: cache.loads == loads + 1, timeout=20, what="c v2 preloaded")
-        assert (await cache.resolve(tenant, "c", 0)).version == 2
-        assert cache.loads == loads + 1, "c v2 was resident"
-        assert cache.gauges()["resident_jobs"] == 2
+        # A preload is not serving: c stays the least recently served, and goes first.
+        assert list(cache._resident) == [(tenant, "c"), (tenant, "b")]
         assert (await cache.resolve(tenant, "a", 0)).version == 1  # loaded again, on demand
+        assert list(cache._resident) == [(tenant, "b"), (tenant, "a")]
         assert cache.loads == loads + 2
+        assert (await cache.resolve(tenant, "c", 0)).version == 2
+        assert cache.loads == loads + 3
         assert cache.gauges()["resident_jobs"] == 2
     finally:
         stop.set()

@@ -188,7 +188,7 @@ class PolicyCache:
         # Preloaded only for a job being served: at start the watch replays every job ever
         # committed (records are kept), and most will never be asked for again.
         if self._note(record) and job in self._resident:
-            self._start_load(record.tenant, record.job_id, record.version, record)
+            self._start_load(record.tenant, record.job_id, record.version, record, preload=True)
 
     @staticmethod
     def _job_of_key(key: str) -> JobKey | None:
@@ -265,15 +265,24 @@ class PolicyCache:
             return resident[version]
         exact = record if record.version == version else None
         # A request that gives up on stop leaves the shared load running (close() waits).
-        return await until_stop(self._start_load(tenant, job_id, version, exact), self.stop)
+        served = await until_stop(self._start_load(tenant, job_id, version, exact), self.stop)
+        if job in self._resident:
+            self._resident.move_to_end(job)  # served now (a preload's admit did not touch it)
+        return served
 
     def _start_load(
-        self, tenant: str, job_id: str, version: int, record: PolicyRecord | None
+        self,
+        tenant: str,
+        job_id: str,
+        version: int,
+        record: PolicyRecord | None,
+        *,
+        preload: bool = False,
     ) -> asyncio.Task[ServedPolicy]:
         key = (tenant, job_id, version)
         task = self._loading.get(key)
         if task is None:
-            task = asyncio.create_task(self._load(tenant, job_id, version, record))
+            task = asyncio.create_task(self._load(tenant, job_id, version, record, preload))
             self._loading[key] = task
             task.add_done_callback(lambda t: self._loaded(key, t))
         return task
@@ -306,7 +315,12 @@ class PolicyCache:
             log.warning("%d policy loads still running %.1f s after stop", len(late), timeout)
 
     async def _load(
-        self, tenant: str, job_id: str, version: int, record: PolicyRecord | None
+        self,
+        tenant: str,
+        job_id: str,
+        version: int,
+        record: PolicyRecord | None,
+        preload: bool = False,
     ) -> ServedPolicy:
         if record is not None:
             name, sha256, spec = record.object_name, record.sha256, record.slot
@@ -328,7 +342,7 @@ class PolicyCache:
         if slot.version != version:
             raise PoisonError(f"checkpoint {name} holds version {slot.version}, expected {version}")
         served = ServedPolicy(tenant, job_id, version, slot, spec)
-        self._admit(served)
+        self._admit(served, preload)
         self.loads += 1
         log.info("loaded policy %s (%s head)", served.label, served.head.kind)
         return served
@@ -368,13 +382,17 @@ class PolicyCache:
             "(the trainer keeps only its most recent versions)"
         )
 
-    def _admit(self, served: ServedPolicy) -> None:
+    def _admit(self, served: ServedPolicy, preload: bool = False) -> None:
         """Make ``served`` resident, dropping the least recently used older versions, and the
-        least recently used jobs past ``max_resident_jobs`` (a dropped job's next request
-        loads it again)."""
+        least recently served jobs past ``max_resident_jobs`` (a dropped job's next request
+        loads it again). A preload does not count as serving its job, and is dropped if its
+        job was dropped meanwhile."""
         job = (served.tenant, served.job_id)
+        if preload and job not in self._resident:
+            return
         versions = self._resident.setdefault(job, OrderedDict())
-        self._resident.move_to_end(job)
+        if not preload:
+            self._resident.move_to_end(job)
         while len(self._resident) > self.max_jobs:
             self._resident.popitem(last=False)
         versions[served.version] = served
