@@ -44,8 +44,10 @@ async def kv_keys(js: JetStreamContext, bucket: str, prefix: str = "") -> list[s
     """Keys of ``bucket`` (starting with ``prefix``) that hold a message: a value, or the
     marker of a deletion (use :func:`kv_values` for live values)."""
     prefix_subject = f"$KV.{bucket}."
+    # A prefix of whole tokens ("tenant.") is filtered by the server.
+    within = prefix if prefix.endswith(".") and "*" not in prefix and ">" not in prefix else ""
     try:
-        info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix_subject}>")
+        info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix_subject}{within}>")
     except NotFoundError:
         return []
     keys = [s[len(prefix_subject) :] for s in (info.state.subjects or {})]

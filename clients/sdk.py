@@ -356,12 +356,14 @@ class Client:
         if tenant is None:
             return await list_jobs(self.js)
         records: list[JobRecord] = []
+        after = ""
         while True:
-            reply = await self.request(tenant, ListJobs(tenant, len(records)))
+            reply = await self.request(tenant, ListJobs(tenant, after))
             assert isinstance(reply, JobsReply)
             records += reply.records
-            if not reply.next_offset or not reply.records:
-                return records
+            if not reply.next_after or not reply.records:
+                return sorted(records, key=lambda r: r.created_at)
+            after = reply.next_after
 
     async def datasets(self, tenant: str) -> list[DatasetRecord]:
         """The datasets in the tenant's namespace (pushed or registered by the operator)."""

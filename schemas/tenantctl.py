@@ -49,12 +49,12 @@ class GetJob(msgspec.Struct, frozen=True, tag="job"):
 
 
 class ListJobs(msgspec.Struct, frozen=True, tag="jobs"):
-    """The tenant's job records, oldest first, as many as fit one reply from ``offset`` on
-    (the reply's ``next_offset`` asks for the rest)."""
+    """The tenant's job records in job id order, as many as fit one reply, after the job id
+    ``after`` (the reply's ``next_after`` asks for the rest)."""
 
     tenant: str
-    #: How many of the tenant's records (oldest first) to skip.
-    offset: int = 0
+    #: The job id the previous page ended with ("": from the first).
+    after: str = ""
 
 
 class ListDatasets(msgspec.Struct, frozen=True, tag="datasets"):
@@ -221,8 +221,8 @@ class JobReply(msgspec.Struct, frozen=True, tag="job"):
 
 class JobsReply(msgspec.Struct, frozen=True, tag="jobs"):
     records: list[JobRecord]
-    #: The ``offset`` of the next page; 0 when these are the last records.
-    next_offset: int = 0
+    #: The ``after`` of the next page; "" when these are the last records.
+    next_after: str = ""
 
 
 class DatasetsReply(msgspec.Struct, frozen=True, tag="datasets"):

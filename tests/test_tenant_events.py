@@ -112,9 +112,12 @@ async def test_a_tenants_jobs_are_listed_in_pages_past_what_one_reply_holds(
     listed = await client.jobs(tenant)
     assert [r.job_id for r in listed] == [f"j{i:02d}" for i in range(24)]
     first = await client.request(tenant, ListJobs(tenant))
-    assert isinstance(first, JobsReply) and 0 < first.next_offset == len(first.records) < 24
-    with pytest.raises(RequestError, match="offset: -1 is negative"):
-        await client.request(tenant, ListJobs(tenant, -1))
+    assert isinstance(first, JobsReply) and 0 < len(first.records) < 24
+    assert first.next_after == first.records[-1].job_id
+    rest = await client.request(tenant, ListJobs(tenant, first.next_after))
+    assert isinstance(rest, JobsReply) and rest.records[0].job_id == f"j{len(first.records):02d}"
+    with pytest.raises(RequestError, match="after"):
+        await client.request(tenant, ListJobs(tenant, "no spaces"))
 
 
 async def test_events_are_read_in_pages_of_the_tenants_own_job_only(

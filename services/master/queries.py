@@ -56,9 +56,9 @@ from bus.datasets import (
     put_dataset,
 )
 from bus.errors import PoisonError
-from bus.kv import list_objects
+from bus.kv import kv_keys, list_objects
 from bus.placement import live_placements
-from bus.records import get_job, get_policy, list_jobs
+from bus.records import get_job, get_policy
 from schemas import subjects
 from schemas.ids import InvalidIdError, validate_id
 from schemas.jobs import JobRecord
@@ -278,21 +278,29 @@ class Queries:
         return DatasetAdded(record)
 
     async def jobs_page(self, request: ListJobs) -> TenantReply:
-        """The tenant's records from ``request.offset``, as many as fit half a message (job
-        records are kept for ever: all of them would outgrow one)."""
-        if request.offset < 0:
-            return CtlError("invalid", f"offset: {request.offset} is negative")
-        records = await list_jobs(self.js, request.tenant)
+        """The tenant's records after job id ``request.after``, as many as fit half a
+        message (job records are kept for ever: all of them would outgrow one); each page
+        reads only its own records."""
+        if request.after:
+            validate_id(request.after, "after")
+        prefix = f"{request.tenant}."
+        keys = await kv_keys(self.js, subjects.KV_JOBS, prefix)
+        if request.after:
+            keys = [k for k in keys if k > prefix + request.after]
         page: list[JobRecord] = []
         size = 0
-        for record in records[request.offset :]:
+        last = ""
+        for key in keys:
+            record, _ = await get_job(self.jobs, request.tenant, key[len(prefix) :])
+            if record is None:
+                continue  # deleted since the listing
             n = len(encode(record))
             if page and size + n > self.tenant_jobs.page_bytes:
-                break
+                return JobsReply(page, next_after=last)
             page.append(record)
             size += n
-        end = request.offset + len(page)
-        return JobsReply(page, next_offset=end if end < len(records) else 0)
+            last = record.job_id
+        return JobsReply(page)
 
     # -- policies ---------------------------------------------------------------------------
 
