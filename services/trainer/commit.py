@@ -219,7 +219,7 @@ class Committer:
             return False
         t0 = time.perf_counter()
         covered, job.held = job.held, []
-        frozen = freeze(job.slot)
+        frozen = freeze(self._resident_slot(job))
         # What the checkpoint records is what the job stands at now, not when it lands.
         at = _At.of(job)
         self.blocking_s += time.perf_counter() - t0
@@ -235,9 +235,19 @@ class Committer:
         t0 = time.perf_counter()
         await self.drain([job])
         covered, job.held = job.held, []
-        frozen = freeze(job.slot)
+        frozen = freeze(self._resident_slot(job))
         await self._commit(job, covered, frozen, _At.of(job), initial)
         self.blocking_s += time.perf_counter() - t0
+
+    def _resident_slot(self, job: JobSlot) -> TenantSlot:
+        """The job's slot as the slot manager holds it: ``job.slot`` may be an object the
+        manager evicted since (its bytes stored), whose version bump the next restore would
+        not see, so one version number would be published twice."""
+        try:
+            job.slot = self.registry.slots.acquire([job.key])[0]
+        except KeyError:  # closed: the manager forgot it, job.slot is all there is
+            pass
+        return job.slot
 
     async def drain(self, jobs: Iterable[JobSlot] | None = None, within_s: float = 60.0) -> None:
         """Wait (at most ``within_s``) for the in-flight commits of ``jobs`` (default: all)."""
