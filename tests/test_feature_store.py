@@ -115,3 +115,23 @@ async def test_the_bucket_keeps_to_its_budget_least_recently_used_first(
     assert counting.rows == 0
     await asyncio.to_thread(fresh.encode, old)
     assert counting.rows == 2
+
+
+async def test_writes_waiting_for_a_slow_bucket_are_bounded(nc: NATS, backbone: Backbone) -> None:
+    """Writes run one at a time; behind a slow bucket every grouped step with misses queued
+    another copy of its features, and the trainer's memory grew with its training rate."""
+    bid, layer = uid("bb"), backbone.feature_layer
+    store = await opened(nc, bid, 64 << 20)
+    encoder = CachedEncoder(backbone, FeatureCache(1 << 10), bid, layer, store)
+    async with store._lock:  # the bucket "slow": no write gets through meanwhile
+        await asyncio.to_thread(encoder.encode, samples(backbone, 1))
+        await asyncio.sleep(0)  # (the write is scheduled onto this loop)
+        one = store.pending_bytes
+        assert one > 0
+        store.max_pending_bytes = one  # room for that one write only
+        for seed in (2, 3, 4):
+            await asyncio.to_thread(encoder.encode, samples(backbone, seed))
+        await asyncio.sleep(0)
+        assert store.pending_bytes == one and store.dropped_writes == 3
+    await store.drain()
+    assert store.pending_bytes == 0 and store.stats()["feature_store_entries"] == SIZE

@@ -73,6 +73,7 @@ class BucketFeatureStore:
         backbone_id: str,
         budget_bytes: int,
         timeout_s: float = 10.0,
+        max_pending_bytes: int = 64 << 20,
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}")
@@ -93,6 +94,12 @@ class BucketFeatureStore:
         self.evictions = 0
         self._writes: set[asyncio.Future[None]] = set()
         self._lock = asyncio.Lock()
+        #: Bytes of features waiting to be written, at most ``max_pending_bytes``: writes
+        #: run one at a time, and a slow bucket must not grow the trainer's memory with its
+        #: training rate (the store is a cache: what is not written is recomputed).
+        self.pending_bytes = 0
+        self.max_pending_bytes = max_pending_bytes
+        self.dropped_writes = 0
 
     # -- from the compute thread ----------------------------------------------------------
 
@@ -184,12 +191,22 @@ class BucketFeatureStore:
         return feature.prefix_B_T_D[0], feature.mask_B_T[0]
 
     def _start_write(self, items: list[tuple[CacheKey, torch.Tensor, torch.Tensor]]) -> None:
+        size = sum(p.nbytes + m.nbytes for _, p, m in items)
+        if self.pending_bytes + size > self.max_pending_bytes:
+            self.dropped_writes += 1
+            log.debug(
+                "feature store: %d bytes waiting to be written; %d dropped",
+                *(self.pending_bytes, size),
+            )
+            return
+        self.pending_bytes += size
         task = asyncio.ensure_future(self.write(items))
         self._writes.add(task)
-        task.add_done_callback(self._written)
+        task.add_done_callback(lambda t: self._written(t, size))
 
-    def _written(self, task: asyncio.Future[None]) -> None:
+    def _written(self, task: asyncio.Future[None], size: int) -> None:
         self._writes.discard(task)
+        self.pending_bytes -= size
         if not task.cancelled() and task.exception() is not None:
             log.warning("feature store: a write failed: %s", task.exception())
 
