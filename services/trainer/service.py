@@ -374,6 +374,9 @@ class Trainer:
     async def close_slot(self, close: CloseSlot) -> None:
         job = self.registry.close(close.tenant, close.job_id)
         if job is not None:
+            # A commit in flight that fails gives its messages back to job.held: wait for
+            # it, so that none is left held (and kept alive) on a job nothing commits again.
+            await self.committer.drain([job])
             # Their effect is in the final checkpoint, or abandoned with the job.
             await self.consumer.release([m for m, _ in job.held])
             await self.consumer.release([m for m, _ in job.rollouts.values()])
