@@ -75,6 +75,10 @@ class DurableSet:
                 except (NatsError, TimeoutError) as exc:  # the next discovery tries again
                     log.warning("binding %s on %s failed: %s", key, self.stream, exc)
                     continue
+                except RuntimeError as exc:  # another consumer holds its subject: the
+                    # operator's to remove; the other keys are served meanwhile
+                    log.error("%s is not served: %s", key, exc)
+                    continue
                 self.durables[key] = bound
                 new.append(key)
             if count > self.consumer.unsettled(self.durables[key].name):
