@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from nats.js import JetStreamContext
-
+from bus.connect import connect
+from bus.declare import declare
+from bus.server import EmbeddedServer
 from services.inferencer.policies import PolicyCache
 from tests.helpers import eventually, uid
 from tests.test_inferencer import OFT, commit_policy
@@ -15,8 +16,11 @@ from vla.backbone import Backbone
 
 
 async def test_resident_jobs_are_bounded_and_only_served_jobs_are_preloaded(
-    js: JetStreamContext,
+    fresh_server: EmbeddedServer,
 ) -> None:
+    nc = await connect(fresh_server.url)
+    js = nc.jetstream()
+    await declare(js)
     hidden = Backbone.load("tiny").hidden_size
     tenant = uid("resident")
     jobs = ["a", "b", "c", "d"]
@@ -29,7 +33,9 @@ async def test_resident_jobs_are_bounded_and_only_served_jobs_are_preloaded(
     follow = asyncio.create_task(cache.follow(ready))
     try:
         await asyncio.wait_for(ready.wait(), 20)
-        assert all((tenant, job) in cache.records for job in jobs)
+        await eventually(
+            lambda: all((tenant, job) in cache.records for job in jobs), what="every record seen"
+        )
         assert cache.resident_count == 0 and cache.loads == 0, "nothing loaded unasked"
 
         for job in ("a", "b", "c"):
@@ -56,3 +62,4 @@ async def test_resident_jobs_are_bounded_and_only_served_jobs_are_preloaded(
         stop.set()
         await asyncio.wait_for(follow, 20)
         await cache.close(5)
+        await nc.close()
