@@ -48,6 +48,22 @@ def inputs_of(backbone: Backbone, batch: int, seed: int = 0) -> ModelInputs:
     )
 
 
+async def until_answering(client: FeatureClient, backbone: Backbone) -> None:
+    """Wait (60 s at most) for a backbone role started just now to answer ``client``."""
+
+    async def answered() -> bool:
+        client._unavailable_until = 0.0  # (after a miss the client waits before asking again)
+        inputs = inputs_of(backbone, 1)
+        request = to_encode_request(inputs, backbone.feature_layer, ["0"])
+        try:
+            await client.request(request)
+        except BackboneUnavailable:
+            return False
+        return True
+
+    await eventually(answered, timeout=60, what="the backbone role answering")
+
+
 @pytest.mark.timeout(120)
 async def test_features_over_the_bus_are_the_resident_ones_inline_and_by_reference(
     tmp_path: Path, procs: Procs
@@ -71,15 +87,7 @@ async def test_features_over_the_bus_are_the_resident_ones_inline_and_by_referen
             await asyncio.to_thread(remote.encode, inputs_of(backbone, 1))
         proc = procs.add(start_service("backbone", server.url, tmp_path / "backbone.log"))
 
-        async def answered() -> bool:
-            client._unavailable_until = 0.0
-            try:
-                await ask(inputs_of(backbone, 1))
-            except BackboneUnavailable:
-                return False
-            return True
-
-        await eventually(answered, timeout=60, what="the backbone role answering")
+        await until_answering(client, backbone)
         for batch in (3, 40):  # 40 samples: request and answer both over 128 KiB
             inputs = inputs_of(backbone, batch, seed=batch)
             there = await asyncio.to_thread(remote.encode, inputs)
@@ -215,15 +223,7 @@ async def test_an_answer_the_feature_bucket_refuses_is_a_retryable_refusal_not_a
             ids = [str(i) for i in range(inputs.batch_size)]
             return client.request(to_encode_request(inputs, backbone.feature_layer, ids))
 
-        async def answered() -> bool:
-            client._unavailable_until = 0.0
-            try:
-                await ask(inputs_of(backbone, 1))
-            except BackboneUnavailable:
-                return False
-            return True
-
-        await eventually(answered, timeout=60, what="the backbone role answering")
+        await until_answering(client, backbone)
         # Long instructions under a large token budget: a small request (inline), an answer
         # of ~140 KiB of features, more than one message holds.
         rng = np.random.default_rng(0)
