@@ -328,8 +328,7 @@ class Consumer:
         durable = self.durables.get(name)
         max_deliver = durable.spec.max_deliver if durable is not None else 1
         delivered = msg.metadata.num_delivered
-        server_max = max_deliver + HAND_BACK_ALLOWANCE
-        if isinstance(error, Interrupted) and (max_deliver <= 0 or delivered < server_max):
+        if isinstance(error, Interrupted) and self.can_hand_back(msg):
             # The server would not redeliver a message past its max_deliver: at the last
             # delivery an interrupted message is dead-lettered instead, so it is not lost.
             with contextlib.suppress(NatsError):
@@ -366,14 +365,26 @@ class Consumer:
         retryable, _ = retry_decision(error, delivered)
         return not retryable or (0 < max_deliver <= delivered)
 
-    async def hand_back(self, msgs: Iterable[Msg]) -> None:
-        """Nak without delay (another instance takes them); bounded, errors ignored."""
+    def can_hand_back(self, msg: Msg) -> bool:
+        """Whether the server delivers ``msg`` again after one more nak (past its consumer's
+        ``max_deliver`` and :data:`HAND_BACK_ALLOWANCE` it would not: the message would be
+        lost instead of dead-lettered)."""
+        durable = self.durables.get(msg.metadata.consumer)
+        max_deliver = durable.spec.max_deliver if durable is not None else 1
+        server_max = max_deliver + HAND_BACK_ALLOWANCE
+        return max_deliver <= 0 or msg.metadata.num_delivered < server_max
+
+    async def hand_back(self, msgs: Iterable[Msg], delay_s: float = 0.0) -> None:
+        """Nak without delay (another instance takes them), or redelivered after ``delay_s``;
+        bounded, errors ignored."""
         pending = list(msgs)
         for msg in pending:
             self._alive.pop(id(msg), None)
             self._unsettled.pop(id(msg), None)
         if pending:
-            await _bounded(asyncio.gather(*(m.nak() for m in pending), return_exceptions=True))
+            delay = delay_s or None
+            naks = (m.nak(delay=delay) for m in pending)
+            await _bounded(asyncio.gather(*naks, return_exceptions=True))
             await _bounded(asyncio.gather(*(self.crashes.end(m) for m in pending)))
 
     # -- keep-alive --------------------------------------------------------------------------

@@ -59,3 +59,13 @@ def test_a_check_across_fields_prints_its_own_message(
     assert "trainer: invalid configuration: feature_store_mb: the feature cache's second tier" in (
         err
     )
+
+
+def test_a_trainer_buffer_must_hold_more_than_its_prefetch(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A buffer no larger than the prefetch would be full of fetched messages before one
+    waited for an earlier step."""
+    with pytest.raises(SystemExit):
+        load_config(TrainerConfig, ["--max-buffered", "4"], env={}, prog="trainer")
+    assert "max_buffered (4) must exceed prefetch (4)" in capsys.readouterr().err

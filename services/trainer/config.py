@@ -14,6 +14,12 @@ class TrainerConfig(HeadsConfig):
     deterministic: bool = Field(False, description="torch deterministic algorithms.")
     memory_budget_mb: float = Field(1024.0, gt=0, description="Resident slot budget.")
     prefetch: int = Field(4, ge=1, description="Messages fetched ahead per tenant.")
+    max_buffered: int = Field(
+        256,
+        ge=2,
+        description="Most messages buffered per tenant, those waiting for an earlier step "
+        "included (past it the latest waiting ones are handed back for later).",
+    )
     quantum: int = Field(
         1,
         ge=1,
@@ -45,6 +51,14 @@ class TrainerConfig(HeadsConfig):
     crash_after_commits: int = Field(
         0, ge=0, description="Fault injection: SIGKILL self after this many commits, before acking."
     )
+
+    @model_validator(mode="after")
+    def _buffer_past_prefetch(self) -> TrainerConfig:
+        if self.max_buffered <= self.prefetch:
+            raise ValueError(
+                f"max_buffered ({self.max_buffered}) must exceed prefetch ({self.prefetch})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _store_behind_a_cache(self) -> TrainerConfig:

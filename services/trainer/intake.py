@@ -15,6 +15,8 @@ jobs: jobs are keyed by (tenant, job), and the tenant is the subject's."""
 
 from __future__ import annotations
 
+import logging
+
 from nats.aio.msg import Msg
 
 from bus.codec import DecodeError, decode
@@ -25,8 +27,16 @@ from schemas.limits import InputLimits, exceeds
 from schemas.train import TRAIN_DECODER, OpenSlot, RolloutBatch, SFTBatch
 from services.trainer.checks import check_open_slot, check_rollout, check_sft
 
-#: Most messages buffered per tenant, waiting ones included.
+log = logging.getLogger(__name__)
+
+#: Most messages buffered per tenant, waiting ones included (the default).
 MAX_BUFFER = 256
+
+#: A handed-back waiting message comes back after this many seconds per delivery so far
+#: (capped at :data:`MAX_DEFER_S`): the message it waits for has time to be fetched, and a
+#: long wait costs each one few deliveries.
+DEFER_S_PER_DELIVERY = 2.0
+MAX_DEFER_S = 30.0
 
 
 class Waiting:
@@ -48,11 +58,13 @@ class Intake:
         tenants: DurableSet,
         prefetch: int,
         limits: InputLimits | None = None,
+        max_buffer: int = MAX_BUFFER,
     ) -> None:
         self.consumer = consumer
         self.tenants = tenants
         self.prefetch = prefetch
         self.limits = limits or InputLimits()
+        self.max_buffer = max_buffer
         self.buffers: dict[str, list[tuple[Msg, object]]] = {}
 
     def add_tenant(self, tenant: str) -> None:
@@ -72,11 +84,13 @@ class Intake:
         once). Only when no tenant has work buffered (and ``linger``) is it worth waiting
         for messages. Returns how many messages arrived."""
         wants = {}
-        for tenant, buf in self.buffers.items():
+        for tenant in self.buffers:
+            await self.make_room(tenant)
+            buf = self.buffers[tenant]
             waiting = sum(1 for _, item in buf if isinstance(item, Waiting))
             # Batches waiting for an earlier step do not use up the prefetch: the earlier
-            # step must still be fetched. MAX_BUFFER bounds memory all the same.
-            wants[tenant] = min(self.prefetch - (len(buf) - waiting), MAX_BUFFER - len(buf))
+            # step must still be fetched. max_buffer bounds memory all the same.
+            wants[tenant] = min(self.prefetch - (len(buf) - waiting), self.max_buffer - len(buf))
         wait = 0.05 if linger and not self.busy else 0.001
         fetched = await self.tenants.fill(wants, wait, also=live)
         arrived = 0
@@ -86,6 +100,39 @@ class Intake:
                 self.buffers[tenant].append((msg, self.decode(tenant, msg)))
             arrived += len(msgs)
         return arrived
+
+    async def make_room(self, tenant: str) -> None:
+        """A buffer full of messages that wait (later steps, a slot whose OpenSlot is being
+        redelivered) would fetch nothing more, and the message they wait for (a step being
+        retried, that OpenSlot) would never be fetched: the tenant's jobs would stop for good.
+        So the latest-queued waiting ones are handed back, to be redelivered after a delay,
+        making room for a prefetch's worth of others."""
+        buf = self.buffers[tenant]
+        if len(buf) < self.max_buffer:
+            return
+        waiting = [
+            (msg.metadata.sequence.stream, i)
+            for i, (msg, item) in enumerate(buf)
+            if isinstance(item, Waiting) and self.consumer.can_hand_back(msg)
+        ]
+        room = min(
+            self.prefetch - sum(1 for _, item in buf if not isinstance(item, Waiting)), len(waiting)
+        )
+        if room <= 0:
+            return  # messages not triaged yet come first
+        latest = {i for _, i in sorted(waiting)[-room:]}
+        handed = [buf[i][0] for i in sorted(latest)]
+        self.buffers[tenant] = [entry for i, entry in enumerate(buf) if i not in latest]
+        most = max(m.metadata.num_delivered for m in handed)
+        delay = min(MAX_DEFER_S, DEFER_S_PER_DELIVERY * most)
+        log.info(
+            "%s: %d buffered messages wait for one not fetched; the %d latest come back in %.0f s",
+            tenant,
+            len(buf),
+            room,
+            delay,
+        )
+        await self.consumer.hand_back(handed, delay_s=delay)
 
     def decode(self, tenant: str, msg: Msg) -> object:
         """The message's body, or the error it will be dead-lettered with."""

@@ -117,7 +117,9 @@ class Trainer:
             key_of=subjects.tenant_of,
             on_dead=self.announcer.tell_tenant,
         )
-        self.intake = Intake(rt.consumer, self.tenants, config.prefetch, config.limit)
+        self.intake = Intake(
+            rt.consumer, self.tenants, config.prefetch, config.limit, config.max_buffered
+        )
         self.deficits: dict[str, float] = {}
         #: Set when a job record changes (a new job may have opened a tenant's queue).
         self.job_changed = asyncio.Event()
