@@ -219,11 +219,14 @@ class Committer:
             return False
         t0 = time.perf_counter()
         covered, job.held = job.held, []
-        frozen = freeze(self._resident_slot(job))
-        # What the checkpoint records is what the job stands at now, not when it lands.
-        at = _At.of(job)
+        if job.owes_only_an_event:
+            task = asyncio.ensure_future(self._announce_owed(job, covered))
+        else:
+            frozen = freeze(self._resident_slot(job))
+            # What the checkpoint records is what the job stands at now, not when it lands.
+            at = _At.of(job)
+            task = asyncio.ensure_future(self._commit(job, covered, frozen, at))
         self.blocking_s += time.perf_counter() - t0
-        task = asyncio.ensure_future(self._commit(job, covered, frozen, at))
         self.in_flight[job.key] = task
         task.add_done_callback(lambda _: self.in_flight.pop(job.key, None))
         return True
@@ -235,8 +238,11 @@ class Committer:
         t0 = time.perf_counter()
         await self.drain([job])
         covered, job.held = job.held, []
-        frozen = freeze(self._resident_slot(job))
-        await self._commit(job, covered, frozen, _At.of(job), initial)
+        if job.owes_only_an_event:
+            await self._announce_owed(job, covered)
+        else:
+            frozen = freeze(self._resident_slot(job))
+            await self._commit(job, covered, frozen, _At.of(job), initial)
         self.blocking_s += time.perf_counter() - t0
 
     def _resident_slot(self, job: JobSlot) -> TenantSlot:
@@ -291,7 +297,10 @@ class Committer:
     ) -> None:
         try:
             # A session's call results go out before their calls can be acked: after a
-            # crash past this point the calls are not applied again, so nothing would.
+            # crash past this point the calls are not applied again, so nothing would. So
+            # does the event of the version before, if it is owed: events stay in order.
+            if not await self.announce(job):
+                raise TimeoutError(f"the event of version {frozen.version - 1} not published")
             if not await self.publish_results(job):
                 raise TimeoutError("call results not published")
             record = await self._write(job, frozen, at, initial)
@@ -313,25 +322,60 @@ class Committer:
             if job.save_as == at.save_as:
                 job.save_as = None  # the session's calls may go on
             job.results.append(save_result(job, at.save_as[1], record))
-        if not await self.publish_results(job):
-            # Committed, but an answer is not out: its call is settled only after it is
-            # (the next commit publishes first); a replay meanwhile answers a save again.
-            job.held = covered + job.held
-            self.commits += 1
-            return
+        # The version is committed from here on, whatever is not out yet: its number is
+        # not given back (the next commit takes the next one).
         self.commits += 1
+        job.versions.append(record.object_name)
+        await self._prune(job)
+        if not await self.announce(job) or not await self.publish_results(job):
+            # Committed, but its event or an answer is not out: its messages are settled only
+            # after they are (the next commit publishes first); a replay meanwhile answers a
+            # save again.
+            job.held = covered + job.held
+            return
         if self.crash_after_commits and self.commits >= self.crash_after_commits:
             log.warning("fault injection: SIGKILL after commit %d, before its acks", self.commits)
             os.kill(os.getpid(), signal.SIGKILL)
         for msg, error in covered:
             await self.consumer.settle(msg, error)
-        job.versions.append(record.object_name)
+
+    async def _prune(self, job: JobSlot) -> None:
+        """Delete the job's checkpoints past the retention setting."""
         while len(job.versions) > self.keep_versions:
             old = job.versions.popleft()
             if old in job.saved.values():
                 continue  # a session's saved state outlives the retention
             with contextlib.suppress(NotFoundError):
                 await self.registry.store.delete(old)
+
+    async def _announce_owed(
+        self, job: JobSlot, covered: list[tuple[Msg, HandlerError | None]]
+    ) -> None:
+        """A commit with nothing new to write: publish the committed version's owed event,
+        then settle the messages it holds (kept for the next try if it is still not out)."""
+        if await self.announce(job) and await self.publish_results(job):
+            for msg, error in covered:
+                await self.consumer.settle(msg, error)
+        else:
+            job.held = covered + job.held
+
+    async def announce(self, job: JobSlot) -> bool:
+        """Publish the ``policy`` event the job owes (its latest committed version's); whether
+        none is owed now. The event's id is its version: a retry that did land is a no-op."""
+        event = job.unannounced
+        if event is None:
+            return True
+        try:
+            await self.emit(event)
+        except (NatsError, TimeoutError) as exc:
+            log.warning("event of %s version %d not published: %s", job.key, event.version, exc)
+            return False
+        except Exception:  # a bug: the event stays owed, said loudly
+            log.exception("event of %s version %d not published", job.key, event.version)
+            return False
+        if job.unannounced is event:
+            job.unannounced = None
+        return True
 
     async def publish_results(self, job: JobSlot) -> bool:
         """Publish the session's pending call results; whether all went out (those that did
@@ -361,7 +405,7 @@ class Committer:
         for job in list(jobs):
             if time.monotonic() > deadline or self.busy(job):
                 return
-            if job.batches_done > job.committed_batches or job.held:
+            if job.batches_done > job.committed_batches or job.held or job.unannounced:
                 await self.commit(job)
 
     async def _write(
@@ -401,15 +445,13 @@ class Committer:
         job.committed_seq, job.committed_step = record.stream_seq, record.step
         job.committed_batches = record.batches_done
         job.last_commit_at = time.monotonic()
-        await self.emit(
-            PolicyPublished(
-                job.spec.tenant,
-                job.spec.job_id,
-                record.version,
-                record.object_name,
-                record.step,
-                time.time(),
-                final=at.finished,
-            )
+        job.unannounced = PolicyPublished(
+            job.spec.tenant,
+            job.spec.job_id,
+            record.version,
+            record.object_name,
+            record.step,
+            time.time(),
+            final=at.finished,
         )
         return record

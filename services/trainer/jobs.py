@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from nats.aio.msg import Msg
 
 from bus.errors import HandlerError, PoisonError
-from schemas.events import CallResult
+from schemas.events import CallResult, PolicyPublished
 from schemas.train import OpenSlot, RolloutBatch
 from vla.normalize import Normaliser
 from vla.slot import TenantSlot
@@ -64,6 +64,10 @@ class JobSlot:
     results: list[CallResult] = field(default_factory=list)
     #: One publish of ``results`` at a time: a commit must see the outcome of one in flight.
     publish_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: The ``policy`` event of the latest committed version, while it is not out yet (the
+    #: master plans RL iterations and ends jobs by it): published before anything else the
+    #: next commit does, and the messages its version holds are settled only after it is.
+    unannounced: PolicyPublished | None = None
 
     @property
     def iteration_complete(self) -> bool:
@@ -83,9 +87,20 @@ class JobSlot:
         """Still expecting messages (its tenant's queue is worth fetching from)."""
         return not self.closed and not self.finished
 
+    @property
+    def owes_only_an_event(self) -> bool:
+        """The latest version is committed but its event is not out, and nothing was applied
+        since: the next commit publishes that event, not a version with no new step (an RL
+        job's version counts its iterations)."""
+        return (
+            self.unannounced is not None
+            and self.batches_done == self.committed_batches
+            and self.save_as is None
+        )
+
     def commit_due(self, every_s: float) -> bool:
         if self.batches_done == self.committed_batches and not self.held:
-            return False
+            return self.unannounced is not None
         return (
             self.finished
             or self.save_as is not None
