@@ -11,7 +11,7 @@ Every role consumes through a :class:`Consumer`. It serves three shapes:
 Fate rules (DESIGN.md §2), decided in :meth:`Consumer.settle` and nowhere else:
 
 * handler returned None → ``ack``;
-* handler returned :data:`HOLD` → the effect is not durable yet: the message is kept alive
+* handler returned :data:`~bus.fate.HOLD` → the effect is not durable yet: the message is kept alive
   with in-progress acks until the owner calls :meth:`Consumer.release` (after its commit);
 * :class:`~bus.errors.Interrupted` (the service is stopping) → ``nak`` without delay, for
   another instance; the server allows :data:`HAND_BACK_ALLOWANCE` deliveries beyond
@@ -34,10 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Iterable, Iterator
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
@@ -47,21 +46,16 @@ from nats.js import JetStreamContext
 from nats.js.errors import BadRequestError, FetchTimeoutError, NotFoundError
 
 from bus import tracing
-from bus.codec import DecodeError, encode
+from bus.codec import DecodeError
 from bus.crashes import CrashLedger, CrashLoopError
 from bus.durable import HAND_BACK_ALLOWANCE, ConsumerSpec, DeadHook, Durable, config_filters
 from bus.errors import HandlerError, Interrupted
-from schemas import subjects
-from schemas.dead import DeadLetter
-from schemas.headers import MSG_ID
+from bus.fate import Fate, Handler, Hold, dead_letter, error_reason, retry_decision
 
 log = logging.getLogger(__name__)
 #: Where the stream's deliveries name their acks: every message a pull consumer fetches.
 JS_ACK_PREFIX = "$JS.ACK."
 
-#: Dead letters keep at most this many payload bytes (the rest is in the source stream's
-#: history only for limits streams; for work queues it is gone, so keep a generous slice).
-DEAD_PAYLOAD_LIMIT = 512 * 1024
 #: How long a stopping pool waits for its running handlers before handing their messages back.
 DRAIN_S = 2.0
 #: Bound on any single bus call made while stopping (nak, unsubscribe).
@@ -73,79 +67,6 @@ STOP_CALL_S = 0.5
 LATE_DELIVERY_S = 0.15
 #: At most this many sweeps for late deliveries at close.
 LATE_SWEEPS = 4
-
-
-class Hold:
-    """Returned by a handler whose message's effect is not durable yet (the trainer applied a
-    batch that the next checkpoint will contain). The runtime keeps the message alive until
-    :meth:`Consumer.release` settles it."""
-
-    def __repr__(self) -> str:
-        return "HOLD"
-
-
-HOLD = Hold()
-
-Handler = Callable[[Msg], Awaitable[Hold | None]]
-
-
-class Fate(enum.Enum):
-    ACKED = "acked"
-    RETRY = "retry"
-    DEAD = "dead"
-    HELD = "held"
-    HANDED_BACK = "handed back"
-
-
-def error_reason(error: BaseException) -> str:
-    """What the sender is told: our own errors speak for themselves; others name their type."""
-    if isinstance(error, HandlerError | DecodeError):
-        return str(error)
-    return f"{type(error).__name__}: {error}"
-
-
-def _tenant_of(msg: Msg) -> str:
-    tenant = subjects.tenant_of(msg.subject)
-    try:
-        return subjects.validate_id(tenant or "", "tenant")
-    except ValueError:
-        return "unknown"
-
-
-def retry_decision(error: BaseException, delivered: int) -> tuple[bool, float]:
-    """(retryable, nak delay) for ``error`` on its ``delivered``-th delivery."""
-    if isinstance(error, HandlerError | DecodeError):
-        retryable = isinstance(error, HandlerError) and error.retryable
-        delay = error.delay_s if isinstance(error, HandlerError) else 0.0
-        return retryable, delay
-    return True, min(30.0, 0.5 * 2 ** (delivered - 1))
-
-
-async def dead_letter(
-    js: JetStreamContext, msg: Msg, *, consumer: str, reason: str, error_type: str
-) -> None:
-    """Publish a :class:`DeadLetter` for ``msg`` (idempotent per stream sequence)."""
-    meta = msg.metadata
-    stream = meta.stream
-    payload = msg.data or b""
-    record = DeadLetter(
-        stream=stream,
-        subject=msg.subject,
-        consumer=consumer,
-        stream_seq=meta.sequence.stream,
-        num_delivered=meta.num_delivered,
-        reason=reason,
-        error_type=error_type,
-        payload=payload[:DEAD_PAYLOAD_LIMIT],
-        at=time.time(),
-        tenant=_tenant_of(msg),
-        payload_truncated_at=DEAD_PAYLOAD_LIMIT if len(payload) > DEAD_PAYLOAD_LIMIT else 0,
-    )
-    await js.publish(
-        subjects.dead(stream, record.tenant),
-        encode(record),
-        headers={MSG_ID: f"dead:{stream}:{record.stream_seq}"},
-    )
 
 
 @dataclass
@@ -272,7 +193,7 @@ class Consumer:
 
     async def process(self, msg: Msg, handler: Handler) -> Fate:
         """Run ``handler`` on ``msg`` inside its span with in-progress acks, then settle it
-        (or hold it, if the handler returned :data:`HOLD`)."""
+        (or hold it, if the handler returned :data:`~bus.fate.HOLD`)."""
         durable = self.durables.get(msg.metadata.consumer)
         if durable is not None:
             durable.in_flight += 1

@@ -19,11 +19,12 @@ from opentelemetry import trace
 from bus import tracing
 from bus.codec import decode
 from bus.connect import connect
-from bus.consume import HOLD, Consumer, Handler, Hold
+from bus.consume import Consumer
 from bus.declare import BusLayout, DeclareConflict, declare
 from bus.durable import ConsumerSpec
 from bus.durables import DurableSet
 from bus.errors import Interrupted, PoisonError, RetryableError
+from bus.fate import HOLD, Handler, Hold
 from bus.publish import Outgoing, publish, publish_all
 from bus.server import EmbeddedServer, ServerError
 from bus.watch import follow_kv

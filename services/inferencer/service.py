@@ -38,10 +38,10 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from bus import tracing
-from bus.consume import HOLD, Fate, Hold
 from bus.durable import ConsumerSpec, Durable
 from bus.encoding import FeatureClient
 from bus.errors import Interrupted
+from bus.fate import HOLD, Fate, Hold
 from bus.metering import BusyMeter, LinearFit
 from bus.placement import placed
 from bus.queues import per_tenant, publish_queues
