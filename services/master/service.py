@@ -25,7 +25,7 @@ from bus.durable import ConsumerSpec
 from bus.errors import PoisonError, RetryableError
 from bus.publish import msg_id, publish, publish_event
 from bus.queues import publish_queues
-from bus.records import get_job, get_policy, list_jobs, put_job
+from bus.records import get_job, list_jobs, put_job
 from bus.service import Runtime, serve
 from schemas import subjects
 from schemas.events import (
@@ -47,7 +47,6 @@ from schemas.jobs import (
 from schemas.limits import InputLimits
 from schemas.masterstate import MASTER_STATE_SUBJECT, LeasedSession, MasterState, QueuedJob
 from schemas.specs import (
-    EvalJobSpec,
     JobSpec,
     JobSpecError,
     PipelineSpec,
@@ -62,13 +61,12 @@ from schemas.train import CloseSlot, PolicyRecord
 from services.master.admission import Admissions
 from services.master.backbones import BackboneWatch
 from services.master.commands import answer_refused, parse_command
+from services.master.compiler import Compiler
 from services.master.config import MasterConfig
-from services.master.envfit import EnvDescriptions, fit_env
+from services.master.envfit import EnvDescriptions
 from services.master.limits import (
     TenantGate,
-    apply_limits,
     check_fits,
-    check_planned_head,
     check_size,
     check_spec_bounds,
 )
@@ -77,10 +75,6 @@ from services.master.pipelines import advance_pipeline, check_stage_ids, end_sta
 from services.master.plans import (
     Datasets,
     Plan,
-    compile_eval,
-    compile_rl,
-    compile_session,
-    compile_sft,
     rollout_tasks,
 )
 from services.master.queries import Queries
@@ -110,12 +104,13 @@ class Master:
         self.gate = TenantGate(js)
         self.jobs = jobs
         self.policies = policies
-        #: Checks a spec's backbone at submit (None: any id is accepted).
-        self.backbones = backbones
-        #: Env descriptions a spec's head is checked against (asked of the env workers).
-        self.envs = envs if envs is not None else EnvDescriptions(js._nc)
-        #: Resolves a spec's dataset id in its tenant's namespace.
-        self.datasets = datasets if datasets is not None else Datasets(js)
+        self.compiler = Compiler(
+            policies,
+            self.limits,
+            backbones,
+            envs if envs is not None else EnvDescriptions(js._nc),
+            datasets if datasets is not None else Datasets(js),
+        )
         #: Queued jobs and the loop that starts them (its lock orders admissions).
         self.admissions = Admissions(self)
 
@@ -227,54 +222,7 @@ class Master:
         self, job_id: str, spec: JobSpec, limits: TenantLimits | None = None
     ) -> Plan | None:
         """The job's plan (None for a pipeline), served as its tenant's ``limits`` say."""
-        attributes = {**tracing.job_attributes(spec.tenant, job_id), "joynexus.kind": spec.kind}
-        with tracing.tracer().start_as_current_span("plan", attributes=attributes):
-            plan = await self._compile(job_id, spec)
-            return None if plan is None else apply_limits(plan, limits)
-
-    async def _compile(self, job_id: str, spec: JobSpec) -> Plan | None:
-        try:
-            plan = await self._plan(job_id, spec)
-        except JobSpecError as exc:  # e.g. a head whose dims, filled in, leave its bounds
-            raise PoisonError(str(exc)) from exc
-        if plan is not None and plan.open_slot is not None:
-            # Dims the spec omits are filled in from its dataset or env: bound them too.
-            check_planned_head(plan.open_slot.head, self.limits)
-        return plan
-
-    async def _plan(self, job_id: str, spec: JobSpec) -> Plan | None:
-        if self.backbones is not None:
-            for stage in spec.stages if isinstance(spec, PipelineSpec) else [spec]:
-                await self.backbones.check(stage.backbone)
-        spec = await fit_env(self.envs, spec, self.policy_record)
-        match spec:
-            case SFTJobSpec():
-                init = await self.init_policy(spec.tenant, spec.init_from)
-                return await compile_sft(job_id, spec, init, self.datasets, self.limits)
-            case RLJobSpec():
-                return compile_rl(job_id, spec, await self.init_policy(spec.tenant, spec.init_from))
-            case SessionSpec():
-                init = await self.init_policy(spec.tenant, spec.init_from)
-                return compile_session(job_id, spec, init)
-            case EvalJobSpec():
-                policy = await self.policy_record(spec.tenant, spec.policy_job)
-                if policy is None:
-                    raise PoisonError(
-                        f"policy_job: job {spec.policy_job!r} of tenant {spec.tenant!r} has "
-                        "no committed policy"
-                    )
-                return await compile_eval(job_id, spec, policy, self.datasets, self.limits)
-            case PipelineSpec():
-                return None
-        raise PoisonError(f"kind: {spec.kind!r} cannot be planned")
-
-    async def init_policy(self, tenant: str, job_id: str | None) -> PolicyRecord | None:
-        if job_id is None:
-            return None
-        record = await self.policy_record(tenant, job_id)
-        if record is None:
-            raise PoisonError(f"init_from: job {job_id!r} has no committed policy to start from")
-        return record
+        return await self.compiler.compile(job_id, spec, limits)
 
     async def start(self, plan: Plan, job_id: str) -> None:
         """Open the slot, hand out the env tasks, mark the job running. Every publish has a
@@ -431,8 +379,7 @@ class Master:
                 )
 
     async def policy_record(self, tenant: str, job_id: str) -> PolicyRecord | None:
-        record, _ = await get_policy(self.policies, tenant, job_id)
-        return record
+        return await self.compiler.policy_record(tenant, job_id)
 
     async def fail(self, tenant: str, job_id: str, reason: str) -> None:
         if await self.transition(tenant, job_id, "failed", reason=reason):
