@@ -162,7 +162,7 @@ class Describer:
         self._replies: set[asyncio.Task[None]] = set()
         self._subs: list[Subscription] = []
         #: Awaited as a build starts (the worker's heartbeat says it is building: see
-        #: :attr:`services.envs.rollouts.AdapterPool.on_build`).
+        #: :attr:`services.envs.pool.AdapterPool.on_build`).
         self.on_build: Callable[[], Awaitable[None]] | None = None
 
     @property

@@ -59,7 +59,8 @@ from services.envs.describe import Describer
 from services.envs.flow import Flow
 from services.envs.jobstate import committed_batches, iteration_done, job_ended, unconsumed
 from services.envs.limits import check_dataset, check_task, prewarm_refusal
-from services.envs.rollouts import AdapterPool, EnvMeter, collect, evaluate_env
+from services.envs.pool import AdapterPool, EnvMeter
+from services.envs.rollouts import collect, evaluate_env
 from vla.data import Dataset, DatasetError, load_dataset, read_meta
 
 log = logging.getLogger(__name__)
