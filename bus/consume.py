@@ -295,10 +295,25 @@ class Consumer:
         server_max = max_deliver + HAND_BACK_ALLOWANCE
         return max_deliver <= 0 or msg.metadata.num_delivered < server_max
 
+    def deferrable(self, msg: Msg) -> bool:
+        """Whether ``msg`` may be handed back for later (it cannot be handled yet) without
+        eating into its retries: while it has used less than half its consumer's
+        ``max_deliver`` (a hand-back is a delivery, and the retry budget counts deliveries)."""
+        durable = self.durables.get(msg.metadata.consumer)
+        max_deliver = durable.spec.max_deliver if durable is not None else 1
+        return max_deliver <= 0 or msg.metadata.num_delivered < max_deliver // 2
+
     async def hand_back(self, msgs: Iterable[Msg], delay_s: float = 0.0) -> None:
         """Nak without delay (another instance takes them), or redelivered after ``delay_s``;
-        bounded, errors ignored."""
+        bounded, errors ignored. A message on the last delivery the server allows is
+        dead-lettered instead (:meth:`settle` with :class:`~bus.errors.Interrupted`): a nak
+        would leave it undelivered for good."""
         pending = list(msgs)
+        last = [m for m in pending if not self.can_hand_back(m)]
+        if last:
+            pending = [m for m in pending if self.can_hand_back(m)]
+            reason = Interrupted("handed back on the last delivery its consumer allows")
+            await _bounded(asyncio.gather(*(self.settle(m, reason) for m in last)))
         for msg in pending:
             self._alive.pop(id(msg), None)
             self._unsettled.pop(id(msg), None)

@@ -21,7 +21,7 @@ from bus.codec import decode
 from bus.connect import connect
 from bus.consume import Consumer
 from bus.declare import BusLayout, DeclareConflict, declare
-from bus.durable import ConsumerSpec
+from bus.durable import HAND_BACK_ALLOWANCE, ConsumerSpec
 from bus.durables import DurableSet
 from bus.errors import Interrupted, PoisonError, RetryableError
 from bus.fate import HOLD, Handler, Hold
@@ -530,3 +530,30 @@ async def test_a_durable_that_fails_to_bind_is_bound_at_the_next_discovery(
     assert failures == [durable] * 3
     await consumer.close()
     await nc.close()
+
+
+async def test_a_message_handed_back_on_its_last_delivery_is_dead_lettered_not_lost(
+    js: JetStreamContext,
+) -> None:
+    """The server delivers a message at most ``max_deliver`` + HAND_BACK_ALLOWANCE times; a
+    message handed back (a stop, a deferral) on that last delivery would never come again.
+    It is dead-lettered instead."""
+    tenant = uid("lastnak")
+    consumer = Consumer(js, asyncio.Event())
+    durable = await consumer.bind(
+        ConsumerSpec("TRAIN", uid("c"), subjects.train("tiny", tenant), max_deliver=1)
+    )
+    await js.publish(subjects.train("tiny", tenant), b"x")
+    server_max = 1 + HAND_BACK_ALLOWANCE
+    for delivery in range(1, server_max + 1):
+        msgs = await eventually(
+            lambda: consumer.fetch(durable, 1, 0.5, count_crashes=False) or None,
+            what=f"delivery {delivery}",
+        )
+        assert msgs[0].metadata.num_delivered == delivery
+        assert consumer.can_hand_back(msgs[0]) == (delivery < server_max)
+        await consumer.hand_back(msgs)
+    dead = await eventually(lambda: _dead_letters(js, tenant), what="dead letter")
+    assert dead[0].num_delivered == server_max and "last delivery" in dead[0].reason
+    info = await js.consumer_info("TRAIN", durable.name)
+    assert info.num_pending == 0 and info.num_ack_pending == 0

@@ -298,19 +298,33 @@ async def test_H_jetstream_errors_from_fetch_do_not_crash_the_trainer(
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    ("max_deliver", "logged"),
+    [
+        ("10", "come back in"),  # the latest waiting ones are handed back for later
+        ("2", "fetching past the buffer's bound"),  # no delivery to spare: fetched past it
+    ],
+)
 async def test_a_buffer_full_of_later_steps_still_fetches_the_step_they_wait_for(
-    nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs, tmp_path: Path
+    nats_server: EmbeddedServer,
+    js: JetStreamContext,
+    procs: Procs,
+    tmp_path: Path,
+    max_deliver: str,
+    logged: str,
 ) -> None:
     """Steps 1..12 are queued before step 0 (as when step 0 is redelivered after a retry):
     with room for 6 messages the buffer fills with steps that wait for step 0, which would
-    never be fetched; the latest waiting ones are handed back for later instead, and all 13
-    steps apply, in order."""
+    never be fetched. The latest waiting ones are handed back for later while they have more
+    than half their deliveries left (the rest are their retries); else the buffer takes a
+    prefetch more. All 13 steps apply, in order."""
     tenant, job = uid("wedge"), uid("j")
     later = (sft_batch(tenant, job, s) for s in range(1, 13))
     await send(js, tenant, sft_open(tenant, job, 13), *later, sft_batch(tenant, job, 0))
     log = tmp_path / "t.log"
-    proc = trainer(nats_server.url, log, procs, "--max-buffered", "6", "--prefetch", "2")
+    args = ("--max-buffered", "6", "--prefetch", "2", "--max-deliver", max_deliver)
+    proc = trainer(nats_server.url, log, procs, *args)
     rec = await eventually(partial(done, js, tenant, job, 13), timeout=90, what="13 steps")
     assert rec.batches_done == 13
-    assert "wait for one not fetched" in log.read_text(errors="replace")
+    assert logged in log.read_text(errors="replace")
     assert proc.poll() is None

@@ -16,6 +16,7 @@ jobs: jobs are keyed by (tenant, job), and the tenant is the subject's."""
 from __future__ import annotations
 
 import logging
+import time
 
 from nats.aio.msg import Msg
 
@@ -32,11 +33,12 @@ log = logging.getLogger(__name__)
 #: Most messages buffered per tenant, waiting ones included (the default).
 MAX_BUFFER = 256
 
-#: A handed-back waiting message comes back after this many seconds per delivery so far
-#: (capped at :data:`MAX_DEFER_S`): the message it waits for has time to be fetched, and a
-#: long wait costs each one few deliveries.
-DEFER_S_PER_DELIVERY = 2.0
-MAX_DEFER_S = 30.0
+#: A stuck buffer (full, every message waiting) hands messages back at most this often: the
+#: one they wait for is usually a redelivery, fetched first once due, so a few free places
+#: are enough, and a stall does not turn into a loop re-fetching the backlog.
+ROOM_EVERY_S = 1.0
+#: A handed-back waiting message comes back after 2**deliveries seconds, at most this long.
+MAX_DEFER_S = 60.0
 
 
 class Waiting:
@@ -66,6 +68,8 @@ class Intake:
         self.limits = limits or InputLimits()
         self.max_buffer = max_buffer
         self.buffers: dict[str, list[tuple[Msg, object]]] = {}
+        #: When each tenant's stuck buffer may next hand messages back (monotonic).
+        self._room_at: dict[str, float] = {}
 
     def add_tenant(self, tenant: str) -> None:
         self.buffers.setdefault(tenant, [])
@@ -85,12 +89,13 @@ class Intake:
         for messages. Returns how many messages arrived."""
         wants = {}
         for tenant in self.buffers:
-            await self.make_room(tenant)
+            overflow = await self.make_room(tenant)
             buf = self.buffers[tenant]
             waiting = sum(1 for _, item in buf if isinstance(item, Waiting))
             # Batches waiting for an earlier step do not use up the prefetch: the earlier
             # step must still be fetched. max_buffer bounds memory all the same.
-            wants[tenant] = min(self.prefetch - (len(buf) - waiting), self.max_buffer - len(buf))
+            room = self.max_buffer - len(buf) + overflow
+            wants[tenant] = min(self.prefetch - (len(buf) - waiting), room)
         wait = 0.05 if linger and not self.busy else 0.001
         fetched = await self.tenants.fill(wants, wait, also=live)
         arrived = 0
@@ -101,30 +106,43 @@ class Intake:
             arrived += len(msgs)
         return arrived
 
-    async def make_room(self, tenant: str) -> None:
-        """A buffer full of messages that wait (later steps, a slot whose OpenSlot is being
-        redelivered) would fetch nothing more, and the message they wait for (a step being
-        retried, that OpenSlot) would never be fetched: the tenant's jobs would stop for good.
-        So the latest-queued waiting ones are handed back, to be redelivered after a delay,
-        making room for a prefetch's worth of others."""
+    async def make_room(self, tenant: str) -> int:
+        """A buffer full of messages that all wait (later steps, a slot whose OpenSlot is
+        being redelivered) would fetch nothing more, and the message they wait for (a step
+        being retried, that OpenSlot) would never be fetched: the tenant's jobs would stop for
+        good. So the latest-queued waiting ones are handed back, to be redelivered after a
+        delay, making room for a prefetch's worth of others (at most every
+        :data:`ROOM_EVERY_S`). A message is handed back only while it has more than half its
+        deliveries left (the rest are its retries); when none has, the buffer may hold a
+        prefetch more instead (returned: how many places past ``max_buffer``): the tenant's
+        own limits (its jobs' in-flight batches) and the consumer's ``max_ack_pending``
+        bound it then."""
         buf = self.buffers[tenant]
-        if len(buf) < self.max_buffer:
-            return
+        if len(buf) < self.max_buffer or not all(isinstance(i, Waiting) for _, i in buf):
+            return 0
+        now = time.monotonic()
+        if now < self._room_at.get(tenant, 0.0):
+            return 0
+        self._room_at[tenant] = now + ROOM_EVERY_S
         waiting = [
             (msg.metadata.sequence.stream, i)
-            for i, (msg, item) in enumerate(buf)
-            if isinstance(item, Waiting) and self.consumer.can_hand_back(msg)
+            for i, (msg, _) in enumerate(buf)
+            if self.consumer.deferrable(msg)
         ]
-        room = min(
-            self.prefetch - sum(1 for _, item in buf if not isinstance(item, Waiting)), len(waiting)
-        )
-        if room <= 0:
-            return  # messages not triaged yet come first
+        if not waiting:
+            log.warning(
+                "%s: %d buffered messages wait for one not fetched and none can be handed "
+                "back; fetching past the buffer's bound",
+                tenant,
+                len(buf),
+            )
+            return len(buf) - self.max_buffer + self.prefetch
+        room = min(self.prefetch, len(waiting))
         latest = {i for _, i in sorted(waiting)[-room:]}
         handed = [buf[i][0] for i in sorted(latest)]
         self.buffers[tenant] = [entry for i, entry in enumerate(buf) if i not in latest]
         most = max(m.metadata.num_delivered for m in handed)
-        delay = min(MAX_DEFER_S, DEFER_S_PER_DELIVERY * most)
+        delay = min(MAX_DEFER_S, 2.0**most)
         log.info(
             "%s: %d buffered messages wait for one not fetched; the %d latest come back in %.0f s",
             tenant,
@@ -133,6 +151,7 @@ class Intake:
             delay,
         )
         await self.consumer.hand_back(handed, delay_s=delay)
+        return 0
 
     def decode(self, tenant: str, msg: Msg) -> object:
         """The message's body, or the error it will be dead-lettered with."""
