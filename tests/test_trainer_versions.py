@@ -13,10 +13,11 @@ from typing import Any, cast
 
 from nats.js import JetStreamContext
 
-from bus.records import get_policy, policy_history
+from bus.records import policy_history
 from schemas.events import PolicyPublished
 from schemas.model import HeadConfig, OptimizerConfig
 from schemas.train import OpenSlot
+from services.trainer.announce import Announcer
 from services.trainer.commit import Committer
 from services.trainer.jobs import JobSlot
 from services.trainer.registry import JobRegistry
@@ -47,9 +48,11 @@ def test_a_commit_of_an_evicted_slot_takes_the_next_version_once() -> None:
 async def test_a_version_whose_event_was_not_published_is_announced_not_written_again(
     js: JetStreamContext,
 ) -> None:
-    """The policy event failed after the version's record landed. The version stands: the
-    next commit with nothing new publishes that event (no version without a new step), and
-    the one after a new step takes the next number (it used to write the same one again)."""
+    """The policy event failed after the version's record landed. The version stands: it is
+    owed, and nothing is committed until it is out (a commit meanwhile takes no version; the
+    one due publishes only the event, tried again a second later at most as often); the
+    commit after that takes the next number (it used to write the same one again). A trainer
+    that restores the job later owes it too, unless the event is stored."""
     tenant, job_id = uid("announce"), "job"
     head = HeadConfig(kind="oft", action_dim=2, chunk_len=1, proprio_dim=0)
     registry = JobRegistry(js, Slots(Backbone.load("tiny"), 1 << 40, "cpu"), 3)
@@ -68,20 +71,55 @@ async def test_a_version_whose_event_was_not_published_is_announced_not_written_
     assert job is not None
     await committer.commit(job, initial=True)
 
+    async def versions() -> list[int]:
+        return [r.version for r in await policy_history(registry.policies, tenant, job_id)]
+
     job.batches_done = 1  # a step applied
     broker_away = True
     await committer.commit(job)
-    assert (await get_policy(registry.policies, tenant, job_id))[0].version == 2
+    assert await versions() == [1, 2] and job.slot.version == 2
     assert job.unannounced is not None and [e.version for e in events] == [1]
 
-    broker_away = False
-    assert job.commit_due(every_s=60.0) and job.owes_only_an_event
+    job.batches_done = 2  # another step, while version 2's event is owed
     await committer.commit(job)
-    assert job.unannounced is None and [e.version for e in events] == [1, 2]
-    assert not job.commit_due(every_s=60.0)
+    assert await versions() == [1, 2] and job.unannounced is not None
+    assert not job.commit_due(every_s=60.0)  # tried again a second later
+    job.announce_at = 0.0
 
-    job.batches_done = 2
+    broker_away = False
+    assert job.commit_due(every_s=60.0) and committer.start(job)
+    await committer.drain([job])
+    assert job.unannounced is None and [e.version for e in events] == [1, 2]
+    assert await versions() == [1, 2], "the owed event alone"
+
+    assert job.commit_due(every_s=0.0)
     await committer.commit(job)
-    history = await policy_history(registry.policies, tenant, job_id)
-    assert [r.version for r in history] == [1, 2, 3]
-    assert [e.version for e in events] == [1, 2, 3]
+    assert await versions() == [1, 2, 3] and [e.version for e in events] == [1, 2, 3]
+
+    # Restored by another trainer: version 3's event is not stored on EVENTS, so it is owed.
+    async def restored() -> JobSlot:
+        other = JobRegistry(js, Slots(Backbone.load("tiny"), 1 << 40, "cpu"), 3)
+        await other.connect()
+        found = await other.job_for(tenant, job_id)
+        assert isinstance(found, JobSlot)
+        return found
+
+    owed = (await restored()).unannounced
+    assert owed is not None and owed.version == 3 and not owed.final
+    await Announcer(js).emit(owed)
+    assert (await restored()).unannounced is None
+
+
+def test_a_version_given_back_reaches_an_evicted_slot() -> None:
+    """A commit that did not land gives its number back on the manager's copy of the slot,
+    resident or stored after an eviction (``job.slot`` may be a stale object by then)."""
+    head = HeadConfig(kind="oft", action_dim=2, chunk_len=1, proprio_dim=0)
+    slots = Slots(Backbone.load("tiny"), 1 << 40, "cpu")
+    slot = slots.create("t/a", OpenSlot("t", "a", head, OptimizerConfig(), 0, 1))
+    assert slot.publish_version() == 1 and slot.publish_version() == 2
+    slots.manager.evict("t/a")
+    slots.manager.rewind_version("t/a", 1)  # not at 1: untouched
+    slots.manager.rewind_version("t/a", 2)
+    assert slots.acquire(["t/a"])[0].version == 1
+    slots.manager.rewind_version("t/a", 1)  # resident
+    assert slots.acquire(["t/a"])[0].version == 0

@@ -8,13 +8,25 @@ import time
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from bus.codec import DecodeError, decode
 from bus.publish import msg_id, publish
 from schemas import subjects
-from schemas.events import ErrorEvent, Event, PolicyPublished, event_kind
+from schemas.events import EVENT_DECODER, ErrorEvent, Event, PolicyPublished, event_kind
 from schemas.train import TRAIN_DECODER
 from services.trainer.jobs import JobError
+
+
+async def announced_version(js: JetStreamContext, tenant: str, job_id: str) -> int:
+    """The version the job's last stored ``policy`` event names (0: none is stored)."""
+    subject = subjects.event(tenant, job_id, "policy")
+    try:
+        stored = await js.get_msg(subjects.STREAM_EVENTS, subject=subject)
+        event = decode(EVENT_DECODER, stored.data or b"")
+    except (NotFoundError, DecodeError):
+        return 0
+    return event.version if isinstance(event, PolicyPublished) else 0
 
 
 class Announcer:

@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +37,9 @@ from schemas.train import OpenSlot, PolicyRecord
 from vla.slot import TenantSlot, state_bytes
 
 log = logging.getLogger(__name__)
+
+#: An owed ``policy`` event is tried again after this long.
+ANNOUNCE_RETRY_S = 1.0
 
 if TYPE_CHECKING:
     from services.trainer.jobs import JobSlot
@@ -156,14 +159,6 @@ class Frozen:
         return self.data
 
 
-def _unfreeze(job: JobSlot, frozen: Frozen) -> None:
-    """A commit that did not land gives its version number back: the next commit takes it
-    again. Version numbers must not skip: an RL job's version ``v`` is its policy after
-    ``v - 1`` iterations, and the master plans each iteration's rollouts by it."""
-    if job.slot.version == frozen.version:
-        job.slot.version = frozen.version - 1
-
-
 def freeze(slot: TenantSlot) -> Frozen:
     """Take the slot's next version now (its state is copied: training may go on)."""
     slot.publish_version()
@@ -201,7 +196,7 @@ class Committer:
         #: Seconds the trainer loop waited on commits (freezing, or awaited commits).
         self.blocking_s = 0.0
         #: In-flight background commits by job key.
-        self.in_flight: dict[str, asyncio.Task[None]] = {}
+        self.in_flight: dict[str, asyncio.Task[object]] = {}
         #: Seconds commits took (checkpoint, KV, event, settling), summed; and the trainer's
         #: work-in-hand meter, which counts a commit's time too.
         self.commit_s = 0.0
@@ -218,29 +213,32 @@ class Committer:
         if self.busy(job):
             return False
         t0 = time.perf_counter()
-        covered, job.held = job.held, []
-        if job.owes_only_an_event:
-            task = asyncio.ensure_future(self._announce_owed(job, covered))
+        work: Coroutine[object, object, object]
+        if job.unannounced is not None:
+            # Only the owed event: the version it names must be out before another is taken.
+            work = self._announce_owed(job)
         else:
+            covered, job.held = job.held, []
             frozen = freeze(self._resident_slot(job))
             # What the checkpoint records is what the job stands at now, not when it lands.
-            at = _At.of(job)
-            task = asyncio.ensure_future(self._commit(job, covered, frozen, at))
+            work = self._commit(job, covered, frozen, _At.of(job))
+        task = asyncio.ensure_future(work)
         self.blocking_s += time.perf_counter() - t0
         self.in_flight[job.key] = task
         task.add_done_callback(lambda _: self.in_flight.pop(job.key, None))
         return True
 
     async def commit(self, job: JobSlot, initial: bool = False) -> None:
-        """Commit the job's slot and wait for it (after any commit of it in flight). A
-        commit the broker could not take is tried again at the next chance (nothing was
-        settled)."""
+        """Commit the job's slot and wait for it (after any commit of it in flight, and its
+        owed event: nothing is committed while that is not out). A commit the broker could
+        not take is tried again at the next chance (nothing was settled). With nothing new
+        since the last version (and not ``initial``), no version is taken."""
         t0 = time.perf_counter()
         await self.drain([job])
-        covered, job.held = job.held, []
-        if job.owes_only_an_event:
-            await self._announce_owed(job, covered)
-        else:
+        if job.unannounced is not None and not await self._announce_owed(job):
+            return
+        if initial or job.batches_done > job.committed_batches or job.held or job.save_as:
+            covered, job.held = job.held, []
             frozen = freeze(self._resident_slot(job))
             await self._commit(job, covered, frozen, _At.of(job), initial)
         self.blocking_s += time.perf_counter() - t0
@@ -297,22 +295,19 @@ class Committer:
     ) -> None:
         try:
             # A session's call results go out before their calls can be acked: after a
-            # crash past this point the calls are not applied again, so nothing would. So
-            # does the event of the version before, if it is owed: events stay in order.
-            if not await self.announce(job):
-                raise TimeoutError(f"the event of version {frozen.version - 1} not published")
+            # crash past this point the calls are not applied again, so nothing would.
             if not await self.publish_results(job):
                 raise TimeoutError("call results not published")
             record = await self._write(job, frozen, at, initial)
         except (NatsError, TimeoutError, records.RevisionConflict) as exc:
             log.warning("commit of %s failed (%s); trying again", job.key, exc)
             at.give_back(job, covered)
-            _unfreeze(job, frozen)
+            self._unfreeze(job, frozen)
             return
         except Exception:  # a bug: keep the messages for the next commit, and say so loudly
             log.exception("commit of %s failed; trying again", job.key)
             at.give_back(job, covered)
-            _unfreeze(job, frozen)
+            self._unfreeze(job, frozen)
             return
         trace.get_current_span().set_attributes(
             {"joynexus.version": record.version, "joynexus.step": record.step}
@@ -326,11 +321,13 @@ class Committer:
         # not given back (the next commit takes the next one).
         self.commits += 1
         job.versions.append(record.object_name)
-        await self._prune(job)
-        if not await self.announce(job) or not await self.publish_results(job):
-            # Committed, but its event or an answer is not out: its messages are settled only
-            # after they are (the next commit publishes first); a replay meanwhile answers a
-            # save again.
+        if not await self.announce(job):
+            # Its messages are settled once the event is out (the next commit does only that).
+            job.awaiting_event = covered
+            return
+        if not await self.publish_results(job):
+            # Committed, but an answer is not out: its call is settled only after it is
+            # (the next commit publishes first); a replay meanwhile answers a save again.
             job.held = covered + job.held
             return
         if self.crash_after_commits and self.commits >= self.crash_after_commits:
@@ -338,26 +335,42 @@ class Committer:
             os.kill(os.getpid(), signal.SIGKILL)
         for msg, error in covered:
             await self.consumer.settle(msg, error)
+        await self._prune(job)
+
+    def _unfreeze(self, job: JobSlot, frozen: Frozen) -> None:
+        """A commit that did not land gives its version number back: the next commit takes it
+        again. Version numbers must not skip: an RL job's version ``v`` is its policy after
+        ``v - 1`` iterations, and the master plans each iteration's rollouts by it. Given back
+        on the slot manager's copy (``job.slot`` may be an object it evicted since)."""
+        if job.key in self.registry.slots.manager:
+            self.registry.slots.manager.rewind_version(job.key, frozen.version)
+        elif job.slot.version == frozen.version:  # closed: job.slot is all there is
+            job.slot.version = frozen.version - 1
 
     async def _prune(self, job: JobSlot) -> None:
-        """Delete the job's checkpoints past the retention setting."""
+        """Delete the job's checkpoints past the retention setting (one the store does not
+        delete now is left behind, said in the log: the job goes on)."""
         while len(job.versions) > self.keep_versions:
             old = job.versions.popleft()
             if old in job.saved.values():
                 continue  # a session's saved state outlives the retention
-            with contextlib.suppress(NotFoundError):
+            try:
                 await self.registry.store.delete(old)
+            except NotFoundError:
+                pass
+            except (NatsError, TimeoutError) as exc:
+                log.warning("old checkpoint %s of %s not deleted: %s", old, job.key, exc)
 
-    async def _announce_owed(
-        self, job: JobSlot, covered: list[tuple[Msg, HandlerError | None]]
-    ) -> None:
-        """A commit with nothing new to write: publish the committed version's owed event,
-        then settle the messages it holds (kept for the next try if it is still not out)."""
-        if await self.announce(job) and await self.publish_results(job):
-            for msg, error in covered:
-                await self.consumer.settle(msg, error)
-        else:
-            job.held = covered + job.held
+    async def _announce_owed(self, job: JobSlot) -> bool:
+        """Publish the committed version's owed event, then settle the messages that version
+        holds; whether it is out (else tried again a second later)."""
+        if not await self.announce(job):
+            job.announce_at = time.monotonic() + ANNOUNCE_RETRY_S
+            return False
+        covered, job.awaiting_event = job.awaiting_event, []
+        for msg, error in covered:
+            await self.consumer.settle(msg, error)
+        return True
 
     async def announce(self, job: JobSlot) -> bool:
         """Publish the ``policy`` event the job owes (its latest committed version's); whether

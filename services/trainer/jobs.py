@@ -65,9 +65,12 @@ class JobSlot:
     #: One publish of ``results`` at a time: a commit must see the outcome of one in flight.
     publish_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     #: The ``policy`` event of the latest committed version, while it is not out yet (the
-    #: master plans RL iterations and ends jobs by it): published before anything else the
-    #: next commit does, and the messages its version holds are settled only after it is.
+    #: master plans RL iterations and ends jobs by it): the next commit only publishes it,
+    #: then settles ``awaiting_event``, the messages that version holds.
     unannounced: PolicyPublished | None = None
+    awaiting_event: list[tuple[Msg, HandlerError | None]] = field(default_factory=list)
+    #: When to try the owed event again (monotonic).
+    announce_at: float = 0.0
 
     @property
     def iteration_complete(self) -> bool:
@@ -87,20 +90,11 @@ class JobSlot:
         """Still expecting messages (its tenant's queue is worth fetching from)."""
         return not self.closed and not self.finished
 
-    @property
-    def owes_only_an_event(self) -> bool:
-        """The latest version is committed but its event is not out, and nothing was applied
-        since: the next commit publishes that event, not a version with no new step (an RL
-        job's version counts its iterations)."""
-        return (
-            self.unannounced is not None
-            and self.batches_done == self.committed_batches
-            and self.save_as is None
-        )
-
     def commit_due(self, every_s: float) -> bool:
+        if self.unannounced is not None:  # that comes first
+            return time.monotonic() >= self.announce_at
         if self.batches_done == self.committed_batches and not self.held:
-            return self.unannounced is not None
+            return False
         return (
             self.finished
             or self.save_as is not None

@@ -5,6 +5,7 @@ unapplied)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from nats.js import JetStreamContext
@@ -15,8 +16,10 @@ from bus import checkpoints as ckpt
 from bus import records
 from bus.codec import DecodeError
 from schemas import subjects
+from schemas.events import PolicyPublished
 from schemas.jobs import TERMINAL_STATUSES
 from schemas.train import OpenSlot
+from services.trainer.announce import announced_version
 from services.trainer.jobs import JobError, JobSlot
 from services.trainer.slots import Slots
 
@@ -91,6 +94,8 @@ class JobRegistry:
             data = await ckpt.get_checkpoint(self.store, record.object_name, record.sha256)
         except ckpt.CheckpointError as exc:
             raise JobError(f"cannot restore the slot: {exc}", job_id) from exc
+        # Committed with its event not out (the trainer stopped first): it is owed still.
+        owed = await announced_version(self.js, tenant, job_id) < record.version
         slot = self.slots.restore(key, job_id, data)
         job = JobSlot(
             record.slot,
@@ -106,6 +111,16 @@ class JobRegistry:
             metrics=dict(record.metrics),
             saved=dict(record.saved),
         )
+        if owed:
+            job.unannounced = PolicyPublished(
+                tenant,
+                job_id,
+                record.version,
+                record.object_name,
+                record.step,
+                time.time(),
+                final=record.batches_done >= record.slot.total_steps,
+            )
         self.jobs[key] = job
         await ckpt.prune(
             self.store,

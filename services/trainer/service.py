@@ -381,6 +381,7 @@ class Trainer:
             await self.committer.drain([job])
             # Their effect is in the final checkpoint, or abandoned with the job.
             await self.consumer.release([m for m, _ in job.held])
+            await self.consumer.release([m for m, _ in job.awaiting_event])
             await self.consumer.release([m for m, _ in job.rollouts.values()])
             log.info("closed slot %s (%s)", job.key, close.reason)
 
