@@ -44,20 +44,21 @@ def _stop_when_ready(setup: asyncio.Future[KeyValue.KeyWatcher]) -> None:
     setup.add_done_callback(done)
 
 
-async def _delivered_nothing(watcher: KeyValue.KeyWatcher) -> bool:
+async def _delivered_nothing(watcher: KeyValue.KeyWatcher) -> bool | None:
     """Whether the watch's consumer has delivered nothing and has nothing pending: its
-    bucket was empty. nats.py's end-of-entries marker alone does not say so: it is queued
-    when the consumer's info shows nothing pending and nothing received yet, which is also
-    the case while the first entries are still on their way to the watch's callback (seen on
-    a 300-key bucket in one watch of ten), so the marker can come before every entry."""
+    bucket was empty (None: its info could not be read). nats.py's end-of-entries marker
+    alone does not say so: it is queued when the consumer's info shows nothing pending and
+    nothing received yet, which is also the case while the first entries are still on their
+    way to the watch's callback (seen on a 300-key bucket in one watch of ten), so the
+    marker can come before every entry."""
     sub = watcher._sub
     if sub is None:
         return True
     try:
         info = await sub.consumer_info()
     except (NatsError, TimeoutError) as exc:
-        log.info("watch consumer info not read (%s): trusting the end-of-entries marker", exc)
-        return True
+        log.info("watch consumer info not read (%s); asking again", exc)
+        return None
     return info.num_pending == 0 and info.delivered.consumer_seq == 0
 
 
@@ -97,6 +98,7 @@ async def follow_kv(
             continue
         handled = 0
         told = False
+        ask_again = False  # the end marker came and the consumer's info was not read
 
         def ready() -> None:
             nonlocal told
@@ -112,10 +114,15 @@ async def follow_kv(
                 try:
                     entry = await watcher.updates(timeout=POLL_S)
                 except (NatsError, TimeoutError):  # nats' TimeoutError: nothing new
-                    continue
+                    if not ask_again or handled:
+                        continue
+                    entry = None  # the marker's question, asked again
                 if entry is None:  # nats.py's "end of the current entries" marker
-                    if not handled and await _delivered_nothing(watcher):
-                        ready()  # an empty bucket: no entry will say so
+                    if not handled:
+                        empty = await _delivered_nothing(watcher)
+                        ask_again = empty is None
+                        if empty:
+                            ready()  # an empty bucket: no entry will say so
                     continue
                 handled += 1
                 result = on_entry(entry)
