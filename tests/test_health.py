@@ -9,6 +9,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 from nats.aio.msg import Msg
@@ -29,7 +30,13 @@ from schemas.health import (
     RestartOrder,
     restart_subject,
 )
-from services.health.service import HealthConfig, LivenessTable, OwnView, Restarts
+from services.health.service import (
+    HealthConfig,
+    HealthManager,
+    LivenessTable,
+    OwnView,
+    Restarts,
+)
 from services.launcher import LocalStack
 from tests.conftest import Procs
 from tests.helpers import eventually, start_service
@@ -63,6 +70,24 @@ def test_dead_stalled_and_busy_instances_are_told_apart() -> None:
     assert "a" not in table.seen
 
 
+def test_an_instance_idle_or_busy_for_long_is_not_stalled_as_soon_as_work_comes() -> None:
+    """Only time with work in hand and no progress is a stall: an instance idle for minutes
+    that gets work, or one whose long build just ended, starts a new stall clock."""
+    table = LivenessTable(stale_after_s=3.0, stall_after_s=10.0)
+    table.observe("a", beat(100.0, progress=5))
+    table.observe("a", beat(300.0, progress=5))  # idle for 200 s
+    table.observe("a", beat(301.0, progress=5, in_flight=1))  # work came in
+    assert table.state("a", 301.5) == "alive"
+    table.observe("a", beat(310.0, progress=5, in_flight=1))
+    assert table.state("a", 310.5) == "alive"
+    table.observe("a", beat(312.0, progress=5, in_flight=1))  # 11 s with work, no progress
+    assert table.state("a", 312.5) == "stalled"
+    table.observe("b", beat(100.0, progress=1, in_flight=1, busy_with="building"))
+    table.observe("b", beat(200.0, progress=1, in_flight=1, busy_with="building"))
+    table.observe("b", beat(201.0, progress=1, in_flight=1))  # the build ended
+    assert table.state("b", 201.5) == "alive"
+
+
 def test_a_silent_instance_that_said_it_was_building_gets_longer_before_a_restart() -> None:
     """A simulator's native build can hold the GIL, and the heartbeat with it: an instance
     whose last heartbeat said it was building is left silent for busy_restart_after_s."""
@@ -75,13 +100,63 @@ def test_a_silent_instance_that_said_it_was_building_gets_longer_before_a_restar
 def test_the_health_manager_does_not_act_on_a_view_its_own_outage_made_stale() -> None:
     """After its own connection dropped (a broker restart, its cluster node killed), every
     heartbeat looks old: it waits ``settle_s`` of renewed view before declaring anyone dead."""
-    view = OwnView(settle_s=15.0)
-    assert view.acting(True, 0, 100.0)
-    assert not view.acting(False, 0, 101.0)  # disconnected
-    assert not view.acting(True, 1, 103.0)  # reconnected: the view is renewing
-    assert not view.acting(True, 1, 117.9)
-    assert view.acting(True, 1, 118.1)  # 15 s after it was last seen disconnected
-    assert not view.acting(True, 2, 130.0)  # a reconnect it did not see disconnected
+    view = OwnView(settle_s=15.0, stale_s=3.0)
+    assert view.acting(True, 0, 100.0, own_beat_at=99.5)
+    assert not view.acting(False, 0, 101.0, own_beat_at=100.5)  # disconnected
+    assert not view.acting(True, 1, 103.0, own_beat_at=102.5)  # reconnected: renewing
+    assert not view.acting(True, 1, 117.9, own_beat_at=117.5)
+    assert view.acting(True, 1, 118.1, own_beat_at=117.5)  # 15 s after it was disconnected
+    assert not view.acting(True, 2, 130.0, own_beat_at=129.5)  # a reconnect it did not see
+
+
+def test_the_health_manager_does_not_act_while_its_own_heartbeat_looks_old() -> None:
+    """Connected, but the heartbeats bucket or its watch stopped (a stream leader election,
+    API timeouts): its own heartbeat, written every second, stops coming too, and every
+    instance would look dead. It acts only while its own heartbeat is current."""
+    view = OwnView(settle_s=15.0, stale_s=3.0)
+    assert view.acting(True, 0, 100.0, own_beat_at=99.5)
+    assert not view.acting(True, 0, 104.0, own_beat_at=100.5)  # 3.5 s old
+    assert not view.acting(True, 0, 100.0, own_beat_at=None)  # not seen yet (starting)
+    assert view.acting(True, 0, 105.0, own_beat_at=104.5)  # seen again
+
+
+def test_a_spent_restart_budget_is_reported_once_while_another_instance_of_the_role_lives() -> None:
+    """A role with a live instance and a dead one whose budget is spent: one
+    ``budget_exhausted`` event, not one per tick (the live instance's tick re-armed it)."""
+    from types import SimpleNamespace
+
+    config = HealthConfig(restart_budget=0)
+    events: list[str] = []
+    manager = HealthManager.__new__(HealthManager)
+    manager.config = config
+    manager.table = LivenessTable(config.stale_after_s, config.stall_after_s)
+    manager.restarts = Restarts(0, config.budget_window_s, config.backoff_s)
+    manager.exhausted = set()
+    manager.view = OwnView(0.0, config.stale_after_s)
+    nc = SimpleNamespace(is_connected=True, stats={"reconnects": 0})
+    manager.rt = cast(Any, SimpleNamespace(nc=nc, instance="health-x"))
+
+    async def emit(kind: str, beat: Heartbeat, reason: str) -> None:
+        events.append(kind)
+
+    manager.emit = emit  # type: ignore[method-assign]
+    now = time.time()
+
+    def role_beat(instance: str, at: float, host: str = "elsewhere") -> Heartbeat:
+        return Heartbeat("envs", instance, 1, host, 0.0, at, "v", 0)
+
+    async def ticks() -> None:
+        for i in range(5):
+            t = now + i
+            manager.table.observe("envs.live", role_beat("envs-live", t))
+            manager.table.observe(
+                "health.x", Heartbeat("health", "health-x", 2, "h", 0.0, t, "v", 0)
+            )
+            await manager.tick(t + 0.5)
+
+    manager.table.observe("envs.dead", role_beat("envs-dead", now - 100.0))
+    asyncio.run(ticks())
+    assert events == ["budget_exhausted"]
 
 
 def test_restarts_keep_to_the_budget_with_a_doubling_backoff() -> None:

@@ -145,7 +145,11 @@ class LivenessTable:
                 log.info("%s stopped", key)
             return
         known = self.seen.get(key)
-        if known is None or known.beat.progress != beat.progress:
+        # A stall is time with work in hand and no progress: idle time (nothing in flight)
+        # or time busy with a long operation does not count, so the clock starts again
+        # when work comes in or the operation ends.
+        was_due = known is not None and known.beat.in_flight > 0 and not known.beat.busy_with
+        if known is None or known.beat.progress != beat.progress or not was_due:
             progress_at = beat.at
         else:
             progress_at = known.progress_at
@@ -249,18 +253,26 @@ def runs_role(pid: int, role: str) -> bool:
 class OwnView:
     """Whether the health manager's own view of the heartbeats is current: not while its
     connection is down, nor for ``settle_s`` after it reconnected (the heartbeats written
-    meanwhile are still coming in; every instance would look dead)."""
+    meanwhile are still coming in; every instance would look dead), nor while its own
+    heartbeat, written every second through the same bucket and seen through the same
+    watch, is older than ``stale_s`` (the bucket or the watch stopped with the connection
+    up: a stream leader election, API timeouts on a loaded node)."""
 
-    def __init__(self, settle_s: float) -> None:
+    def __init__(self, settle_s: float, stale_s: float) -> None:
         self.settle_s = settle_s
+        self.stale_s = stale_s
         self.reconnects = 0
         self.blind_until = 0.0
 
-    def acting(self, connected: bool, reconnects: int, now: float) -> bool:
+    def acting(
+        self, connected: bool, reconnects: int, now: float, own_beat_at: float | None
+    ) -> bool:
+        """``own_beat_at``: when its own latest heartbeat seen was written (None: none yet)."""
         if not connected or reconnects != self.reconnects:
             self.reconnects = reconnects
             self.blind_until = now + self.settle_s
-        return now >= self.blind_until
+        current = own_beat_at is not None and now - own_beat_at <= self.stale_s
+        return now >= self.blind_until and current
 
 
 class HealthManager:
@@ -289,7 +301,7 @@ class HealthManager:
         self.queues: dict[str, QueueReport] = {}
         #: Heartbeats it could not see while its own connection was down are no sign of
         #: anyone's death: it acts only on a view it has had time to renew.
-        self.view = OwnView(config.restart_after_s)
+        self.view = OwnView(config.restart_after_s, config.stale_after_s)
 
     def report(self) -> HealthReport:
         report = self.table.report(time.time(), self.restarts.total, list(self.events))
@@ -319,7 +331,13 @@ class HealthManager:
         (not within ``restart_after_s`` of its own reconnect: it has to see every instance's
         heartbeats afresh first)."""
         nc = self.rt.nc
-        acting = self.view.acting(nc.is_connected, int(nc.stats["reconnects"]), now)
+        own = [
+            s.beat.at
+            for s in self.table.seen.values()
+            if s.beat.role == "health" and s.beat.instance == self.rt.instance
+        ]
+        reconnects = int(nc.stats["reconnects"])
+        acting = self.view.acting(nc.is_connected, reconnects, now, max(own, default=None))
         for key, alive in self.table.sweep(now):
             log.info("%s is %s", key, "alive" if alive else self.table.state(key, now))
         for key, seen in list(self.table.seen.items()):
@@ -342,8 +360,8 @@ class HealthManager:
                     stalled_s = beat.at - seen.progress_at
                     reason = f"{beat.in_flight} in flight and no progress for {stalled_s:.0f} s"
                     await self.restart(key, seen, reason, now)
-            else:
-                self.exhausted.discard(beat.role)
+            elif self.restarts.decide(beat.role, now) != "exhausted":
+                self.exhausted.discard(beat.role)  # its budget is back: say it again if spent
 
     async def restart(self, key: str, seen: Seen, reason: str, now: float) -> None:
         beat = seen.beat
