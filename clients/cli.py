@@ -418,6 +418,11 @@ def main(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | No
     except (ConnectionError, JobFailed, RequestError) as exc:
         print(f"joynexus: {exc}", file=sys.stderr)
         return 1
+    except (ValueError, OSError, TimeoutError) as exc:
+        # A bad id or value (InvalidIdError), an unreadable creds file, a follower's idle
+        # limit: said in one line, not a traceback.
+        print(f"joynexus: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ requests the master answers on ``nexus.ctl.tenant.<tenant>.<op>`` / ``nexus.ctl.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import ssl
 import uuid
@@ -28,6 +29,7 @@ from typing import Any, TypeVar
 
 import msgspec
 from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
@@ -93,6 +95,10 @@ __all__ = [
 
 #: How long a request waits for the master's answer (a dataset-add downloads and checks).
 REQUEST_TIMEOUT_S = 10.0
+#: How long a client waits for its broker at connect before it says it cannot reach it.
+CONNECT_TIMEOUT_S = 10.0
+#: Times a submit is sent when no answer comes (the same job id: a repeat is a no-op).
+SUBMIT_ATTEMPTS = 2
 DATASET_ADD_TIMEOUT_S = 300.0
 
 T = TypeVar("T")
@@ -195,12 +201,26 @@ class Client:
             elif not info.auth:
                 user, password = info.user or user, info.password or password
         nc = await connect(
-            url, name="joynexus-client", creds=creds, user=user, password=password, tls=tls
+            url,
+            name="joynexus-client",
+            creds=creds,
+            user=user,
+            password=password,
+            tls=tls,
+            first_connect_s=CONNECT_TIMEOUT_S,
         )
         return cls(nc, tenant_of_creds(Path(creds)) if creds is not None else None)
 
     async def close(self) -> None:
-        await self.nc.drain()
+        """Drain the connection (close it, if the broker is away: nothing can drain)."""
+        try:
+            if self.nc.is_connected:
+                await self.nc.drain()
+                return
+        except NatsError:
+            pass
+        with contextlib.suppress(NatsError):
+            await self.nc.close()
 
     async def __aenter__(self) -> Client:
         return self
@@ -210,7 +230,9 @@ class Client:
 
     async def submit(self, spec: JobSpec | Mapping[str, Any], *, job_id: str | None = None) -> Job:
         """Validate ``spec`` locally (raising :class:`schemas.specs.JobSpecError` naming the
-        bad field) and submit it. Idempotent for the same ``job_id``."""
+        bad field) and submit it. Idempotent for the same ``job_id``: a submit that got no
+        answer is sent again as it was, and the :class:`RequestError` it may end in names the
+        job id to submit again with."""
         document = _document(spec)
         parsed = parse_job_spec(document)
         spec_json = _spec_json(document)
@@ -224,7 +246,24 @@ class Client:
                 "joynexus.kind": parsed.kind,
             },
         ):
-            await self.request(parsed.tenant, SubmitJob(parsed.tenant, job_id, spec_json))
+            command = SubmitJob(parsed.tenant, job_id, spec_json)
+            for attempt in range(1, SUBMIT_ATTEMPTS + 1):
+                try:
+                    await self.request(parsed.tenant, command)
+                    break
+                except RequestError as exc:
+                    if not exc.retryable or attempt == SUBMIT_ATTEMPTS:
+                        raise RequestError(
+                            f"submit of job {parsed.tenant}/{job_id}: {exc}"
+                            + (
+                                f" (submitting it again with job id {job_id!r} is safe: a "
+                                "repeat is recognised)"
+                                if exc.retryable
+                                else ""
+                            ),
+                            code=exc.code,
+                            retryable=exc.retryable,
+                        ) from exc
         return Job(self, parsed.tenant, job_id)
 
     async def train_sft(self, spec: JobSpec | Mapping[str, Any], **kw: Any) -> Job:
@@ -285,10 +324,19 @@ class Client:
         )
 
     async def request(
-        self, tenant: str, request: TenantRequest, *, timeout: float = REQUEST_TIMEOUT_S
+        self, tenant: str, request: TenantRequest, *, timeout: float | None = None
     ) -> TenantReply:
         """Send one of the tenant's requests to the master; raise :class:`RequestError` for
-        an error reply or when no master answers."""
+        an error reply or when no master answers within ``timeout`` (default
+        :data:`REQUEST_TIMEOUT_S`)."""
+        timeout = REQUEST_TIMEOUT_S if timeout is None else timeout
+        if self.tenant is not None and tenant != self.tenant:
+            # The broker would refuse the publish silently: the request would time out.
+            raise RequestError(
+                f"this connection is tenant {self.tenant!r}'s; it cannot act for tenant {tenant!r}",
+                code="tenant_mismatch",
+                retryable=False,
+            )
         op = type(request).__struct_config__.tag
         assert isinstance(op, str)
         reply = await self._ask(subjects.tenant_ctl(tenant, op), encode(request), timeout)

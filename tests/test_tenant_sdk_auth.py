@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
 
 from bus import tenantadmin
 from bus.auth import load_registry, render
@@ -141,8 +142,12 @@ async def test_a_tenant_identity_does_its_work_through_the_sdk_and_nothing_else(
     async with await Client.connect(secured.server.url, creds=secured.creds("bob")) as bob:
         assert await bob.datasets("bob") == []
         assert await bob.status("bob", "j1") is None
-        with pytest.raises(RequestError):  # a request on alice's subject reaches nobody
-            await bob.request("alice", ListJobs("alice"), timeout=2.0)
+        with pytest.raises(RequestError, match="cannot act for tenant 'alice'"):
+            await bob.request("alice", ListJobs("alice"), timeout=2.0)  # refused by the SDK
+        with pytest.raises(NatsError):  # and sent anyway, by the broker: it reaches nobody
+            await bob.nc.request(
+                subjects.tenant_ctl("alice", "jobs"), encode(ListJobs("alice")), timeout=2.0
+            )
         with pytest.raises(RequestError, match="no committed policy"):
             await bob.export_policy("bob", "j1", out_dir=tmp_path / "bob")
     assert 'Publish Violation - Subject "nexus.ctl.tenant.alice.jobs"' in _violations(log)
