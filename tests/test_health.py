@@ -260,3 +260,30 @@ async def watch_the_restart(url: str, user: str | None, password: str | None, pi
         assert [e.instance for e in report.events] == [event.instance]
     finally:
         await nc.close()
+
+
+def test_the_kill_grace_outlasts_a_roles_own_stop_deadline() -> None:
+    """A role told to restart stops cleanly within its stop deadline: it is not killed
+    before that could end."""
+    from bus.service import STOP_DEADLINE_S
+
+    assert HealthConfig().grace_s > STOP_DEADLINE_S
+
+
+async def test_queue_reports_of_instances_gone_are_dropped() -> None:
+    """Every restart is a new instance: the reports kept are the current ones only."""
+    from types import SimpleNamespace
+
+    from schemas.metrics import QueueReport
+
+    manager = HealthManager.__new__(HealthManager)
+    manager.queues = {}
+
+    async def report(instance: str, at: float) -> None:
+        msg = SimpleNamespace(data=encode(QueueReport("trainer", instance, "train", at)))
+        await manager.on_queues(cast(Msg, msg))
+
+    for i in range(50):
+        await report(f"trainer-{i}", 1000.0 + 60 * i)  # one instance after another
+    await report("trainer-49b", 1000.0 + 60 * 49 + 1)
+    assert set(manager.queues) == {"trainer.trainer-49", "trainer.trainer-49b"}

@@ -95,7 +95,10 @@ class HealthConfig(BusConfig):
         120.0, gt=0, description="Restart an instance with work in flight and no progress."
     )
     grace_s: float = Field(
-        3.0, ge=0, description="Wait this long after a restart order before killing (this host)."
+        6.0,
+        ge=0,
+        description="Wait this long after a restart order before killing (this host); longer "
+        "than a role's own stop deadline (4.5 s), so a clean stop is not killed midway.",
     )
     restart_budget: int = Field(5, ge=0, description="Restarts of one role per budget window.")
     budget_window_s: float = Field(600.0, gt=0, description="The restart budget's window.")
@@ -312,6 +315,10 @@ class HealthManager:
         with contextlib.suppress(DecodeError):
             report = decode(QUEUE_REPORT_DECODER, msg.data)
             self.queues[f"{report.service}.{report.instance}"] = report
+            # Instances come and go (a restart is a new one): keep only the current reports.
+            stale = [k for k, q in self.queues.items() if report.at - q.at > QUEUES_FRESH_S]
+            for key in stale:
+                del self.queues[key]
 
     async def answer(self, msg: Msg) -> None:
         if any_inbox(msg.reply):  # never onto a stream's or a service's subject
