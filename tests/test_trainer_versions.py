@@ -123,3 +123,26 @@ def test_a_version_given_back_reaches_an_evicted_slot() -> None:
     assert slots.acquire(["t/a"])[0].version == 1
     slots.manager.rewind_version("t/a", 1)  # resident
     assert slots.acquire(["t/a"])[0].version == 0
+
+
+async def test_a_replay_of_a_job_whose_event_is_owed_is_settled_only_once_it_is_out() -> None:
+    """A restarted trainer comes back to a job through its replayed messages; acked before
+    the owed event went out, a second stop would lose that event for good."""
+    from services.trainer.service import Trainer
+
+    settled: list[object] = []
+
+    class Recording:
+        async def settle(self, msg: object, error: object) -> None:
+            settled.append(msg)
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.consumer = cast(Any, Recording())
+    owed = PolicyPublished("t", "j", 2, "obj", 2, 0.0)
+    job = cast(JobSlot, SimpleNamespace(unannounced=owed, awaiting_event=[]))
+    replay = cast(Any, object())
+    await trainer.consumed(replay, job)
+    assert settled == [] and job.awaiting_event == [(replay, None)]
+    job.unannounced = None
+    await trainer.consumed(replay, job)
+    assert settled == [replay]

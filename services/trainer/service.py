@@ -326,8 +326,18 @@ class Trainer:
         if verdict is Verdict.CONSUMED:
             # Already applied (a replay after a crash, or a re-publish after the duplicate
             # window): never apply twice.
-            await self.consumer.settle(msg, None)
+            await self.consumed(msg, job)
         return verdict
+
+    async def consumed(self, msg: Msg, job: JobSlot) -> None:
+        """Settle a message its job's committed version already holds; while that version's
+        event is owed (a restored job), once the event is out: the replay is what brings a
+        restarted trainer back to a job, and acking it first could lose the event for good
+        if this trainer stopped again before publishing it."""
+        if job.unannounced is not None:
+            job.awaiting_event.append((msg, None))
+        else:
+            await self.consumer.settle(msg, None)
 
     async def session_call(self, msg: Msg, call: SessionCall, job: JobSlot) -> Verdict:
         """A low-level session's call: applied now (no backbone needed), left for the round's
@@ -349,7 +359,7 @@ class Trainer:
                 # Committed, maybe unanswered (a crash right after): answer it again.
                 job.results.append(session.saved_result(job, call))
                 await self.committer.publish_results(job)
-            await self.consumer.settle(msg, None)
+            await self.consumed(msg, job)
         if verdict is not Verdict.APPLY or isinstance(call, ForwardBackward):
             return verdict
         answer = await session.apply_now(self.registry, self.slots, job, call)

@@ -235,7 +235,7 @@ class Stepper:
             job.batches_done, job.rollouts, body.iteration, body.episode, job.committed_batches
         )
         if verdict is Verdict.CONSUMED:
-            await self.trainer.consumer.settle(msg, None)
+            await self.trainer.consumed(msg, job)
         if verdict is not Verdict.COLLECT:
             return verdict
         lag = job.slot.version - body.policy_version
