@@ -362,12 +362,17 @@ class Committer:
                 log.warning("old checkpoint %s of %s not deleted: %s", old, job.key, exc)
 
     async def _announce_owed(self, job: JobSlot) -> bool:
-        """Publish the committed version's owed event, then settle the messages that version
-        holds; whether it is out (else tried again a second later)."""
+        """Publish the committed version's owed event, then (once a session's answers are
+        out too) settle the messages that version holds; whether the event is out (else it is
+        tried again a second later)."""
         if not await self.announce(job):
             job.announce_at = time.monotonic() + ANNOUNCE_RETRY_S
             return False
         covered, job.awaiting_event = job.awaiting_event, []
+        if not await self.publish_results(job):
+            # An answer is not out: its call is settled after the next commit publishes it.
+            job.held = covered + job.held
+            return True
         for msg, error in covered:
             await self.consumer.settle(msg, error)
         return True
