@@ -60,6 +60,9 @@ JS_ACK_PREFIX = "$JS.ACK."
 DRAIN_S = 2.0
 #: Bound on any single bus call made while stopping (nak, unsubscribe).
 STOP_CALL_S = 0.5
+#: Bound on dead-lettering what cannot be handed back (a publish, a term and a hook: a
+#: message cut short here is lost, so it gets longer than a nak).
+DEAD_LETTER_S = 2.0
 #: How long after its last fetch returned a pull request of ours may still be answered: the
 #: server expires a pull request about when the client's fetch times out, so messages it sent
 #: just before land in the subscription after the fetch returned (the next fetch would take
@@ -313,7 +316,8 @@ class Consumer:
         if last:
             pending = [m for m in pending if self.can_hand_back(m)]
             reason = Interrupted("handed back on the last delivery its consumer allows")
-            await _bounded(asyncio.gather(*(self.settle(m, reason) for m in last)))
+            dead = asyncio.gather(*(self.settle(m, reason) for m in last))
+            await _bounded(dead, DEAD_LETTER_S)
         for msg in pending:
             self._alive.pop(id(msg), None)
             self._unsettled.pop(id(msg), None)

@@ -18,7 +18,7 @@ from bus.codec import decode
 from bus.publish import publish
 from bus.server import EmbeddedServer
 from schemas import subjects
-from schemas.events import EVENT_DECODER, ErrorEvent, Progress
+from schemas.events import EVENT_DECODER, ErrorEvent, PolicyPublished, Progress
 from schemas.model import HeadConfig, OptimizerConfig
 from schemas.tensor import Tensor
 from schemas.train import (
@@ -313,18 +313,79 @@ async def test_a_buffer_full_of_later_steps_still_fetches_the_step_they_wait_for
     max_deliver: str,
     logged: str,
 ) -> None:
-    """Steps 1..12 are queued before step 0 (as when step 0 is redelivered after a retry):
+    """Steps 1..10 are queued before step 0 (as when step 0 is redelivered after a retry):
     with room for 6 messages the buffer fills with steps that wait for step 0, which would
     never be fetched. The latest waiting ones are handed back for later while they have more
     than half their deliveries left (the rest are their retries); else the buffer takes a
-    prefetch more. All 13 steps apply, in order."""
+    prefetch more (up to twice its bound: 12). All 11 steps apply, in order."""
     tenant, job = uid("wedge"), uid("j")
-    later = (sft_batch(tenant, job, s) for s in range(1, 13))
-    await send(js, tenant, sft_open(tenant, job, 13), *later, sft_batch(tenant, job, 0))
+    later = (sft_batch(tenant, job, s) for s in range(1, 11))
+    await send(js, tenant, sft_open(tenant, job, 11), *later, sft_batch(tenant, job, 0))
     log = tmp_path / "t.log"
     args = ("--max-buffered", "6", "--prefetch", "2", "--max-deliver", max_deliver)
     proc = trainer(nats_server.url, log, procs, *args)
-    rec = await eventually(partial(done, js, tenant, job, 13), timeout=90, what="13 steps")
-    assert rec.batches_done == 13
+    rec = await eventually(partial(done, js, tenant, job, 11), timeout=90, what="11 steps")
+    assert rec.batches_done == 11
     assert logged in log.read_text(errors="replace")
     assert proc.poll() is None
+
+
+@pytest.mark.timeout(120)
+async def test_a_replayed_open_slot_brings_out_the_event_its_job_still_owes(
+    nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs, tmp_path: Path
+) -> None:
+    """The trainer committed a job's first version and stopped before its ``policy`` event
+    went out; the OpenSlot is all that is redelivered (an RL job's rollouts and a session's
+    calls come only after that event). The restarted trainer restores the job from it and
+    publishes the owed event (it used to ack the replay and forget the job)."""
+    from services.trainer.commit import write_version
+    from vla.backbone import Backbone
+
+    tenant, job = uid("owed"), uid("j")
+    spec = sft_open(tenant, job, 4)
+    slot = TenantSlot(
+        f"{tenant}/{job}", spec.head, spec.optimizer, Backbone.load("tiny").hidden_size
+    )
+    store = await js.object_store(subjects.OBJ_CHECKPOINTS)
+    kv = await js.key_value(subjects.KV_POLICIES)
+    await write_version(store, kv, spec, slot, revision=None)
+    await send(js, tenant, spec)
+    trainer(nats_server.url, tmp_path / "t.log", procs)
+
+    async def policy_event() -> PolicyPublished | None:
+        found = [e for e in await events_of(js, tenant, job) if isinstance(e, PolicyPublished)]
+        return found[0] if found else None
+
+    event = await eventually(policy_event, timeout=60, what="the owed policy event")
+    assert event.version == 1 and not event.final
+
+
+@pytest.mark.timeout(120)
+async def test_a_buffer_waiting_for_a_step_that_never_comes_stops_at_twice_its_bound(
+    fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
+) -> None:
+    """Nothing left to hand back and the awaited step still not there: the buffer fetches
+    past its bound only up to twice it, then fetches no more and says so (memory stays
+    bounded while a job waits for a step that will never come)."""
+    from bus.connect import connect
+    from bus.declare import declare
+
+    nc = await connect(fresh_server.url)
+    try:
+        js = nc.jetstream()
+        await declare(js)
+        tenant, job = uid("stuck"), uid("j")
+        later = (sft_batch(tenant, job, s) for s in range(1, 21))  # step 0 never comes
+        await send(js, tenant, sft_open(tenant, job, 21), *later)
+        log = tmp_path / "t.log"
+        args = ("--max-buffered", "6", "--prefetch", "2", "--max-deliver", "2")
+        proc = trainer(fresh_server.url, log, procs, *args)
+        await eventually(
+            lambda: "fetching no more" in log.read_text(errors="replace"),
+            timeout=60,
+            what="the trainer saying it fetches no more",
+        )
+        assert "12 buffered messages" in log.read_text(errors="replace")
+        assert proc.poll() is None
+    finally:
+        await nc.close()

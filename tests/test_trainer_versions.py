@@ -11,8 +11,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any, cast
 
+import pytest
+import torch
 from nats.js import JetStreamContext
 
+from bus.checkpoints import digest
 from bus.records import policy_history
 from schemas.events import PolicyPublished
 from schemas.model import HeadConfig, OptimizerConfig
@@ -84,7 +87,7 @@ async def test_a_version_whose_event_was_not_published_is_announced_not_written_
     await committer.commit(job)
     assert await versions() == [1, 2] and job.unannounced is not None
     assert not job.commit_due(every_s=60.0)  # tried again a second later
-    job.announce_at = 0.0
+    job.retry_at = 0.0
 
     broker_away = False
     assert job.commit_due(every_s=60.0) and committer.start(job)
@@ -110,21 +113,6 @@ async def test_a_version_whose_event_was_not_published_is_announced_not_written_
     assert (await restored()).unannounced is None
 
 
-def test_a_version_given_back_reaches_an_evicted_slot() -> None:
-    """A commit that did not land gives its number back on the manager's copy of the slot,
-    resident or stored after an eviction (``job.slot`` may be a stale object by then)."""
-    head = HeadConfig(kind="oft", action_dim=2, chunk_len=1, proprio_dim=0)
-    slots = Slots(Backbone.load("tiny"), 1 << 40, "cpu")
-    slot = slots.create("t/a", OpenSlot("t", "a", head, OptimizerConfig(), 0, 1))
-    assert slot.publish_version() == 1 and slot.publish_version() == 2
-    slots.manager.evict("t/a")
-    slots.manager.rewind_version("t/a", 1)  # not at 1: untouched
-    slots.manager.rewind_version("t/a", 2)
-    assert slots.acquire(["t/a"])[0].version == 1
-    slots.manager.rewind_version("t/a", 1)  # resident
-    assert slots.acquire(["t/a"])[0].version == 0
-
-
 async def test_a_replay_of_a_job_whose_event_is_owed_is_settled_only_once_it_is_out() -> None:
     """A restarted trainer comes back to a job through its replayed messages; acked before
     the owed event went out, a second stop would lose that event for good."""
@@ -146,3 +134,53 @@ async def test_a_replay_of_a_job_whose_event_is_owed_is_settled_only_once_it_is_
     job.unannounced = None
     await trainer.consumed(replay, job)
     assert settled == [replay]
+
+
+async def test_a_commit_that_did_not_land_is_tried_again_as_it_was(
+    js: JetStreamContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that timed out (once before landing, once after landing unseen) is tried
+    again with the same version, state and messages, before anything newer: version 2 is
+    never skipped and never holds two different states."""
+    import services.trainer.commit as commit_module
+
+    tenant, job_id = uid("retry"), "job"
+    head = HeadConfig(kind="oft", action_dim=2, chunk_len=1, proprio_dim=0)
+    registry = JobRegistry(js, Slots(Backbone.load("tiny"), 1 << 40, "cpu"), 3)
+    await registry.connect()
+
+    async def emit(event: object, step_id: object = None) -> None:
+        return None
+
+    committer = Committer(registry, cast(Any, None), emit, 5)
+    job = await registry.open_job(OpenSlot(tenant, job_id, head, OptimizerConfig(), 0, 5), 1)
+    assert job is not None
+    await committer.commit(job, initial=True)
+    real_write = commit_module.write_version
+    faults = ["before", "after"]
+
+    async def flaky_write(*args: Any, **kw: Any) -> Any:
+        fault = faults.pop(0) if faults else ""
+        if fault == "before":
+            raise TimeoutError("injected: no answer, nothing written")
+        written = await real_write(*args, **kw)
+        if fault == "after":
+            raise TimeoutError("injected: written, the answer lost")
+        return written
+
+    monkeypatch.setattr(commit_module, "write_version", flaky_write)
+    for step in (1, 2):  # each commit fails, and a step is applied after each
+        job.batches_done = step
+        with torch.no_grad():
+            next(job.slot.module.parameters()).add_(1.0)
+        await committer.commit(job)
+        assert job.pending is not None and job.pending.frozen.version == 2
+    kept = job.pending.frozen.data or await job.pending.frozen.serialised()
+    job.retry_at = 0.0
+    assert job.commit_due(every_s=60.0)
+    await committer.commit(job)  # version 2 as it was, then version 3
+    history = await policy_history(registry.policies, tenant, job_id)
+    assert sorted({r.version for r in history}) == [1, 2, 3]
+    second = {r.object_name for r in history if r.version == 2}
+    assert second == {history[-2].object_name} and history[-2].sha256 == digest(kept)
+    assert history[-1].version == 3 and history[-1].batches_done == 2

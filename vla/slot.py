@@ -404,19 +404,6 @@ class SlotManager:
             self._resident.move_to_end(t)
         return [self._resident[t] for t in wanted]
 
-    def rewind_version(self, tenant: str, version: int) -> None:
-        """A version ``version`` that was not published after all: the tenant's slot, resident
-        or stored, goes back to ``version - 1`` (if it is still at ``version``)."""
-        if tenant in self._resident:
-            slot = self._resident[tenant]
-            if slot.version == version:
-                slot.version = version - 1
-            return
-        stored = TenantSlot.from_bytes(self.store[tenant], self.device)
-        if stored.version == version:
-            stored.version = version - 1
-            self.store[tenant] = stored.to_bytes()
-
     def evict(self, tenant: str) -> bytes:
         """Serialise the tenant's resident slot to the store and drop it from memory."""
         slot = self._resident.pop(tenant)

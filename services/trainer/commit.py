@@ -38,8 +38,8 @@ from vla.slot import TenantSlot, state_bytes
 
 log = logging.getLogger(__name__)
 
-#: An owed ``policy`` event is tried again after this long.
-ANNOUNCE_RETRY_S = 1.0
+#: A commit that did not land, or an owed ``policy`` event, is tried again after this long.
+RETRY_S = 1.0
 
 if TYPE_CHECKING:
     from services.trainer.jobs import JobSlot
@@ -123,9 +123,15 @@ class _At:
         # (services.trainer.service.Trainer.session_call), so any retry freezes the same state.
         return cls(job.applied_seq, job.batches_done, dict(job.metrics), job.finished, job.save_as)
 
-    def give_back(self, job: JobSlot, covered: list[tuple[Msg, HandlerError | None]]) -> None:
-        """A commit that failed: its messages wait for the next."""
-        job.held = covered + job.held
+
+@dataclass(frozen=True)
+class PendingCommit:
+    """A commit that did not land: tried again exactly as it was."""
+
+    covered: list[tuple[Msg, HandlerError | None]]
+    frozen: Frozen
+    at: _At
+    initial: bool
 
 
 def save_result(job: JobSlot, call: int, record: PolicyRecord) -> CallResult:
@@ -217,6 +223,9 @@ class Committer:
         if job.unannounced is not None:
             # Only the owed event: the version it names must be out before another is taken.
             work = self._announce_owed(job)
+        elif job.pending is not None:
+            pending, job.pending = job.pending, None
+            work = self._commit(job, pending.covered, pending.frozen, pending.at, pending.initial)
         else:
             covered, job.held = job.held, []
             frozen = freeze(self._resident_slot(job))
@@ -229,14 +238,20 @@ class Committer:
         return True
 
     async def commit(self, job: JobSlot, initial: bool = False) -> None:
-        """Commit the job's slot and wait for it (after any commit of it in flight, and its
-        owed event: nothing is committed while that is not out). A commit the broker could
-        not take is tried again at the next chance (nothing was settled). With nothing new
-        since the last version (and not ``initial``), no version is taken."""
+        """Commit the job's slot and wait for it (after any commit of it in flight, its owed
+        event and a commit that did not land: nothing newer is committed before those). A
+        commit the broker could not take is tried again at the next chance, as it was
+        (nothing was settled). With nothing new since the last version (and not
+        ``initial``), no version is taken."""
         t0 = time.perf_counter()
         await self.drain([job])
         if job.unannounced is not None and not await self._announce_owed(job):
             return
+        if job.pending is not None:
+            pending, job.pending = job.pending, None
+            await self._commit(job, pending.covered, pending.frozen, pending.at, pending.initial)
+            if job.pending is not None or job.unannounced is not None:
+                return  # still not landed, or its event not out: nothing newer goes first
         if initial or job.batches_done > job.committed_batches or job.held or job.save_as:
             covered, job.held = job.held, []
             frozen = freeze(self._resident_slot(job))
@@ -301,13 +316,11 @@ class Committer:
             record = await self._write(job, frozen, at, initial)
         except (NatsError, TimeoutError, records.RevisionConflict) as exc:
             log.warning("commit of %s failed (%s); trying again", job.key, exc)
-            at.give_back(job, covered)
-            self._unfreeze(job, frozen)
+            self._retry_later(job, PendingCommit(covered, frozen, at, initial))
             return
         except Exception:  # a bug: keep the messages for the next commit, and say so loudly
             log.exception("commit of %s failed; trying again", job.key)
-            at.give_back(job, covered)
-            self._unfreeze(job, frozen)
+            self._retry_later(job, PendingCommit(covered, frozen, at, initial))
             return
         trace.get_current_span().set_attributes(
             {"joynexus.version": record.version, "joynexus.step": record.step}
@@ -323,8 +336,11 @@ class Committer:
         job.versions.append(record.object_name)
         if not await self.announce(job):
             # Its messages are settled once the event is out (the next commit does only that).
-            job.awaiting_event = covered
+            job.awaiting_event = covered + job.awaiting_event
+            job.retry_at = time.monotonic() + RETRY_S
             return
+        # With replays triaged while the event was being published (they waited for it).
+        covered, job.awaiting_event = covered + job.awaiting_event, []
         if not await self.publish_results(job):
             # Committed, but an answer is not out: its call is settled only after it is
             # (the next commit publishes first); a replay meanwhile answers a save again.
@@ -337,15 +353,13 @@ class Committer:
             await self.consumer.settle(msg, error)
         await self._prune(job)
 
-    def _unfreeze(self, job: JobSlot, frozen: Frozen) -> None:
-        """A commit that did not land gives its version number back: the next commit takes it
-        again. Version numbers must not skip: an RL job's version ``v`` is its policy after
-        ``v - 1`` iterations, and the master plans each iteration's rollouts by it. Given back
-        on the slot manager's copy (``job.slot`` may be an object it evicted since)."""
-        if job.key in self.registry.slots.manager:
-            self.registry.slots.manager.rewind_version(job.key, frozen.version)
-        elif job.slot.version == frozen.version:  # closed: job.slot is all there is
-            job.slot.version = frozen.version - 1
+    def _retry_later(self, job: JobSlot, pending: PendingCommit) -> None:
+        """A commit that did not land is tried again as it was, a second later at the
+        earliest: its version number stays taken (an RL job's version ``v`` is its policy
+        after ``v - 1`` iterations, and the master plans each iteration's rollouts by it),
+        and a write that landed unseen is replaced by the very same bytes."""
+        job.pending = pending
+        job.retry_at = time.monotonic() + RETRY_S
 
     async def _prune(self, job: JobSlot) -> None:
         """Delete the job's checkpoints past the retention setting (one the store does not
@@ -366,7 +380,7 @@ class Committer:
         out too) settle the messages that version holds; whether the event is out (else it is
         tried again a second later)."""
         if not await self.announce(job):
-            job.announce_at = time.monotonic() + ANNOUNCE_RETRY_S
+            job.retry_at = time.monotonic() + RETRY_S
             return False
         covered, job.awaiting_event = job.awaiting_event, []
         if not await self.publish_results(job):
@@ -423,7 +437,12 @@ class Committer:
         for job in list(jobs):
             if time.monotonic() > deadline or self.busy(job):
                 return
-            if job.batches_done > job.committed_batches or job.held or job.unannounced:
+            if (
+                job.batches_done > job.committed_batches
+                or job.held
+                or job.unannounced
+                or job.pending
+            ):
                 await self.commit(job)
 
     async def _write(

@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
 
@@ -14,6 +15,9 @@ from schemas.events import CallResult, PolicyPublished
 from schemas.train import OpenSlot, RolloutBatch
 from vla.normalize import Normaliser
 from vla.slot import TenantSlot
+
+if TYPE_CHECKING:
+    from services.trainer.commit import PendingCommit
 
 
 class JobError(PoisonError):
@@ -69,8 +73,11 @@ class JobSlot:
     #: then settles ``awaiting_event``, the messages that version holds.
     unannounced: PolicyPublished | None = None
     awaiting_event: list[tuple[Msg, HandlerError | None]] = field(default_factory=list)
-    #: When to try the owed event again (monotonic).
-    announce_at: float = 0.0
+    #: A commit that did not land, tried again as it was (the same version, state and
+    #: messages) before anything newer: a version number is never skipped nor written twice.
+    pending: PendingCommit | None = None
+    #: When to try a failed commit or an owed event again (monotonic).
+    retry_at: float = 0.0
 
     @property
     def iteration_complete(self) -> bool:
@@ -91,8 +98,8 @@ class JobSlot:
         return not self.closed and not self.finished
 
     def commit_due(self, every_s: float) -> bool:
-        if self.unannounced is not None:  # that comes first
-            return time.monotonic() >= self.announce_at
+        if self.unannounced is not None or self.pending is not None:  # those come first
+            return time.monotonic() >= self.retry_at
         if self.batches_done == self.committed_batches and not self.held:
             return False
         return (

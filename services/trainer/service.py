@@ -377,7 +377,13 @@ class Trainer:
     async def open_slot(self, msg: Msg, spec: OpenSlot) -> None:
         job = await self.registry.open_job(spec, msg.metadata.sequence.stream)
         if job is None:  # already open (a replayed OpenSlot)
-            await self.consumer.settle(msg, None)
+            # Restored if it is not resident: its committed version's event may be owed
+            # (for an RL job or a session it is what brings the rest of the job's work).
+            existing = await self.registry.job_for(spec.tenant, spec.job_id)
+            if isinstance(existing, JobSlot):
+                await self.consumed(msg, existing)
+            else:
+                await self.consumer.settle(msg, None)
             return
         job.held.append((msg, None))
         await self.committer.commit(job, initial=True)
@@ -392,6 +398,8 @@ class Trainer:
             # Their effect is in the final checkpoint, or abandoned with the job.
             await self.consumer.release([m for m, _ in job.held])
             await self.consumer.release([m for m, _ in job.awaiting_event])
+            if job.pending is not None:
+                await self.consumer.release([m for m, _ in job.pending.covered])
             await self.consumer.release([m for m, _ in job.rollouts.values()])
             log.info("closed slot %s (%s)", job.key, close.reason)
 
