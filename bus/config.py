@@ -38,6 +38,12 @@ class BusConfig(BaseModel):
     tls_ca: str | None = Field(None, description="CA bundle; enables TLS.")
     instance: str | None = Field(None, description="Instance id (default: role-host-pid).")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="Heartbeat period.")
+    loop_stall_s: float = Field(
+        300.0,
+        ge=0,
+        description="Exit 75 (for the supervisor to restart the role) when the event loop has "
+        "not run for this long: a hung role, wherever it runs (0: never).",
+    )
     replicas: int = Field(1, ge=1, le=5, description="Stream replicas when declaring.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads.")
     log_level: str = Field("INFO", description="Python logging level.")

@@ -15,7 +15,10 @@ KV and runs ``body(runtime)``. Stop protocol (Temporal's worker shape):
 * on the way out the consumer hands back whatever it fetched and did not settle, the
   heartbeat key is deleted, and the connection is drained with a bound;
 * a last-resort watchdog ends the process (exit 3, logged) if a stop takes longer than
-  :data:`STOP_DEADLINE_S`, so a hang is visible and never outlives the deadline.
+  :data:`STOP_DEADLINE_S`, so a hang is visible and never outlives the deadline;
+* a role's own process (:func:`main`) also exits 75, for its supervisor to restart it, when
+  its event loop has not run for ``--loop-stall-s``: a hung role is restarted where the
+  health manager cannot kill it (another host, a container).
 """
 
 from __future__ import annotations
@@ -256,6 +259,37 @@ def _arm_watchdog(role: str) -> threading.Timer:
     return timer
 
 
+class _LoopWatch:
+    """Exits the process (75) when the event loop has not ticked for ``limit_s``: the loop
+    ticks a clock every second, a daemon thread reads it. Stops watching once a stop
+    begins (the stop's own watchdog takes over)."""
+
+    def __init__(self, role: str, limit_s: float) -> None:
+        self.role = role
+        self.limit_s = limit_s
+        self.tick = time.monotonic()
+        self.done = threading.Event()
+
+    async def ticking(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self.tick = time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+        self.done.set()
+
+    def watch(self) -> None:
+        while not self.done.wait(1.0):
+            stalled_s = time.monotonic() - self.tick
+            if stalled_s > self.limit_s and not self.done.is_set():
+                log.critical(
+                    "%s: event loop stalled for %.0f s; exiting for a restart",
+                    self.role,
+                    stalled_s,
+                )
+                logging.shutdown()
+                os._exit(EXIT_RESTART)
+
+
 #: Connections that arrived after a stop, being closed (kept referenced until done).
 _late_closes: set[asyncio.Future[None]] = set()
 
@@ -315,6 +349,11 @@ async def serve(
             watchdogs.append(_arm_watchdog(role))
 
     watcher = asyncio.ensure_future(watch_stop())
+    loop_watch = None
+    if _owns_process and config.loop_stall_s > 0:
+        loop_watch = _LoopWatch(role, config.loop_stall_s)
+        threading.Thread(target=loop_watch.watch, name="loop watch", daemon=True).start()
+        ticking = asyncio.ensure_future(loop_watch.ticking(stop))
     try:
         setup_tracing(f"joynexus-{role}", trace_file=config.trace_file, environ=os.environ)
         setup_metrics(f"joynexus-{role}", config.metrics_port, config.metrics_host, os.environ)
@@ -329,6 +368,8 @@ async def serve(
     finally:
         stop.set()
         await watcher
+        if loop_watch is not None:
+            await ticking
         await asyncio.to_thread(flush_tracing)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

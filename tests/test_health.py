@@ -287,3 +287,20 @@ async def test_queue_reports_of_instances_gone_are_dropped() -> None:
         await report(f"trainer-{i}", 1000.0 + 60 * i)  # one instance after another
     await report("trainer-49b", 1000.0 + 60 * 49 + 1)
     assert set(manager.queues) == {"trainer.trainer-49", "trainer.trainer-49b"}
+
+
+@pytest.mark.timeout(90)
+async def test_a_role_whose_event_loop_hangs_exits_75_by_itself(
+    fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
+) -> None:
+    """Where no health manager can kill it (a container, another host), a role whose event
+    loop has not run for ``--loop-stall-s`` exits 75 for its supervisor to restart it."""
+    marker = tmp_path / "hung"
+    log = tmp_path / "envs.log"
+    args = ("--hang-after-s", "2", "--hang-marker", str(marker), "--loop-stall-s", "3")
+    proc = procs.add(start_service("envs", fresh_server.url, log, *args))
+    await eventually(marker.exists, timeout=60, what="the env worker freezing")
+    t_frozen = time.monotonic()
+    assert await asyncio.to_thread(proc.wait, 30) == 75
+    assert time.monotonic() - t_frozen < 15
+    assert "event loop stalled" in log.read_text(errors="replace")

@@ -475,8 +475,9 @@ class Committer:
             landed, revision = await records.get_policy(
                 self.registry.policies, job.spec.tenant, job.spec.job_id
             )
-            if landed is None or landed.version != frozen.version:
-                raise
+            ours = ckpt.digest(await frozen.serialised())
+            if landed is None or landed.version != frozen.version or landed.sha256 != ours:
+                raise  # another writer's version: never replaced
             record, job.kv_revision = await write(revision)
         job.saved = dict(record.saved)
         job.committed_seq, job.committed_step = record.stream_seq, record.step

@@ -37,8 +37,8 @@ MAX_BUFFER = 256
 #: one they wait for is usually a redelivery, fetched first once due, so a few free places
 #: are enough, and a stall does not turn into a loop re-fetching the backlog.
 ROOM_EVERY_S = 1.0
-#: A stuck buffer with nothing left to hand back fetches past its bound up to this many
-#: times ``max_buffer``; past that it fetches no more (and says so).
+#: A stuck buffer with nothing left to hand back fetches past its bound a prefetch at a
+#: time up to this many times ``max_buffer``; past that one message a second (and says so).
 OVERFLOW_FACTOR = 2
 #: A handed-back waiting message comes back after 2**deliveries seconds, at most this long.
 MAX_DEFER_S = 60.0
@@ -118,7 +118,7 @@ class Intake:
         :data:`ROOM_EVERY_S`). A message is handed back only while it has more than half its
         deliveries left (the rest are its retries); when none has, the buffer may hold a
         prefetch more instead (returned: how many places past ``max_buffer``), up to
-        :data:`OVERFLOW_FACTOR` times its bound."""
+        :data:`OVERFLOW_FACTOR` times its bound, then one more a second."""
         buf = self.buffers[tenant]
         if len(buf) < self.max_buffer or not all(isinstance(i, Waiting) for _, i in buf):
             return 0
@@ -133,13 +133,15 @@ class Intake:
         ]
         if not waiting:
             if len(buf) >= OVERFLOW_FACTOR * self.max_buffer:
+                # Still one a second: a due redelivery (the awaited step) or a CloseSlot
+                # comes first, so the tenant recovers when it can.
                 log.error(
-                    "%s: %d buffered messages wait for one that has not come; fetching no "
-                    "more (a job waits for a step that will never come?)",
+                    "%s: %d buffered messages wait for one that has not come; fetching one "
+                    "a second (a job waits for a step that will not come?)",
                     tenant,
                     len(buf),
                 )
-                return 0
+                return len(buf) - self.max_buffer + 1
             log.warning(
                 "%s: %d buffered messages wait for one not fetched and none can be handed "
                 "back; fetching past the buffer's bound",

@@ -45,6 +45,7 @@ from bus.usage import UsageMeter, UsageReporter
 from bus.watch import follow_kv
 from schemas import subjects
 from schemas.cachectl import CACHE_QUERY_DECODER, CacheQuery
+from schemas.jobs import TERMINAL_STATUSES
 from schemas.metrics import TenantQueue
 from schemas.train import (
     SESSION_CALL_TYPES,
@@ -298,8 +299,7 @@ class Trainer:
         if isinstance(body, HandlerError):
             raise body
         if isinstance(body, OpenSlot):
-            await self.open_slot(msg, body)
-            return Verdict.CONSUMED
+            return await self.open_slot(msg, body)
         if isinstance(body, CloseSlot):
             await self.close_slot(body)
             await self.consumer.settle(msg, None)
@@ -311,7 +311,8 @@ class Trainer:
                 return Verdict.WAIT  # its OpenSlot is being redelivered
             await self.consumer.settle(msg, None)  # the job ended: nothing to apply
             return Verdict.CONSUMED
-        if job.closed:
+        if job.closed or self.registry.status.get(job.key) in TERMINAL_STATUSES:
+            # Ended (its CloseSlot may still be behind a backlog): nothing more to apply.
             await self.consumer.settle(msg, None)
             return Verdict.CONSUMED
         if isinstance(body, RolloutBatch):
@@ -374,20 +375,26 @@ class Trainer:
         return Verdict.CONSUMED
 
     # -- slots -------------------------------------------------------------------------------
-    async def open_slot(self, msg: Msg, spec: OpenSlot) -> None:
+    async def open_slot(self, msg: Msg, spec: OpenSlot) -> Verdict:
+        """Open the job's slot (consumed once its first version is committed); a replay of
+        an open job's OpenSlot waits while that first version is not committed yet (acked,
+        it could leave the job with no record and no OpenSlot), then is consumed."""
         job = await self.registry.open_job(spec, msg.metadata.sequence.stream)
         if job is None:  # already open (a replayed OpenSlot)
             # Restored if it is not resident: its committed version's event may be owed
             # (for an RL job or a session it is what brings the rest of the job's work).
             existing = await self.registry.job_for(spec.tenant, spec.job_id)
             if isinstance(existing, JobSlot):
+                if existing.kv_revision == 0:
+                    return Verdict.WAIT  # its first version is not committed yet
                 await self.consumed(msg, existing)
             else:
                 await self.consumer.settle(msg, None)
-            return
+            return Verdict.CONSUMED
         job.held.append((msg, None))
         await self.committer.commit(job, initial=True)
         log.info("opened slot %s (%s head, %d steps)", job.key, spec.head.kind, spec.total_steps)
+        return Verdict.CONSUMED
 
     async def close_slot(self, close: CloseSlot) -> None:
         job = self.registry.close(close.tenant, close.job_id)
