@@ -390,3 +390,31 @@ async def test_a_buffer_waiting_for_a_step_that_never_comes_slows_at_twice_its_b
         assert proc.poll() is None
     finally:
         await nc.close()
+
+
+@pytest.mark.timeout(120)
+async def test_a_resident_jobs_messages_after_it_ended_are_consumed_unapplied(
+    nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs, tmp_path: Path
+) -> None:
+    """The job was cancelled (its record says so) and its CloseSlot has not reached the
+    trainer (behind a backlog): its later batches are consumed, not trained on."""
+    from bus.records import put_job
+    from schemas.jobs import JobRecord
+
+    tenant, job = uid("ended"), uid("j")
+    await send(js, tenant, sft_open(tenant, job, 6, checkpoint_every=1))
+    await send(js, tenant, sft_batch(tenant, job, 0), sft_batch(tenant, job, 1))
+    trainer(nats_server.url, tmp_path / "t.log", procs)
+    await eventually(partial(done, js, tenant, job, 2), timeout=60, what="2 steps")
+    jobs = await js.key_value(subjects.KV_JOBS)
+    cancelled = JobRecord(tenant, job, "sft", "cancelled", b"{}", 0.0, 0.0, "by a test")
+    await put_job(jobs, cancelled, last=0)
+    await send(js, tenant, sft_batch(tenant, job, 2), sft_batch(tenant, job, 3))
+
+    async def drained() -> bool:
+        info = await js.consumer_info("TRAIN", subjects.trainer_durable("tiny", tenant))
+        return info.num_pending == 0 and info.num_ack_pending == 0
+
+    await eventually(drained, timeout=30, what="the later batches consumed")
+    rec = await record(js, tenant, job)
+    assert rec is not None and rec.batches_done == 2
