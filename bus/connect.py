@@ -79,6 +79,8 @@ async def connect(
         await nc.connect(**options)
     except NoServersError as exc:
         await nc.close()
+        if first_connect_s is None:
+            raise  # the caller's own bound on attempts (max_reconnect_attempts) ran out
         raise ConnectionError(
             f"no NATS server answered at {url} within {first_connect_s:g} s"
             + (f" ({errors[-1]})" if errors else "")
