@@ -281,20 +281,23 @@ class Consumer:
 
     def is_last_delivery(self, msg: Msg, error: BaseException) -> bool:
         """Whether settling ``msg`` with ``error`` will dead-letter it (no redelivery)."""
-        durable = self.durables.get(msg.metadata.consumer)
-        max_deliver = durable.spec.max_deliver if durable is not None else 1
-        delivered = msg.metadata.num_delivered
         if isinstance(error, Interrupted):
-            return 0 < max_deliver and delivered >= max_deliver + HAND_BACK_ALLOWANCE
+            return not self.can_hand_back(msg)
+        max_deliver = self._max_deliver(msg)
+        delivered = msg.metadata.num_delivered
         retryable, _ = retry_decision(error, delivered)
         return not retryable or (0 < max_deliver <= delivered)
+
+    def _max_deliver(self, msg: Msg) -> int:
+        """The retry budget of ``msg``'s consumer (1 for a consumer not bound here)."""
+        durable = self.durables.get(msg.metadata.consumer)
+        return durable.spec.max_deliver if durable is not None else 1
 
     def can_hand_back(self, msg: Msg) -> bool:
         """Whether the server delivers ``msg`` again after one more nak (past its consumer's
         ``max_deliver`` and :data:`HAND_BACK_ALLOWANCE` it would not: the message would be
         lost instead of dead-lettered)."""
-        durable = self.durables.get(msg.metadata.consumer)
-        max_deliver = durable.spec.max_deliver if durable is not None else 1
+        max_deliver = self._max_deliver(msg)
         server_max = max_deliver + HAND_BACK_ALLOWANCE
         return max_deliver <= 0 or msg.metadata.num_delivered < server_max
 
@@ -302,8 +305,7 @@ class Consumer:
         """Whether ``msg`` may be handed back for later (it cannot be handled yet) without
         eating into its retries: while it has used less than half its consumer's
         ``max_deliver`` (a hand-back is a delivery, and the retry budget counts deliveries)."""
-        durable = self.durables.get(msg.metadata.consumer)
-        max_deliver = durable.spec.max_deliver if durable is not None else 1
+        max_deliver = self._max_deliver(msg)
         return max_deliver <= 0 or msg.metadata.num_delivered < max_deliver // 2
 
     async def hand_back(self, msgs: Iterable[Msg], delay_s: float = 0.0) -> None:
