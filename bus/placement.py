@@ -25,9 +25,6 @@ from schemas.placement import PLACEMENT_DECODER, PlacementRecord, placement_key
 if TYPE_CHECKING:
     from bus.service import Runtime
 
-#: A heartbeat older than this says its instance is gone (the bucket's TTL is 5 s).
-STALE_AFTER_S = 5.0
-
 
 class ServedBackbone(Protocol):
     """What a loaded backbone (:class:`vla.backbone.Backbone`) tells about itself."""
@@ -93,11 +90,12 @@ async def placements(js: JetStreamContext) -> list[PlacementRecord]:
 
 
 async def live_placements(js: JetStreamContext) -> list[PlacementRecord]:
-    """The placement records whose instance has a fresh heartbeat."""
-    now = time.time()
+    """The placement records whose instance has a fresh heartbeat: one the ``heartbeats``
+    bucket still holds, since its TTL expires a heartbeat by the server's clock (the time
+    the sender wrote in it is another host's clock, skewed by any amount)."""
     alive = set()
     for key, value in (await kv_values(js, subjects.KV_HEARTBEATS)).items():
         with contextlib.suppress(DecodeError):
-            if now - decode(HEARTBEAT_DECODER, value).at < STALE_AFTER_S:
-                alive.add(key)
+            decode(HEARTBEAT_DECODER, value)
+            alive.add(key)
     return [r for r in await placements(js) if f"{r.role}.{r.instance}" in alive]

@@ -88,6 +88,47 @@ def test_an_instance_idle_or_busy_for_long_is_not_stalled_as_soon_as_work_comes(
     assert table.state("b", 201.5) == "alive"
 
 
+def test_liveness_is_judged_by_the_managers_clock_not_the_senders() -> None:
+    """Roles on other hosts write their own clock into their heartbeats: a sender 30 s behind
+    is alive while its heartbeats come, one 30 s ahead is dead 3 s after its last one was
+    heard, and a stall is timed from when the beats were heard."""
+    table = LivenessTable(stale_after_s=3.0, stall_after_s=10.0)
+    table.observe("behind", beat(970.0, progress=1, in_flight=1), heard_at=1000.0)
+    table.observe("ahead", beat(1030.0), heard_at=1000.0)
+    assert table.state("behind", 1001.0) == "alive"
+    assert table.state("ahead", 1004.0) == "dead"
+    table.observe("behind", beat(981.5, progress=1, in_flight=1), heard_at=1011.0)
+    assert table.state("behind", 1011.0) == "stalled"  # 11 s heard with work, no progress
+    assert table.report(1012.0, {}, []).instances[0].age_s == 1.0
+    # A restarted watch replays the same entry: no news, its time stays.
+    table.observe("ahead", beat(1030.0), heard_at=2000.0)
+    assert table.state("ahead", 2000.0) == "dead"
+    # A replayed entry (when heard unknown) counts from the sender's time, never from later
+    # than now: an old one is dead, one from a clock ahead is alive until proven otherwise.
+    table.observe("old", beat(time.time() - 60.0))
+    assert table.state("old", time.time()) == "dead"
+    table.observe("future", beat(time.time() + 3600.0))
+    assert table.state("future", time.time()) == "alive"
+    assert table.state("future", time.time() + 4.0) == "dead"
+
+
+def test_the_manager_hears_beats_after_its_watch_replayed_the_bucket_at_its_own_time() -> None:
+    from nats.js.kv import KeyValue
+
+    manager = HealthManager.__new__(HealthManager)
+    manager.table = LivenessTable(3.0, 10.0)
+    manager.live = False
+
+    def entry(key: str, at: float) -> KeyValue.Entry:
+        return KeyValue.Entry("heartbeats", key, encode(beat(at)), 1, 0, None, None)
+
+    manager.observe(entry("a", 500.0))  # replayed: heard at its own (old) time
+    assert manager.table.state("a", time.time()) == "dead"
+    manager.went_live()
+    manager.observe(entry("a", 501.0))  # a sender far behind, heard now
+    assert manager.table.state("a", time.time()) == "alive"
+
+
 def test_a_silent_instance_that_said_it_was_building_gets_longer_before_a_restart() -> None:
     """A simulator's native build can hold the GIL, and the heartbeat with it: an instance
     whose last heartbeat said it was building is left silent for busy_restart_after_s."""
@@ -148,9 +189,9 @@ def test_a_spent_restart_budget_is_reported_once_while_another_instance_of_the_r
     async def ticks() -> None:
         for i in range(5):
             t = now + i
-            manager.table.observe("envs.live", role_beat("envs-live", t))
+            manager.table.observe("envs.live", role_beat("envs-live", t), heard_at=t)
             manager.table.observe(
-                "health.x", Heartbeat("health", "health-x", 2, "h", 0.0, t, "v", 0)
+                "health.x", Heartbeat("health", "health-x", 2, "h", 0.0, t, "v", 0), heard_at=t
             )
             await manager.tick(t + 0.5)
 

@@ -176,7 +176,9 @@ async def test_backbones_answers_the_live_placements(stack: tuple[NATS, Client])
     placement = await js.key_value(subjects.KV_PLACEMENT)
     for record in (live, dead):
         await placement.put(placement_key(record), encode(record))
-    beat = Heartbeat("trainer", "t-1", 1, "host", time.time(), time.time(), "test")
+    # Its host's clock is a minute behind: the bucket's TTL (the server's clock) says it
+    # is fresh.
+    beat = Heartbeat("trainer", "t-1", 1, "host", time.time(), time.time() - 60.0, "test")
     await (await js.key_value(subjects.KV_HEARTBEATS)).put("trainer.t-1", encode(beat))
     assert await client.backbones() == [live], "only instances that heartbeat"
     reply = await nc.request(subjects.BACKBONES_QUERY, encode(BackbonesQuery()), timeout=5)

@@ -23,6 +23,9 @@ policy — starts it anew), and if it runs on this host and is still there after
 ``backoff_s`` between its restarts; past the budget it is left as it is and an operator event
 says so. Every action is an operator event (``nexus.ops.health``) and is in the report, with
 the restarts per role.
+
+Every age is measured by the manager's own clock, from when it heard a heartbeat, never from
+the time the sender wrote in it: roles on other hosts have other clocks.
 """
 
 from __future__ import annotations
@@ -122,7 +125,10 @@ class Seen:
     """One instance as the health manager knows it."""
 
     beat: Heartbeat
-    #: When its progress counter last moved (heartbeat time).
+    #: When the health manager heard ``beat``, by its own clock: the sender's ``beat.at``
+    #: is another host's clock, and a skew of a few seconds would read as death.
+    heard_at: float
+    #: When its progress counter last moved (the manager's clock, as ``heard_at``).
     progress_at: float
     #: When it was told to restart (0: not).
     ordered_at: float = 0.0
@@ -141,31 +147,39 @@ class LivenessTable:
     def last(self) -> dict[str, Heartbeat]:
         return {k: s.beat for k, s in self.seen.items()}
 
-    def observe(self, key: str, beat: Heartbeat | None) -> None:
+    def observe(self, key: str, beat: Heartbeat | None, heard_at: float | None = None) -> None:
+        """Take ``beat`` (None: the key was deleted, a clean stop) as heard at ``heard_at``
+        by the manager's clock. None: when is not known (an entry the watch replays when it
+        starts), so the sender's own time stands in, never later than now. The same beat
+        heard again (a restarted watch replays it) is no news and keeps its time."""
         if beat is None:
             self.seen.pop(key, None)
             if self.alive.pop(key, False):
                 log.info("%s stopped", key)
             return
         known = self.seen.get(key)
+        if known is not None and known.beat == beat:
+            return
+        if heard_at is None:
+            heard_at = min(beat.at, time.time())
         # A stall is time with work in hand and no progress: idle time (nothing in flight)
         # or time busy with a long operation does not count, so the clock starts again
         # when work comes in or the operation ends.
         was_due = known is not None and known.beat.in_flight > 0 and not known.beat.busy_with
         if known is None or known.beat.progress != beat.progress or not was_due:
-            progress_at = beat.at
+            progress_at = heard_at
         else:
             progress_at = known.progress_at
         ordered = known.ordered_at if known is not None else 0.0
-        self.seen[key] = Seen(beat, progress_at, ordered)
+        self.seen[key] = Seen(beat, heard_at, progress_at, ordered)
 
     def state(self, key: str, now: float) -> InstanceState:
         s = self.seen[key]
         if s.ordered_at:
             return "restarting"
-        if now - s.beat.at > self.stale_after_s:
+        if now - s.heard_at > self.stale_after_s:
             return "dead"
-        stalled_s = s.beat.at - s.progress_at
+        stalled_s = s.heard_at - s.progress_at
         if s.beat.in_flight > 0 and not s.beat.busy_with and stalled_s > self.stall_after_s:
             return "stalled"
         return "alive"
@@ -190,8 +204,8 @@ class LivenessTable:
                     b.role,
                     b.instance,
                     state == "alive",
-                    b.at,
-                    now - b.at,
+                    s.heard_at,
+                    now - s.heard_at,
                     b.pid,
                     state,
                     b.host,
@@ -270,7 +284,7 @@ class OwnView:
     def acting(
         self, connected: bool, reconnects: int, now: float, own_beat_at: float | None
     ) -> bool:
-        """``own_beat_at``: when its own latest heartbeat seen was written (None: none yet)."""
+        """``own_beat_at``: when its own latest heartbeat was heard (None: none yet)."""
         if not connected or reconnects != self.reconnects:
             self.reconnects = reconnects
             self.blind_until = now + self.settle_s
@@ -305,6 +319,11 @@ class HealthManager:
         #: Heartbeats it could not see while its own connection was down are no sign of
         #: anyone's death: it acts only on a view it has had time to renew.
         self.view = OwnView(config.restart_after_s, config.stale_after_s)
+        #: Whether the heartbeats watch has replayed the bucket once (entries are news).
+        self.live = False
+
+    def went_live(self) -> None:
+        self.live = True
 
     def report(self) -> HealthReport:
         report = self.table.report(time.time(), self.restarts.total, list(self.events))
@@ -328,8 +347,11 @@ class HealthManager:
         if entry.operation in ("DEL", "PURGE") or not entry.value:
             self.table.observe(entry.key, None)
             return
+        # Once the watch has replayed the bucket, an entry is news heard now; a replayed
+        # one was written at some time before (the bucket's TTL bounds it).
+        heard_at = time.time() if self.live else None
         try:
-            self.table.observe(entry.key, decode(HEARTBEAT_DECODER, entry.value))
+            self.table.observe(entry.key, decode(HEARTBEAT_DECODER, entry.value), heard_at)
         except DecodeError as exc:
             log.warning("ignoring malformed heartbeat %s: %s", entry.key, exc)
 
@@ -339,7 +361,7 @@ class HealthManager:
         heartbeats afresh first)."""
         nc = self.rt.nc
         own = [
-            s.beat.at
+            s.heard_at
             for s in self.table.seen.values()
             if s.beat.role == "health" and s.beat.instance == self.rt.instance
         ]
@@ -355,7 +377,7 @@ class HealthManager:
             if state == "restarting":
                 await self.follow_up(key, seen, now)
             elif state == "dead":
-                silent_s = now - beat.at
+                silent_s = now - seen.heard_at
                 if same_host(beat.host) and not runs_role(beat.pid, beat.role):
                     # The process is gone: its supervisor starts a new one (a new instance).
                     if silent_s > self.config.forget_after_s:
@@ -364,7 +386,7 @@ class HealthManager:
                     await self.restart(key, seen, f"no heartbeat for {silent_s:.0f} s", now)
             elif state == "stalled":
                 if acting:
-                    stalled_s = beat.at - seen.progress_at
+                    stalled_s = seen.heard_at - seen.progress_at
                     reason = f"{beat.in_flight} in flight and no progress for {stalled_s:.0f} s"
                     await self.restart(key, seen, reason, now)
             elif self.restarts.decide(beat.role, now) != "exhausted":
@@ -419,7 +441,10 @@ async def run(config: HealthConfig) -> None:
         kv = await rt.js.key_value(subjects.KV_HEARTBEATS)
         sub = await rt.nc.subscribe(HEALTH_SUBJECT, cb=manager.answer)
         queues = await rt.nc.subscribe(f"{subjects.QUEUE_METRICS}.>", cb=manager.on_queues)
-        rt.spawn(follow_kv(kv, rt.stop, manager.observe), "heartbeats follower")
+        rt.spawn(
+            follow_kv(kv, rt.stop, manager.observe, on_ready=manager.went_live),
+            "heartbeats follower",
+        )
         try:
             while not rt.stop.is_set():
                 await manager.tick(time.time())
