@@ -83,6 +83,7 @@ class Outgoing:
     subject: str
     message: Any
     message_id: str | None = None
+    headers: dict[str, str] | None = None
 
 
 async def publish_all(
@@ -94,7 +95,9 @@ async def publish_all(
 
     async def one(item: Outgoing) -> PubAck:
         async with gate:
-            return await publish(js, item.subject, item.message, message_id=item.message_id)
+            return await publish(
+                js, item.subject, item.message, message_id=item.message_id, headers=item.headers
+            )
 
     return list(await asyncio.gather(*(one(i) for i in items)))
 

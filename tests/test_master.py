@@ -444,8 +444,10 @@ async def test_a_stages_end_handled_again_after_a_failure_starts_the_next_stage_
         assert await _status(master, tenant, "p-s0") == "running"
         # What the trainer commits before the final policy event (the next stage's init).
         opened = await own_js.pull_subscribe(subjects.train("tiny", tenant), durable=uid("o"))
-        (slot,) = [decode(TRAIN_DECODER, m.data) for m in await opened.fetch(1, timeout=5)]
+        (msg,) = await opened.fetch(1, timeout=5)
+        slot = decode(TRAIN_DECODER, msg.data)
         assert isinstance(slot, OpenSlot) and slot.job_id == "p-s0"
+        assert msg.headers is not None and msg.headers[headers.JOB_ID] == "p-s0"
         trained = PolicyRecord(tenant, "p-s0", 3, 3, "obj", "sha", 1, slot, 1.0)
         await put_policy(await own_js.key_value(subjects.KV_POLICIES), trained, last=0)
         real_accept = master.accept
@@ -491,7 +493,9 @@ async def test_a_cancelled_pipeline_cancels_its_running_stage_and_starts_no_othe
         found = await master.record(tenant, "p-s0")
         assert found is not None and found[0].status == "cancelled"
         assert found[0].reason == "its pipeline p cancelled"
-        sent = [decode(TRAIN_DECODER, m.data) for m in await closes.fetch(10, timeout=5)]
+        fetched = await closes.fetch(10, timeout=5)
+        assert all((m.headers or {}).get(headers.JOB_ID) == "p-s0" for m in fetched)
+        sent = [decode(TRAIN_DECODER, m.data) for m in fetched]
         assert [c for c in sent if isinstance(c, CloseSlot)] == [
             CloseSlot(tenant, "p-s0", "cancelled")
         ]

@@ -175,6 +175,23 @@ async def test_a_too_long_chunk_and_a_too_large_image_are_refused_naming_the_lim
 
 
 @pytest.mark.timeout(120)
+async def test_a_training_message_that_does_not_decode_fails_the_job_its_header_names(
+    limited_trainer: subprocess.Popen[bytes], js: JetStreamContext
+) -> None:
+    """A batch no trainer can decode (another version's schema) names no job in its body:
+    its header does, so the job fails saying why instead of waiting for that step for good."""
+    tenant, job = uid("undecodable"), uid("j")
+    await send(js, tenant, sft_open(tenant, job, 2))
+    await js.publish(
+        subjects.train("tiny", tenant), b"\xc1 not msgpack", headers={headers.JOB_ID: job}
+    )
+    error = await fatal_error(js, tenant, job)
+    assert "malformed training message" in error.message, error.message
+    await dead_with(js, "TRAIN", tenant, "malformed training message")
+    assert limited_trainer.poll() is None
+
+
+@pytest.mark.timeout(120)
 async def test_the_trainer_refuses_a_message_claiming_another_tenant(
     limited_trainer: subprocess.Popen[bytes], js: JetStreamContext
 ) -> None:
@@ -461,6 +478,8 @@ async def test_env_workers_refuse_a_dataset_over_the_frame_limit_and_stream_a_sm
 
     # (on a backbone no trainer serves, so they stay there to be counted)
     await eventually(streamed, timeout=60, what="the small dataset's 3 batches in TRAIN")
+    stored = await js.get_msg(subjects.STREAM_TRAIN, subject=subjects.train("nobody", good))
+    assert (stored.headers or {}).get(headers.JOB_ID) == "j", "each batch names its job"
 
 
 @pytest.mark.timeout(120)

@@ -39,7 +39,7 @@ from bus.metering import BusyMeter
 from bus.publish import Outgoing, msg_id, publish, publish_all
 from bus.service import Runtime, serve
 from bus.usage import UsageReporter
-from schemas import subjects
+from schemas import headers, subjects
 from schemas.env import ENV_DECODER, EvalTask, RolloutTask, StreamDataset
 from schemas.envctl import PREWARM_DECODER, EnvPrewarmed
 from schemas.events import ErrorEvent, Metrics
@@ -187,7 +187,12 @@ class EnvWorker:
         await publish_all(
             self.js,
             [
-                Outgoing(subject, r, msg_id("rollout", r.tenant, r.job_id, r.iteration, r.episode))
+                Outgoing(
+                    subject,
+                    r,
+                    msg_id("rollout", r.tenant, r.job_id, r.iteration, r.episode),
+                    headers={headers.JOB_ID: r.job_id},
+                )
                 for r in records
             ],
         )
@@ -370,6 +375,7 @@ class EnvWorker:
                 subject,
                 message,
                 message_id=msg_id("sft", task.tenant, task.job_id, epoch, batch.batch_index),
+                headers={headers.JOB_ID: task.job_id},
             )
             flow.published()
             self.batches_streamed += 1

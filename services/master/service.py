@@ -27,7 +27,7 @@ from bus.publish import msg_id, publish, publish_event
 from bus.queues import publish_queues
 from bus.records import get_job, list_jobs, put_job
 from bus.service import Runtime, serve
-from schemas import subjects
+from schemas import headers, subjects
 from schemas.events import (
     EVENT_DECODER,
     Accepted,
@@ -234,6 +234,7 @@ class Master:
                 subjects.train(plan.backbone, tenant),
                 plan.open_slot,
                 message_id=msg_id("open", tenant, job_id),
+                headers={headers.JOB_ID: job_id},
             )
         for i, task in enumerate(plan.env_tasks):
             await publish(
@@ -320,6 +321,7 @@ class Master:
                 subjects.train(spec.backbone, tenant),
                 CloseSlot(tenant, job_id, reason),
                 message_id=msg_id("close", tenant, job_id),
+                headers={headers.JOB_ID: job_id},
             )
         elif isinstance(spec, PipelineSpec):
             await end_stages(self, tenant, job_id, spec, reason)

@@ -12,8 +12,9 @@ from nats.js.errors import NotFoundError
 
 from bus.codec import DecodeError, decode
 from bus.publish import msg_id, publish
-from schemas import subjects
+from schemas import headers, subjects
 from schemas.events import EVENT_DECODER, ErrorEvent, Event, PolicyPublished, event_kind
+from schemas.ids import InvalidIdError, validate_id
 from schemas.train import TRAIN_DECODER
 from services.trainer.jobs import JobError
 
@@ -57,6 +58,13 @@ class Announcer:
             try:
                 job_id, fatal = decode(TRAIN_DECODER, msg.data).job_id, True
             except DecodeError:
-                return  # nothing to address: the dead letter is the record
+                # Every service that publishes on TRAIN names the job in a header too, so a
+                # message another version of it wrote fails its job instead of leaving it
+                # waiting for that message; the subject's tenant is the addressee.
+                job_id, fatal = (msg.headers or {}).get(headers.JOB_ID, ""), True
+                try:
+                    validate_id(job_id, "job id")
+                except InvalidIdError:
+                    return  # nothing to address: the dead letter is the record
         event = ErrorEvent(tenant, job_id, reason, False, fatal, time.time())
         await self.emit(event, step_id=f"dead-{msg.metadata.sequence.stream}")
