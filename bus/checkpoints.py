@@ -7,6 +7,7 @@ Object names are ``<tenant>/<job>/v<version>-<sha256[:16]>``; the full digest is
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import io
 from collections.abc import Collection
@@ -46,7 +47,21 @@ def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _store_digest(data: bytes) -> str:
+    """``data``'s digest as the object store writes it in an object's metadata."""
+    return "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+
+
 async def put_checkpoint(store: ObjectStore, name: str, data: bytes) -> None:
+    """Store ``data`` as ``name``, unless the store holds exactly these bytes under it
+    already (a retried commit whose first write landed unseen): rewriting them would move
+    the object to new chunks and purge the old ones under a reader loading it."""
+    try:
+        info = await store.get_info(name)
+    except (ObjectNotFoundError, NotFoundError, BadObjectMetaError):
+        info = None
+    if info is not None and info.size == len(data) and info.digest == _store_digest(data):
+        return
     await store.put(name, data)
 
 

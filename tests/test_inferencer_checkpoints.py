@@ -151,3 +151,23 @@ async def test_an_answer_over_max_payload_is_an_error_that_says_so(
             await client.act(tenant, "job", many, timeout=60)
     assert "ask for fewer observations" in str(refused.value) and not refused.value.retryable
     assert time.monotonic() - started < 50
+
+
+async def test_a_checkpoint_written_again_with_the_same_bytes_is_left_as_it_was(
+    js: JetStreamContext,
+) -> None:
+    """A commit retried after its write landed unseen writes the same object again: the
+    store keeps the object it has (rewriting would move it to new chunks and purge the old
+    ones under a reader); other bytes under the name are written."""
+    store = await js.object_store(subjects.OBJ_CHECKPOINTS)
+    data = np.random.default_rng(0).bytes(300_000)
+    name = ckpt.object_name(uid("again"), "job", 1, ckpt.digest(data))
+    await ckpt.put_checkpoint(store, name, data)
+    first = await store.get_info(name)
+    await ckpt.put_checkpoint(store, name, data)
+    assert (await store.get_info(name)).nuid == first.nuid
+    other = data[::-1]
+    await ckpt.put_checkpoint(store, name, other)
+    assert (await store.get_info(name)).nuid != first.nuid
+    assert await ckpt.read_object(store, name) == other
+    await store.delete(name)
