@@ -60,3 +60,39 @@ async def test_a_watch_of_an_empty_bucket_is_ready_at_once(fresh_server: Embedde
         await asyncio.wait_for(follower, 5)
     finally:
         await nc.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_watch_of_an_empty_bucket_asks_again_when_its_consumer_info_fails(
+    fresh_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The end marker of an empty bucket says nothing by itself; the consumer's info does.
+    When that info cannot be read (an API timeout on a loaded server), the watch asks again
+    instead of never being ready."""
+    from nats.js.client import JetStreamContext
+
+    real = JetStreamContext.PushSubscription.consumer_info
+    calls: list[int] = []
+    failures: list[int] = []
+
+    async def flaky(self: JetStreamContext.PushSubscription) -> object:
+        calls.append(1)
+        # The first call is nats.py's own, setting the watch up; the next two are the
+        # follower's question after the end marker.
+        if len(calls) in (2, 3):
+            failures.append(1)
+            raise TimeoutError("consumer info timed out")
+        return await real(self)
+
+    monkeypatch.setattr(JetStreamContext.PushSubscription, "consumer_info", flaky)
+    nc = await connect(fresh_server.url)
+    try:
+        kv = await nc.jetstream().create_key_value(bucket="empty")
+        stop, ready = asyncio.Event(), asyncio.Event()
+        follower = asyncio.create_task(follow_kv(kv, stop, lambda e: None, on_ready=ready.set))
+        await asyncio.wait_for(ready.wait(), 10)
+        assert len(failures) == 2
+        stop.set()
+        await asyncio.wait_for(follower, 5)
+    finally:
+        await nc.close()
