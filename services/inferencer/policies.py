@@ -77,7 +77,7 @@ class ServedPolicy:
         return f"{self.tenant}/{self.job_id} v{self.version}"
 
 
-def _retrieve(fut: asyncio.Future[Any]) -> None:
+def retrieve_outcome(fut: asyncio.Future[Any]) -> None:
     """Done-callback of an abandoned future: fetch its outcome so it is never reported as
     an exception nobody retrieved (its waiter already gave up)."""
     if not fut.cancelled():
@@ -95,7 +95,7 @@ async def until_stop(work: Awaitable[T], stop: asyncio.Event) -> T:
     fut = asyncio.ensure_future(work)
     while not fut.done():
         if stop.is_set():
-            fut.add_done_callback(_retrieve)
+            fut.add_done_callback(retrieve_outcome)
             raise Interrupted()
         await asyncio.wait({fut}, timeout=STOP_POLL_S)
     return fut.result()
@@ -217,7 +217,7 @@ class PolicyCache:
             read = asyncio.create_task(self._read_record(tenant, job_id))
             self._reading[job] = read
             read.add_done_callback(lambda _: self._reading.pop(job, None))
-            read.add_done_callback(_retrieve)
+            read.add_done_callback(retrieve_outcome)
         found = await until_stop(read, self.stop)
         if found is None:
             raise PoisonError(f"no committed policy for tenant {tenant!r} job {job_id!r}")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter, deque
 from typing import TypeVar
 
@@ -48,13 +49,14 @@ from bus.queues import per_tenant, publish_queues
 from bus.service import Runtime, in_daemon_thread, serve
 from bus.usage import UsageMeter, UsageReporter
 from schemas import subjects
+from schemas.infer import ActRequest
 from schemas.metrics import TenantQueue
 from schemas.trace import AttributeValue
 from services.inferencer.admission import expired, parse, validate
 from services.inferencer.batching import BatchRunner, BatchStats, Outcome, Work
 from services.inferencer.config import InferencerConfig
 from services.inferencer.fairness import Waiting, fair_take
-from services.inferencer.policies import STOP_POLL_S, PolicyCache
+from services.inferencer.policies import STOP_POLL_S, PolicyCache, ServedPolicy, retrieve_outcome
 from services.inferencer.replies import Pending, Replies
 from vla import costmodel
 from vla.backbone import Backbone
@@ -74,6 +76,10 @@ BATCH_GRACE_S = 1.0
 ADMIT_GRACE_S = 0.5
 SETTLE_GRACE_S = 0.5
 LOAD_GRACE_S = 0.5
+#: Admissions that may wait on a policy load (a read or a checkpoint) beyond the pull room,
+#: per place in it: a job whose policy loads slowly holds these, not the room other jobs'
+#: requests are pulled through.
+LOAD_WAITERS_PER_PLACE = 4
 
 
 async def _bounded(tasks: set[asyncio.Task[T]], timeout: float, what: str) -> None:
@@ -132,6 +138,9 @@ class Inferencer:
         # Cap on unstarted requests held here: enough to fill the next batch while one runs,
         # few enough that other replicas get the rest of the queue.
         self.max_pending = 2 * config.target_batch
+        #: Admissions under way in all, and those of them waiting on their policy.
+        self.max_admitting = self.max_pending * (1 + LOAD_WAITERS_PER_PLACE)
+        self.resolving = 0
         self._wake = asyncio.Event()  # scheduler: something arrived (or stop)
         self._room = asyncio.Event()  # fetcher: the scheduler took requests (or stop)
         self.durable: Durable
@@ -196,7 +205,11 @@ class Inferencer:
         policy load does not hold up the others."""
         consumer = self.rt.consumer
         while not self.rt.stop.is_set():
-            room = self.max_pending - len(self.pending) - len(self.admitting)
+            # An admission waiting on its policy's load takes no place in the room (one
+            # job's slow load must not stop the pulls of every other job), only one of the
+            # bounded places beyond it.
+            held = len(self.pending) + len(self.admitting) - self.resolving
+            room = min(self.max_pending - held, self.max_admitting - len(self.admitting))
             if room <= 0:
                 self._room.clear()
                 try:
@@ -230,7 +243,10 @@ class Inferencer:
         if expired(request):
             self.expired += 1  # nobody waits for it: acked, unanswered, no forward spent
             return None
-        policy = await self.policies.resolve(request.tenant, request.job_id, request.policy_version)
+        policy = await self._resolve_in_time(request)
+        if policy is None:
+            self.expired += 1  # its policy loaded after the requester gave up: acked
+            return None
         validate(request, policy, self.config.limit)
         if self.rt.stop.is_set():
             raise Interrupted()
@@ -241,6 +257,25 @@ class Inferencer:
         self.pending_obs += n
         self._wake.set()
         return HOLD
+
+    async def _resolve_in_time(self, request: ActRequest) -> ServedPolicy | None:
+        """The request's policy, or None once its requester has stopped waiting: a load
+        that outlasts it (a slow checkpoint read) is left to finish for later requests."""
+        resolving = asyncio.ensure_future(
+            self.policies.resolve(request.tenant, request.job_id, request.policy_version)
+        )
+        resolving.add_done_callback(retrieve_outcome)
+        self.resolving += 1
+        self._room.set()  # its place in the pull room is free while it waits
+        try:
+            while not resolving.done():
+                left = request.expires_at - time.time() if request.expires_at > 0 else None
+                if left is not None and left <= 0:
+                    return None
+                await asyncio.wait({resolving}, timeout=left)
+        finally:
+            self.resolving -= 1
+        return resolving.result()
 
     async def schedule(self) -> None:
         """Dispatch a batch when B observations wait or the oldest waited T; until stop."""

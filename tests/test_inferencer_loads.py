@@ -1,0 +1,88 @@
+"""One job's slow policy load holds up only that job's requests.
+
+An admission waiting on its policy's checkpoint read (a cold start, an evicted job, a slow
+object store: up to ``--checkpoint-read-s``) took a place in the inferencer's pull room;
+enough of one job's requests filled the room, and no other tenant's request was pulled until
+the load ended. The inferencer runs in this process so its checkpoint reads can be held."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+from typing import Any
+
+import pytest
+from nats.js.object_store import ObjectStore
+
+import bus.service
+from bus import checkpoints as ckpt
+from bus.connect import connect
+from bus.declare import declare
+from bus.inference import PolicyClient
+from bus.server import EmbeddedServer
+from services.inferencer.config import InferencerConfig
+from services.inferencer.service import run
+from tests.helpers import uid
+from tests.test_inferencer import FLOW, commit_policy, make_obs
+from vla.backbone import Backbone
+
+
+@pytest.fixture
+def no_watchdog(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In process the stop watchdog would end pytest itself on a hung stop."""
+    monkeypatch.setattr(
+        bus.service, "_arm_watchdog", lambda role: threading.Timer(3600, lambda: None)
+    )
+
+
+@pytest.mark.timeout(120)
+async def test_a_slow_policy_load_does_not_stop_the_pulls_for_other_jobs(
+    fresh_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch, no_watchdog: None
+) -> None:
+    bid, slow, quick = uid("loads"), uid("slow"), uid("quick")
+    nc = await connect(fresh_server.url)
+    js = nc.jetstream()
+    await declare(js)
+    hidden = Backbone.load("tiny").hidden_size
+    await commit_policy(js, slow, "job", FLOW, hidden)
+    await commit_policy(js, quick, "job", FLOW, hidden)
+    real_read = ckpt.get_checkpoint
+    reading, release = asyncio.Event(), asyncio.Event()
+
+    async def held_read(store: ObjectStore, name: str, sha256: str, *args: Any) -> bytes:
+        if name.startswith(f"{slow}/"):
+            reading.set()
+            await asyncio.wait_for(release.wait(), 60)
+        return await real_read(store, name, sha256, *args)
+
+    monkeypatch.setattr(ckpt, "get_checkpoint", held_read)
+    # target_batch 2: a pull room of 4 requests, which 8 of the slow job's fill twice over.
+    config = InferencerConfig(
+        url=fresh_server.url, instance=uid("inf"), backbone_id=bid, target_batch=2
+    )
+    service = asyncio.create_task(run(config))
+    try:
+        async with await PolicyClient.create(nc, bid, js) as client:
+            first = await client.act(quick, "job", [make_obs(FLOW, 0)], timeout=60)
+            assert first.error == "", first.error
+            held = [
+                asyncio.create_task(client.act(slow, "job", [make_obs(FLOW, i)], timeout=60))
+                for i in range(8)
+            ]
+            await asyncio.wait_for(reading.wait(), 30)
+            # Its load is held: the other tenant's request is pulled and served meanwhile.
+            served = await client.act(quick, "job", [make_obs(FLOW, 9)], timeout=5)
+            assert served.error == "" and served.actions is not None, served.error
+            assert not any(task.done() for task in held)
+            release.set()
+            for reply in await asyncio.gather(*held):
+                assert reply.error == "" and reply.actions is not None, reply.error
+    finally:
+        release.set()
+        os.kill(os.getpid(), signal.SIGTERM)  # serve()'s handler: its loop is this one
+        await asyncio.wait({service}, timeout=10)
+        await nc.close()
+    assert service.done()
+    service.result()
