@@ -519,3 +519,34 @@ async def test_a_cancelled_pipeline_cancels_its_running_stage_and_starts_no_othe
         assert states == []
     finally:
         await describer.close()
+
+
+async def test_a_job_cancelled_while_it_was_being_started_has_its_slot_closed_after_it_opened(
+    own_nc: NATS, own_js: JetStreamContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancel handled while a job was being started (a queued job's admission compiles
+    for seconds beside the commands consumer) published its CloseSlot before the start's
+    OpenSlot: the trainer opened the slot of a cancelled job and held it for good."""
+    tenant, job = uid("acme"), "j"
+    describer = Describer()
+    await describer.subscribe(own_nc)
+    master = await _master(own_js)
+    real_begin = master.begin
+
+    async def cancelled_meanwhile(job_id: str, *args: Any) -> None:
+        await master.cancel(JobCancel(tenant, job_id, "changed my mind"))
+        await real_begin(job_id, *args)
+
+    monkeypatch.setattr(master, "begin", cancelled_meanwhile)
+    controls = await own_js.pull_subscribe(subjects.train("tiny", tenant), durable=uid("c"))
+    try:
+        submit = JobSubmit(tenant, job, _rl_spec(tenant), 0.0)
+        await master.handle(
+            Msg(own_nc, subject=subjects.job(tenant, "submit"), data=encode(submit))
+        )
+        assert await _status(master, tenant, job) == "cancelled"
+        sent = [decode(TRAIN_DECODER, m.data) for m in await controls.fetch(10, timeout=5)]
+        assert [type(c) for c in sent] == [CloseSlot, OpenSlot, CloseSlot]
+        assert sent[-1].job_id == job
+    finally:
+        await describer.close()

@@ -25,7 +25,7 @@ from bus.durable import ConsumerSpec
 from bus.errors import PoisonError, RetryableError
 from bus.publish import msg_id, publish, publish_event
 from bus.queues import publish_queues
-from bus.records import get_job, list_jobs, put_job
+from bus.records import RevisionConflict, get_job, list_jobs, put_job
 from bus.service import Runtime, serve
 from schemas import headers, subjects
 from schemas.events import (
@@ -243,7 +243,21 @@ class Master:
                 task,
                 message_id=msg_id("env", tenant, job_id, i),
             )
-        await self.transition(tenant, job_id, "running")
+        try:
+            started = await self.transition(tenant, job_id, "running")
+        except RevisionConflict:
+            # Its record changed meanwhile (a cancel, a pipeline's end): decide on it anew.
+            started = await self.transition(tenant, job_id, "running")
+        if started is None and plan.open_slot is not None:
+            # It ended while it was being started: the CloseSlot its end published may have
+            # gone before this OpenSlot, and the trainer would hold the slot for good.
+            await publish(
+                self.js,
+                subjects.train(plan.backbone, tenant),
+                CloseSlot(tenant, job_id, "ended while it was being started"),
+                message_id=msg_id("close-after-start", tenant, job_id),
+                headers={headers.JOB_ID: job_id},
+            )
 
     async def transition(
         self,
