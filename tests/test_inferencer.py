@@ -353,6 +353,7 @@ async def test_bad_requests_get_an_error_reply_and_a_dead_letter_and_serving_goe
     # client does not refuse the unknown job itself before the inferencer sees it.
     cases = [
         ("nojob", [good], TOKEN_BUDGET, "no committed policy"),
+        ("no job", [good], TOKEN_BUDGET, "invalid job_id 'no job'"),
         (
             "job",
             [Observation([rgba], "x", good.proprio)],

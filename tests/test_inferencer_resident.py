@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from bus.connect import connect
 from bus.declare import declare
+from bus.errors import PoisonError
 from bus.server import EmbeddedServer
 from services.inferencer.policies import PolicyCache
 from tests.helpers import eventually, uid
@@ -61,5 +64,40 @@ async def test_resident_jobs_are_bounded_and_only_served_jobs_are_preloaded(
     finally:
         stop.set()
         await asyncio.wait_for(follow, 20)
+        await cache.close(5)
+        await nc.close()
+
+
+async def test_latest_is_served_by_the_newest_version_when_the_one_known_was_pruned(
+    fresh_server: EmbeddedServer,
+) -> None:
+    """A watch that lags (or a small --keep-versions) knows v1 as the latest after the
+    trainer committed v2 and pruned v1: a request for the latest is served by v2, not
+    refused for good because v1's checkpoint is gone."""
+    from bus.records import get_policy
+    from schemas import subjects
+
+    nc = await connect(fresh_server.url)
+    js = nc.jetstream()
+    await declare(js)
+    hidden = Backbone.load("tiny").hidden_size
+    tenant = uid("pruned")
+    await commit_policy(js, tenant, "job", OFT, hidden)
+    kv = await js.key_value(subjects.KV_POLICIES)
+    first, _ = await get_policy(kv, tenant, "job")
+    assert first is not None
+    stop = asyncio.Event()
+    cache = PolicyCache(js, "cpu", 3, stop)
+    await cache.open()
+    try:
+        cache._note(first)  # what a lagging watch knows; no watch runs
+        await commit_policy(js, tenant, "job", OFT, hidden, version=2)
+        store = await js.object_store(subjects.OBJ_CHECKPOINTS)
+        await store.delete(first.object_name)
+        assert (await cache.resolve(tenant, "job", 0)).version == 2
+        with pytest.raises(PoisonError, match="not found"):
+            await cache.resolve(tenant, "job", 1)  # a pinned version is what it is
+    finally:
+        stop.set()
         await cache.close(5)
         await nc.close()

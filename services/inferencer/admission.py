@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from bus.codec import DecodeError, decode
 from bus.errors import PoisonError
 from schemas import subjects
+from schemas.ids import InvalidIdError, validate_id
 from schemas.infer import INFER_DECODER, ActRequest
 from schemas.limits import InputLimits, exceeds, observation_violation
 from services.inferencer.policies import ServedPolicy
@@ -65,8 +66,8 @@ def expired(request: ActRequest, now: float | None = None) -> bool:
 
 def parse(msg: Msg, limits: InputLimits | None = None) -> ActRequest:
     """The request in ``msg``; :class:`PoisonError` if it is larger than the limits allow,
-    does not decode, cannot be replied to, names another tenant than its subject's, or has
-    more observations than ``max_observations``."""
+    does not decode, cannot be replied to, names another tenant than its subject's or a job
+    id that is none, or has more observations than ``max_observations``."""
     limits = limits or InputLimits()
     if len(msg.data) > limits.max_message_bytes:
         raise PoisonError(
@@ -89,6 +90,10 @@ def parse(msg: Msg, limits: InputLimits | None = None) -> ActRequest:
         raise PoisonError(f"not an inference request subject: {exc}") from exc
     if request.tenant != tenant:
         raise PoisonError(f"request for tenant {request.tenant!r} on tenant {tenant!r}'s subject")
+    try:
+        validate_id(request.job_id, "job_id")
+    except InvalidIdError as exc:
+        raise PoisonError(str(exc)) from exc
     if request.policy_version < 0:
         raise PoisonError(f"policy_version: {request.policy_version} is negative (0 = latest)")
     if len(request.observations) > limits.max_observations:

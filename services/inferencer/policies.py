@@ -245,7 +245,23 @@ class PolicyCache:
             raise PoisonError(f"policy_version must be >= 0, got {version}")
         record = await self.latest_record(tenant, job_id)
         if version == 0:
-            version = record.version
+            try:
+                return await self._resolve_version(tenant, job_id, record.version, record)
+            except PoisonError:
+                # The version known as the latest may have been pruned under a newer one the
+                # watch has not delivered yet (a lagging watch, a small --keep-versions):
+                # the newest serves "latest"; only without a newer one is the error its.
+                fresh = await until_stop(self._read_record(tenant, job_id), self.stop)
+                if fresh is None or fresh.version <= record.version:
+                    raise
+                self._note(fresh)
+                return await self._resolve_version(tenant, job_id, fresh.version, fresh)
+        return await self._resolve_version(tenant, job_id, version, record)
+
+    async def _resolve_version(
+        self, tenant: str, job_id: str, version: int, record: PolicyRecord
+    ) -> ServedPolicy:
+        """:meth:`resolve` of one version (``record``: the job's latest known record)."""
         if version > record.version:
             # The watch may not have delivered it yet, or may have missed it (a watch that
             # outlived a broker restart can stand still): the KV itself decides.
