@@ -450,6 +450,10 @@ class Consumer:
         for durable in self.durables.values():
             await _bounded(durable.sub.unsubscribe())
 
+    def is_unsettled(self, msg: Msg) -> bool:
+        """Whether ``msg`` was fetched and is not settled or handed back yet."""
+        return id(msg) in self._unsettled
+
     def in_flight(self) -> int:
         """Messages fetched and not settled (being handled, buffered or held)."""
         return len(self._unsettled)

@@ -389,8 +389,13 @@ class Inferencer:
         finally:
             self._leave(len(batch))
         for pending, result in zip(batch, results, strict=True):
-            if isinstance(result, Exception):  # e.g. the ack failed: it is redelivered
-                log.warning("settling %s failed: %r", pending.msg.subject, result)
+            if not isinstance(result, Exception):
+                continue
+            log.warning("answering %s failed: %r", pending.msg.subject, result)
+            if self.rt.consumer.is_unsettled(pending.msg):
+                # It failed before its settle: decided like any handler's error (retried,
+                # dead-lettered and answered at the last delivery), never held for good.
+                await self.rt.consumer.settle(pending.msg, result)
 
     # -- observability -----------------------------------------------------------------------
     def queue(self) -> list[TenantQueue]:

@@ -1,9 +1,12 @@
-"""One job's slow policy load holds up only that job's requests.
+"""The inferencer in this process, so that its checkpoint reads can be held and its answers
+made to fail.
 
-An admission waiting on its policy's checkpoint read (a cold start, an evicted job, a slow
-object store: up to ``--checkpoint-read-s``) took a place in the inferencer's pull room;
-enough of one job's requests filled the room, and no other tenant's request was pulled until
-the load ended. The inferencer runs in this process so its checkpoint reads can be held."""
+* One job's slow policy load holds up only that job's requests. An admission waiting on its
+  policy's checkpoint read (a cold start, an evicted job, a slow object store: up to
+  ``--checkpoint-read-s``) took a place in the pull room; enough of one job's requests filled
+  it, and no other tenant's request was pulled until the load ended.
+* An answer that fails before it settles its request (an encode error, a bug) leaves the
+  request to the runtime's decision (redelivered), not held and kept alive for good."""
 
 from __future__ import annotations
 
@@ -82,6 +85,42 @@ async def test_a_slow_policy_load_does_not_stop_the_pulls_for_other_jobs(
     finally:
         release.set()
         os.kill(os.getpid(), signal.SIGTERM)  # serve()'s handler: its loop is this one
+        await asyncio.wait({service}, timeout=10)
+        await nc.close()
+    assert service.done()
+    service.result()
+
+
+@pytest.mark.timeout(120)
+async def test_an_answer_that_fails_before_it_settles_its_request_is_redelivered(
+    fresh_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch, no_watchdog: None
+) -> None:
+    from services.inferencer.replies import Replies
+
+    bid, tenant = uid("answers"), uid("t")
+    nc = await connect(fresh_server.url)
+    js = nc.jetstream()
+    await declare(js)
+    await commit_policy(js, tenant, "job", FLOW, Backbone.load("tiny").hidden_size)
+    real_answer = Replies.answer
+    failed: list[str] = []
+
+    async def fails_once(self: Replies, pending: Any, outcome: Any) -> None:
+        if not failed:
+            failed.append(pending.work.request.request_id)
+            raise RuntimeError("answer broke before its settle")
+        await real_answer(self, pending, outcome)
+
+    monkeypatch.setattr(Replies, "answer", fails_once)
+    config = InferencerConfig(url=fresh_server.url, instance=uid("inf"), backbone_id=bid)
+    service = asyncio.create_task(run(config))
+    try:
+        async with await PolicyClient.create(nc, bid, js) as client:
+            reply = await client.act(tenant, "job", [make_obs(FLOW, 0)], timeout=60)
+            assert reply.error == "" and reply.actions is not None, reply.error
+            assert len(failed) == 1
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)
         await asyncio.wait({service}, timeout=10)
         await nc.close()
     assert service.done()
