@@ -18,9 +18,11 @@ from nats.js.errors import (
     NotFoundError,
     ObjectNotFoundError,
 )
+from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from bus.kv import ChunksMissingError, list_objects, read_object_into
+from bus.records import policy_history
 
 #: How long reading one checkpoint may take.
 READ_TIMEOUT_S = 60.0
@@ -47,9 +49,57 @@ def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+#: The object store's digest prefix (nats.py writes ``SHA-256=<base64url>``).
+_STORE_DIGEST_PREFIX = "SHA-256="
+
+
 def _store_digest(data: bytes) -> str:
     """``data``'s digest as the object store writes it in an object's metadata."""
-    return "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+    return _STORE_DIGEST_PREFIX + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+
+
+def _hex_digest(object_digest: str | None) -> str | None:
+    """The object store's ``SHA-256=<base64url>`` digest as hex (None if absent/other)."""
+    if not object_digest or not object_digest.upper().startswith(_STORE_DIGEST_PREFIX):
+        return None
+    try:
+        raw = base64.urlsafe_b64decode(object_digest[len(_STORE_DIGEST_PREFIX) :])
+    except ValueError:
+        return None
+    return raw.hex()
+
+
+async def committed_object(
+    policies: KeyValue, store: ObjectStore, tenant: str, job_id: str, version: int
+) -> tuple[str, str]:
+    """Object name and sha256 of a job's checkpoint ``version``: the one its commit
+    recorded, while the ``policies`` history holds it; else the one object stored for it.
+    :class:`CheckpointError` when none is stored, when several are (a commit that failed
+    after writing its object left one behind: none is known to be the one committed), or
+    when the one found does not carry the digest its name begins with. Bus errors are
+    raised as they are."""
+    for record in reversed(await policy_history(policies, tenant, job_id)):
+        if record.version == version:
+            return record.object_name, record.sha256
+    prefix = f"{tenant}/{job_id}/v{version:06d}-"
+    found = await list_objects(store, prefix)
+    if len(found) > 1:
+        names = ", ".join(sorted(info.name or "" for info in found))
+        raise CheckpointError(
+            f"policy version {version} of {tenant}/{job_id} is stored as several objects "
+            f"({names}) and its commit record is gone: none is known to be the one committed"
+        )
+    if not found:
+        raise CheckpointError(
+            f"policy version {version} of {tenant}/{job_id} is no longer stored "
+            "(the trainer keeps only its most recent versions)"
+        )
+    name = found[0].name or ""
+    sha256 = _hex_digest(found[0].digest)
+    # The name carries the first 16 hex digits of the content hash: both must agree.
+    if sha256 is None or not sha256.startswith(name[len(prefix) :]):
+        raise CheckpointError(f"checkpoint {name} has no matching content digest")
+    return name, sha256
 
 
 async def put_checkpoint(store: ObjectStore, name: str, data: bytes) -> None:

@@ -5,6 +5,7 @@ own tenant's policies; an exported policy is the checkpoint's bytes, read back i
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import json
@@ -13,6 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
@@ -30,7 +32,7 @@ from bus.datasets import (
     sha256_file,
     tenant_store,
 )
-from bus.records import put_policy
+from bus.records import get_policy, put_policy
 from bus.server import EmbeddedServer
 from clients.push import Ask, push_dataset
 from clients.sdk import Client, Job, JobFailed, RequestError
@@ -368,6 +370,36 @@ async def test_an_export_is_read_back_in_parts_and_matches_the_checkpoint(
     with pytest.raises(RequestError, match="no exported policy policies/j2/v1") as missing:
         await client.request(tenant, ReadExport(tenant, "policies/j2/v1", 0))
     assert missing.value.code == "not_found"
+
+
+async def test_an_older_versions_export_is_the_object_its_commit_recorded_not_an_orphan(
+    client: Client, tmp_path: Path
+) -> None:
+    """A commit that wrote its object and then lost its record leaves a second object of
+    that version, never committed: the export of that version is the committed one."""
+    tenant, job = uid("acme"), "j1"
+    store = await client.js.object_store(subjects.OBJ_CHECKPOINTS)
+
+    def listed_at(data: bytes) -> str:  # the server lists objects by their meta subject
+        name = f"{tenant}/{job}/v000001-{digest(data)[:16]}"
+        return base64.urlsafe_b64encode(name.encode()).decode()
+
+    committed = os.urandom(1000)
+    orphan = os.urandom(1000)
+    while listed_at(orphan) > listed_at(committed):
+        orphan = os.urandom(1000)
+    await store.put(f"{tenant}/{job}/v000001-{digest(orphan)[:16]}", orphan)
+    await _committed_policy(client, tenant, job, committed)
+    kv = await client.js.key_value(subjects.KV_POLICIES)
+    first, revision = await get_policy(kv, tenant, job)
+    assert first is not None
+    later = os.urandom(1000)
+    name = f"{tenant}/{job}/v000002-{digest(later)[:16]}"
+    await store.put(name, later)
+    second = msgspec.structs.replace(first, version=2, object_name=name, sha256=digest(later))
+    await put_policy(kv, second, last=revision)
+    exported = await client.export_policy(tenant, job, version=1, out_dir=tmp_path)
+    assert exported.read_bytes() == committed
 
 
 async def test_an_export_past_the_tenants_storage_limit_is_refused_naming_the_limit(

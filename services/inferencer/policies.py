@@ -20,7 +20,6 @@ their steps, and :meth:`PolicyCache.close` waits for them with a bound.
 from __future__ import annotations
 
 import asyncio
-import base64
 import inspect
 import logging
 from collections import OrderedDict
@@ -36,8 +35,7 @@ from nats.js.object_store import ObjectStore
 from bus import checkpoints as ckpt
 from bus.codec import DecodeError
 from bus.errors import Interrupted, PoisonError, RetryableError
-from bus.kv import list_objects
-from bus.records import get_policy, policy_history, policy_of
+from bus.records import get_policy, policy_of
 from bus.watch import follow_kv
 from schemas import subjects
 from schemas.model import HeadConfig
@@ -50,8 +48,6 @@ T = TypeVar("T")
 #: How often a wait that gives up on stop looks at the stop event.
 STOP_POLL_S = 0.1
 
-#: The object store's digest header prefix (nats.py writes ``SHA-256=<base64url>``).
-_OBJ_DIGEST_PREFIX = "SHA-256="
 
 JobKey = tuple[str, str]
 VersionKey = tuple[str, str, int]
@@ -99,17 +95,6 @@ async def until_stop(work: Awaitable[T], stop: asyncio.Event) -> T:
             raise Interrupted()
         await asyncio.wait({fut}, timeout=STOP_POLL_S)
     return fut.result()
-
-
-def _hex_digest(object_digest: str | None) -> str | None:
-    """The object store's ``SHA-256=<base64url>`` digest as hex (None if absent/other)."""
-    if not object_digest or not object_digest.upper().startswith(_OBJ_DIGEST_PREFIX):
-        return None
-    try:
-        raw = base64.urlsafe_b64decode(object_digest[len(_OBJ_DIGEST_PREFIX) :])
-    except ValueError:
-        return None
-    return raw.hex()
 
 
 class PolicyCache:
@@ -364,39 +349,14 @@ class PolicyCache:
         return served
 
     async def _find_version(self, tenant: str, job_id: str, version: int) -> tuple[str, str]:
-        """Object name and sha256 of a job's checkpoint ``version``: the one its commit
-        recorded, while the ``policies`` history holds it; else the one object stored for it
-        (several, e.g. one a failed commit left behind: refused, none is known to be it)."""
+        """Object name and sha256 of a job's checkpoint ``version``
+        (:func:`bus.checkpoints.committed_object`)."""
         try:
-            history = await policy_history(self._kv, tenant, job_id)
+            return await ckpt.committed_object(self._kv, self._store, tenant, job_id, version)
+        except ckpt.CheckpointError as exc:
+            raise PoisonError(str(exc)) from exc
         except NatsError as exc:
-            raise RetryableError(f"policies KV unavailable: {exc}") from exc
-        for record in reversed(history):
-            if record.version == version:
-                return record.object_name, record.sha256
-        prefix = f"{tenant}/{job_id}/v{version:06d}-"
-        try:
-            found = await list_objects(self._store, prefix)
-        except NatsError as exc:
-            raise RetryableError(f"checkpoint store unavailable: {exc}") from exc
-        if len(found) > 1:
-            names = ", ".join(sorted(info.name or "" for info in found))
-            raise PoisonError(
-                f"policy version {version} of {tenant}/{job_id} is stored as several objects "
-                f"({names}) and its commit record is gone: none is known to be the one "
-                "committed"
-            )
-        for info in found:
-            name = info.name or ""
-            sha256 = _hex_digest(info.digest)
-            # The name carries the first 16 hex digits of the content hash: both must agree.
-            if sha256 is None or not sha256.startswith(name[len(prefix) :]):
-                raise PoisonError(f"checkpoint {name} has no matching content digest")
-            return name, sha256
-        raise PoisonError(
-            f"policy version {version} of {tenant}/{job_id} is no longer stored "
-            "(the trainer keeps only its most recent versions)"
-        )
+            raise RetryableError(f"policies KV or checkpoint store unavailable: {exc}") from exc
 
     def _admit(self, served: ServedPolicy, preload: bool = False) -> None:
         """Make ``served`` resident, dropping the least recently used older versions, and the

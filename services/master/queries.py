@@ -45,7 +45,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from bus import tracing
 from bus.auth import query_reply_allowed, reply_allowed
-from bus.checkpoints import CheckpointError, digest, get_checkpoint, read_object
+from bus.checkpoints import CheckpointError, committed_object, digest, get_checkpoint
 from bus.codec import DecodeError, decode, encode
 from bus.datasets import (
     DatasetStoreError,
@@ -56,7 +56,7 @@ from bus.datasets import (
     put_dataset,
 )
 from bus.errors import PoisonError
-from bus.kv import kv_keys, list_objects
+from bus.kv import kv_keys
 from bus.placement import live_placements
 from bus.records import get_job, get_policy
 from schemas import subjects
@@ -339,18 +339,10 @@ class Queries:
     async def _older_version(
         self, store: ObjectStore, tenant: str, job_id: str, version: int
     ) -> bytes:
-        """A version older than the latest: found by its content-hashed name (retention may
-        have pruned it); its bytes must hash to the digest prefix in the name."""
-        prefix = f"{tenant}/{job_id}/v{version:06d}-"
-        for info in await list_objects(store, prefix):
-            name = info.name or ""
-            data = await read_object(store, name)
-            if data is None:  # pruned since the listing
-                continue
-            if not digest(data).startswith(name[len(prefix) :]):
-                raise CheckpointError(f"checkpoint {name} does not match its name's digest")
-            return bytes(data)
-        raise CheckpointError("not kept (older versions are pruned)")
+        """A version older than the latest: the object its commit recorded (an object of
+        the same version a failed commit left behind is never taken for it)."""
+        name, sha256 = await committed_object(self.policies, store, tenant, job_id, version)
+        return await get_checkpoint(store, name, sha256)
 
     # -- backbones --------------------------------------------------------------------------
 
