@@ -113,7 +113,7 @@ def client(stack: tuple[NATS, Client]) -> Client:
 
 
 async def test_an_interrupted_push_resumes_uploading_only_the_rest(
-    client: Client, reach: Path
+    client: Client, reach: Path, tmp_path: Path
 ) -> None:
     tenant = uid("acme")
     files = [f.path for f in scan(reach)]
@@ -142,6 +142,11 @@ async def test_an_interrupted_push_resumes_uploading_only_the_rest(
 
     again = await client.push_dataset(tenant, reach, "reach")
     assert again.report.uploaded == [] and len(again.report.skipped) == len(files)
+    # The same files pushed again are the same dataset: one manifest, one copy on disk
+    # (the stack's master materialises under tmp_path / "cache").
+    assert again.record.digest == record_.digest
+    copies = [p for p in (tmp_path / "cache" / tenant / "reach").iterdir()]
+    assert [p.name for p in copies] == [record_.digest[:16]]
 
 
 async def test_a_corrupted_object_is_caught_by_its_digest_naming_the_file(

@@ -218,16 +218,30 @@ class Transfer:
         files = checked_files(request.files)
         store = await self.store(tenant)
         prefix = prefix_of(dataset)
-        # The manifest first: from here on the dataset is incomplete until dataset-add.
-        await _delete(store, prefix + MANIFEST)
         objects = await _objects(store, prefix)
+        needed = [f.path for f in files if not _same(objects.get(prefix + f.path), f)]
         # A push resumes file by file, so parts of an interrupted one are never used again;
         # they would only hold the tenant's storage.
         stale = list(await _objects(store, uploads_prefix(dataset)))
         await _bounded(_delete(store, name) for name in stale)
-        needed = [f.path for f in files if not _same(objects.get(prefix + f.path), f)]
+        if not needed and await self._manifest_lists(tenant, dataset, files):
+            # The same files pushed again: the dataset stays complete under its manifest. A
+            # new manifest would be a new digest, and one more full copy of the dataset on
+            # every machine that materialises it.
+            log.info("push of %s/%s: unchanged", tenant, dataset)
+            return DatasetPlan([])
+        # From here on the dataset is incomplete until dataset-add.
+        await _delete(store, prefix + MANIFEST)
         log.info("push of %s/%s: %d of %d files needed", tenant, dataset, len(needed), len(files))
         return DatasetPlan(needed)
+
+    async def _manifest_lists(self, tenant: str, dataset: str, files: list[ManifestFile]) -> bool:
+        """Whether the dataset's manifest lists exactly ``files`` (False: none, or another)."""
+        try:
+            manifest, _ = await read_manifest(self.js, subjects.tenant_bucket(tenant), dataset)
+        except DatasetStoreError:
+            return False
+        return manifest.files == files
 
     async def put_part(self, request: PutDatasetPart) -> TenantReply:
         """Store one part; the last one completes the file (joined, checked, stored)."""
