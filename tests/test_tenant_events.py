@@ -19,12 +19,13 @@ from nats.js import JetStreamContext
 from bus.codec import decode, encode
 from bus.connect import connect
 from bus.declare import declare
+from bus.publish import publish_event
 from bus.records import put_job
 from bus.server import EmbeddedServer
 from clients.follow import EventFollower
 from clients.sdk import Client, RequestError
 from schemas import subjects
-from schemas.events import EVENT_DECODER, Progress
+from schemas.events import EVENT_DECODER, Progress, Rejected
 from schemas.jobs import JOB_COMMAND_DECODER, JobCancel, JobRecord, JobSubmit
 from schemas.tenantctl import (
     TENANT_REPLY_DECODER,
@@ -96,6 +97,26 @@ async def test_a_submit_under_a_recorded_jobs_id_with_another_spec_is_refused_at
     assert used.value.code == "invalid" and not used.value.retryable
     same = await client.request(tenant, SubmitJob(tenant, job, spec))  # the same submit again
     assert isinstance(same, Queued)
+
+
+async def test_a_submit_again_after_its_rejection_is_refused_naming_it_not_dropped(
+    stack: tuple[NATS, Client],
+) -> None:
+    """A submit the master rejected left no record; sent again (the spec fixed, or what it
+    names now there) inside the duplicate window, it was dropped as the same submit and
+    answered as queued: it never reached the master, and its follower read the old
+    rejection. It is refused naming that rejection; one still queued stays queued."""
+    nc, client = stack
+    tenant, job = uid("acme"), "exp1"
+    spec = b'{"kind": "sft"}'
+    first = await client.request(tenant, SubmitJob(tenant, job, spec))
+    assert isinstance(first, Queued) and not first.duplicate
+    pending = await client.request(tenant, SubmitJob(tenant, job, spec))
+    assert isinstance(pending, Queued) and pending.duplicate  # not handled yet: still queued
+    reason = "dataset 'demos' is not in tenant acme's namespace"
+    await publish_event(nc.jetstream(), Rejected(tenant, job, reason, time.time()), 1)
+    with pytest.raises(RequestError, match=f"'exp1' was rejected: {reason}; submit under a new"):
+        await client.request(tenant, SubmitJob(tenant, job, b'{"kind": "sft", "seed": 1}'))
 
 
 async def test_a_tenants_jobs_are_listed_in_pages_past_what_one_reply_holds(

@@ -16,9 +16,11 @@ import time
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from bus.codec import DecodeError, decode
 from bus.publish import msg_id, publish
 from bus.records import get_job
 from schemas import headers, subjects
+from schemas.events import EVENT_DECODER, Rejected
 from schemas.ids import validate_id
 from schemas.jobs import JobCancel, JobSubmit
 from schemas.tenantctl import (
@@ -75,7 +77,26 @@ class TenantJobs:
             message_id=msg_id(verb, tenant, job_id),
             headers={headers.JOB_ID: job_id},
         )
+        if ack.duplicate and verb == "submit" and existing is None:
+            # Dropped as the first submit under this id, which left no record: still
+            # queued, or rejected (a resubmit after the fix would never reach the master).
+            rejected = await self._rejected(tenant, job_id)
+            if rejected is not None:
+                return CtlError(
+                    "invalid",
+                    f"job id {job_id!r} was rejected: {rejected.reason}; submit under a new id",
+                )
         return Queued(job_id, ack.seq, bool(ack.duplicate))
+
+    async def _rejected(self, tenant: str, job_id: str) -> Rejected | None:
+        """The job's last ``rejected`` event, if it has one."""
+        subject = subjects.event(tenant, job_id, "rejected")
+        try:
+            stored = await self.js.get_msg(subjects.STREAM_EVENTS, subject=subject)
+            event = decode(EVENT_DECODER, stored.data or b"")
+        except (NotFoundError, DecodeError):
+            return None
+        return event if isinstance(event, Rejected) else None
 
     async def events(self, request: ReadEvents) -> TenantReply:
         """The job's events after ``after_seq``, oldest first, as many as fit one reply."""
