@@ -550,3 +550,35 @@ async def test_a_job_cancelled_while_it_was_being_started_has_its_slot_closed_af
         assert sent[-1].job_id == job
     finally:
         await describer.close()
+
+
+async def test_a_tenants_own_job_under_a_pipelines_next_stage_id_fails_the_pipeline_saying_so(
+    own_nc: NATS, own_js: JetStreamContext
+) -> None:
+    """A job the tenant submitted as ``p-s1`` while pipeline ``p`` ran its stage 0 was
+    taken for stage 1 "started already": the pipeline ran for ever, holding its place."""
+    tenant, job = uid("acme"), "p"
+    describer = Describer()
+    await describer.subscribe(own_nc)
+    master = await _master(own_js)
+    try:
+        await _submit_pipeline(own_nc, master, tenant, job)
+        assert await _status(master, tenant, "p-s0") == "running"
+        own = JobSubmit(tenant, "p-s1", _rl_spec(tenant), 0.0)
+        opened = await own_js.pull_subscribe(subjects.train("tiny", tenant), durable=uid("o"))
+        (msg,) = await opened.fetch(1, timeout=5)
+        slot = decode(TRAIN_DECODER, msg.data)
+        assert isinstance(slot, OpenSlot) and slot.job_id == "p-s0"
+        await master.handle(Msg(own_nc, subject=subjects.job(tenant, "submit"), data=encode(own)))
+        assert await _status(master, tenant, "p-s1") == "running"
+        trained = PolicyRecord(tenant, "p-s0", 3, 3, "obj", "sha", 1, slot, 1.0)
+        await put_policy(await own_js.key_value(subjects.KV_POLICIES), trained, last=0)
+        final = PolicyPublished(tenant, "p-s0", 3, "obj", 3, 1.0, final=True)
+        await master.handle_event(Msg(own_nc, subject="ev", data=encode(final)))
+        assert await _status(master, tenant, "p-s0") == "succeeded"
+        found = await master.record(tenant, job)
+        assert found is not None and found[0].status == "failed"
+        assert "job id 'p-s1' is already used by another job" in found[0].reason
+        assert await _status(master, tenant, "p-s1") == "running"  # the tenant's own, untouched
+    finally:
+        await describer.close()

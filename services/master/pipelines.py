@@ -95,7 +95,11 @@ async def advance_pipeline(master: Master, child: JobRecord) -> None:
     if parent.status in TERMINAL_STATUSES:
         return  # cancelled meanwhile (its stages with it): no stage after this one
     following = await master.record(child.tenant, stage_id(parent.job_id, index + 1))
-    if following is not None and following[0].status != "accepted":
+    if (
+        following is not None
+        and following[0].parent == parent.job_id
+        and following[0].status != "accepted"
+    ):
         return  # started already (this stage's end handled again)
     trained = child.job_id
     if child.kind == "eval":  # an eval stage passes on the policy it evaluated

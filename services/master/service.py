@@ -198,6 +198,16 @@ class Master:
         if found is None:
             await put_job(self.jobs, record, last=0)
             log.info("accepted %s job %s/%s", spec.kind, spec.tenant, job_id)
+        elif found[0].parent != parent or found[0].spec_json != spec_json:
+            # Not this submit replayed: a pipeline's stage id the tenant used for a job of
+            # its own, or the other way round. Taken over, it would be run twice over.
+            other = found[0]
+            raise PoisonError(
+                f"job id {job_id!r} is already used by another job of tenant {spec.tenant} "
+                f"({other.kind}, {other.status}"
+                + (f", a stage of pipeline {other.parent!r}" if other.parent else "")
+                + ")"
+            )
         else:
             record = found[0]  # a replayed submit (the job is recorded, not started yet)
         # Announced on every pass, not only the one that recorded the job: a failure between
