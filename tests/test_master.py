@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -580,5 +581,36 @@ async def test_a_tenants_own_job_under_a_pipelines_next_stage_id_fails_the_pipel
         assert found is not None and found[0].status == "failed"
         assert "job id 'p-s1' is already used by another job" in found[0].reason
         assert await _status(master, tenant, "p-s1") == "running"  # the tenant's own, untouched
+    finally:
+        await describer.close()
+
+
+async def test_a_new_job_that_would_fit_waits_behind_the_tenants_older_queued_job(
+    own_nc: NATS, own_js: JetStreamContext
+) -> None:
+    """Jobs start oldest first: a submit that fits the tenant's limits did not look at its
+    queued jobs, so a steady flow of small jobs kept a larger queued one waiting for ever."""
+    from schemas.tenants import TenantLimits, TenantRecord
+
+    tenant = uid("acme")
+    limits = TenantLimits(max_concurrent_jobs=2)
+    tenants = await own_js.key_value(subjects.KV_TENANTS)
+    await tenants.put(tenant, encode(TenantRecord(tenant, "U" + "A" * 55, time.time(), limits)))
+    jobs = await own_js.key_value(subjects.KV_JOBS)
+    spec = _rl_spec(tenant)
+    await put_job(jobs, JobRecord(tenant, "running", "rl", "running", spec, 1.0, 1.0), last=0)
+    older = JobRecord(tenant, "older", "rl", "queued", spec, 2.0, 2.0, reason="waits")
+    await put_job(jobs, older, last=0)
+    describer = Describer()
+    await describer.subscribe(own_nc)
+    master = await _master(own_js)
+    try:
+        submit = JobSubmit(tenant, "newer", spec, 0.0)
+        await master.handle(
+            Msg(own_nc, subject=subjects.job(tenant, "submit"), data=encode(submit))
+        )
+        found = await master.record(tenant, "newer")
+        assert found is not None and found[0].status == "queued"
+        assert "1 older jobs waiting to start (older)" in found[0].reason
     finally:
         await describer.close()

@@ -160,6 +160,20 @@ class TenantGate:
             raise PoisonError(f"unknown tenant {tenant!r}")
         return record
 
+    async def older_waiting(self, tenant: str, job_id: str) -> str:
+        """Why a new job must wait behind the tenant's queued jobs ('' if none waits)."""
+        queued = [
+            r.job_id
+            for r in await list_jobs(self.js, tenant)
+            if r.status == "queued" and r.job_id != job_id
+        ]
+        if not queued:
+            return ""
+        return (
+            f"tenant {tenant!r} has {len(queued)} older jobs waiting to start "
+            f"({', '.join(queued[:5])}); jobs start oldest first"
+        )
+
     async def wait_reason(
         self, tenant: str, job_id: str, spec: JobSpec, limits: TenantLimits
     ) -> str:
