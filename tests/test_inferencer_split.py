@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -179,3 +180,35 @@ async def test_an_inferencer_with_a_cost_table_file_answers_each_request_once_in
         except subprocess.TimeoutExpired:
             replica.proc.kill()
             replica.proc.wait()
+
+
+def test_a_bad_feature_record_from_the_backbone_role_is_not_blamed_on_the_request(
+    backbone: Backbone,
+) -> None:
+    """Only normalising a request's observations says the request is bad (refused, never
+    retried); a feature record the backbone role got wrong was also reported as the tenant's
+    "bad observation" and refused for good, since it is a ValueError too."""
+    from bus.errors import PoisonError
+    from bus.fate import retry_decision
+    from schemas.tensor import Tensor
+    from vla.feature import ModelInputs
+    from vla.wire import FeatureRecordError
+
+    class BrokenBackboneRole:
+        def encode(self, inputs: ModelInputs) -> Any:
+            raise FeatureRecordError("prefix: 3 values are NaN or infinite")
+
+    policy = served("a", OFT, backbone.hidden_size, 1)
+    good = make_obs(OFT, 1)
+    rgba = Tensor.from_numpy(np.zeros((64, 64, 4), np.uint8))
+    bad = type(good)([rgba], good.instruction, good.proprio)
+    batch = [
+        Work(ActRequest("a", "job", f"r{i}", "_INBOX.x", [obs], deterministic=True), policy)
+        for i, obs in enumerate([good, bad])
+    ]
+    outcomes, _ = BatchRunner(backbone, None, BrokenBackboneRole()).run(batch)
+    backbone_error, request_error = (o.error for o in outcomes)
+    assert isinstance(backbone_error, FeatureRecordError)
+    assert retry_decision(backbone_error, 1)[0], "the service's fault: retried"
+    assert isinstance(request_error, PoisonError)
+    assert str(request_error).startswith("bad observation for a/job v1:")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from bus.errors import PoisonError
 from schemas.infer import ActRequest
 from schemas.tensor import TensorError
 from services.inferencer.policies import ServedPolicy
@@ -31,7 +32,10 @@ from vla.grouping import FeatureEncoder, encode_each
 from vla.heads import ActOutput
 from vla.normalize import Normaliser
 
-#: Errors that mean the request itself is bad (shapes, dtypes): reported, never retried.
+#: Errors of normalising a request's observations: the request itself is bad (shapes,
+#: dtypes), reported to its sender and never retried. Errors of the forward or the head are
+#: not the request's (a backbone role's bad feature record, a head that does not fit): the
+#: runtime retries them and says so.
 REQUEST_ERRORS: tuple[type[Exception], ...] = (ValueError, TensorError)
 
 
@@ -138,7 +142,7 @@ class BatchRunner:
                 norm = self.normaliser(r.num_views, r.token_budget)
                 inputs[i] = norm.normalise(r.observations)
             except REQUEST_ERRORS as exc:
-                outcomes[i].error = exc
+                outcomes[i].error = PoisonError(f"bad observation for {work.policy.label}: {exc}")
 
         groups: dict[CompatKey, list[int]] = {}
         for i, inp in inputs.items():

@@ -23,7 +23,7 @@ from schemas.events import ErrorEvent
 from schemas.infer import INFER_DECODER, ActReply
 from schemas.tensor import Tensor
 from services.inferencer.admission import answerable, envelope
-from services.inferencer.batching import REQUEST_ERRORS, Outcome, Work
+from services.inferencer.batching import Outcome, Work
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +65,7 @@ class Replies:
         msg, request, policy = pending.msg, pending.work.request, pending.work.policy
         with self.rt.consumer.span(msg):
             if outcome.error is not None:
-                error: Exception = outcome.error
-                if isinstance(error, REQUEST_ERRORS):
-                    error = PoisonError(f"bad observation for {policy.label}: {error}")
-                await self._refuse(msg, policy.version, error)
+                await self._refuse(msg, policy.version, outcome.error)
                 return
             assert outcome.actions_B_C_A is not None and outcome.log_prob_B is not None
             reply = ActReply(
