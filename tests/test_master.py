@@ -614,3 +614,28 @@ async def test_a_new_job_that_would_fit_waits_behind_the_tenants_older_queued_jo
         assert "1 older jobs waiting to start (older)" in found[0].reason
     finally:
         await describer.close()
+
+
+async def test_an_unrecorded_sessions_lease_runs_out_without_a_cancel(
+    own_js: JetStreamContext,
+) -> None:
+    """A session submit the master rejected has no record: when the lease that its submit
+    started ran out, a cancel was queued, refused as an unknown job, and the session got a
+    second, confusing ``rejected`` event. Its lease is dropped instead (a session still
+    behind other commands gets a whole lease once it is recorded)."""
+    from schemas.tenantctl import SubmitJob
+    from services.master.sessions import Sessions
+    from services.master.tenantjobs import TenantJobs
+
+    tenant = uid("acme")
+    jobs = await own_js.key_value(subjects.KV_JOBS)
+    sessions = Sessions(own_js, jobs, TenantJobs(own_js))
+    head = {"kind": "oft", "action_dim": 2, "proprio_dim": 0}
+    spec = {"kind": "session", "tenant": tenant, "head": head}
+    sessions.submitted(SubmitJob(tenant, "s", json.dumps({**spec, "lease_s": 2.0}).encode()))
+    assert (tenant, "s") in sessions.leases
+    sessions.leases[(tenant, "s")] = (time.monotonic() - 5.0, 2.0)
+    assert await sessions.expire() == [(tenant, "s")]
+    assert sessions.leases == {}
+    info = await own_js.stream_info(subjects.STREAM_JOBS)
+    assert info.state.messages == 0, "no cancel queued"

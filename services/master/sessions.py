@@ -214,7 +214,13 @@ class Sessions:
             reason = f"lease expired: no call or renewal for {lease:g} s"
             try:
                 record, _ = await get_job(self.jobs, tenant, job_id)
-                if record is not None and record.status in TERMINAL_STATUSES:
+                if record is None:
+                    # Not recorded: rejected (a cancel would be refused as an unknown job,
+                    # a second rejection), or still behind other commands on JOBS; then
+                    # adopt_open gives it a whole lease once it is recorded.
+                    del self.leases[(tenant, job_id)]
+                    continue
+                if record.status in TERMINAL_STATUSES:
                     del self.leases[(tenant, job_id)]  # closed by its client, or ended
                     continue
                 await self.tenant_jobs.command(CancelJob(tenant, job_id, reason))
