@@ -1,12 +1,14 @@
 """The inferencer's resident policies, synced from the ``policies`` KV and ``checkpoints`` store.
 
 Serving state is indexed by ``(tenant, job, version)``. A watcher over the ``policies`` KV
-records every job's latest committed :class:`~schemas.train.PolicyRecord` and loads that
-version's slot in the background, so a request for the latest version usually finds it
-resident. A request pinned to an older version that is not resident is served by finding its
-checkpoint in the object store (``<tenant>/<job>/v{version:06d}-...``). At most
-``max_versions_per_job`` versions of a job stay resident (the latest one always among them;
-older ones are dropped least recently used first).
+records the latest committed :class:`~schemas.train.PolicyRecord` of every job it serves
+and loads that version's slot in the background, so a request for the latest version usually
+finds it resident (a job first asked for is read through the KV; the bucket keeps every job
+ever committed, and remembering them all would grow without end). A request pinned to an
+older version that is not resident is served by finding its checkpoint in the object store
+(``<tenant>/<job>/v{version:06d}-...``). At most ``max_versions_per_job`` versions of a job
+stay resident (the latest one always among them; older ones are dropped least recently used
+first).
 
 Everything here runs on the event loop; only deserialising a slot goes to a thread.
 
@@ -97,6 +99,10 @@ async def until_stop(work: Awaitable[T], stop: asyncio.Event) -> T:
     return fut.result()
 
 
+#: Latest records kept per resident job at most (those of jobs being loaded or asked for).
+RECORDS_PER_RESIDENT_JOB = 4
+
+
 class PolicyCache:
     """Resident tenant policies of one inferencer, keyed by ``(tenant, job, version)``.
 
@@ -170,8 +176,10 @@ class PolicyCache:
         if record is None:
             self.records.pop(job, None)  # nothing committed any more: stop serving it
             return
-        # Preloaded only for a job being served: at start the watch replays every job ever
+        # Only jobs asked for here are followed: at start the watch replays every job ever
         # committed (records are kept), and most will never be asked for again.
+        if job not in self.records and job not in self._resident:
+            return
         if self._note(record) and job in self._resident:
             self._start_load(record.tenant, record.job_id, record.version, record, preload=True)
 
@@ -187,6 +195,12 @@ class PolicyCache:
         if known is not None and known.version >= record.version:
             return False
         self.records[job] = record
+        if len(self.records) > RECORDS_PER_RESIDENT_JOB * self.max_jobs:
+            # Jobs asked for whose policy never became resident (a load that failed).
+            keep = {(t, j) for t, j, _ in self._loading} | set(self._resident)
+            for stale in [k for k in self.records if k not in keep]:
+                if stale != job:
+                    del self.records[stale]
         return True
 
     async def latest_record(self, tenant: str, job_id: str) -> PolicyRecord:
@@ -370,7 +384,8 @@ class PolicyCache:
         if not preload:
             self._resident.move_to_end(job)
         while len(self._resident) > self.max_jobs:
-            self._resident.popitem(last=False)
+            dropped, _ = self._resident.popitem(last=False)
+            self.records.pop(dropped, None)  # asked for again, it is read through
         versions[served.version] = served
         versions.move_to_end(served.version)
         record = self.records.get(job)
