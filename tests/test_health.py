@@ -50,21 +50,23 @@ def beat(at: float, progress: int = 0, in_flight: int = 0, busy_with: str = "") 
 
 def test_dead_stalled_and_busy_instances_are_told_apart() -> None:
     table = LivenessTable(stale_after_s=3.0, stall_after_s=10.0)
-    table.observe("a", beat(100.0, progress=5, in_flight=2))
+    table.observe("a", beat(100.0, progress=5, in_flight=2), heard_at=100.0)
     assert table.state("a", 101.0) == "alive"
     assert table.state("a", 104.0) == "dead"  # no heartbeat for 4 s
     # Heartbeating, work in flight, no progress for 11 s: stalled.
-    table.observe("a", beat(111.0, progress=5, in_flight=2))
+    table.observe("a", beat(111.0, progress=5, in_flight=2), heard_at=111.0)
     assert table.state("a", 111.5) == "stalled"
     # The same while it says what holds it up (a simulator build): not a stall.
-    table.observe("a", beat(112.0, progress=5, in_flight=2, busy_with="building 1 session"))
+    table.observe(
+        "a", beat(112.0, progress=5, in_flight=2, busy_with="building 1 session"), heard_at=112.0
+    )
     assert table.state("a", 112.5) == "alive"
     # Idle (nothing in flight) for long: alive.
-    table.observe("b", beat(100.0, progress=1))
-    table.observe("b", beat(200.0, progress=1))
+    table.observe("b", beat(100.0, progress=1), heard_at=100.0)
+    table.observe("b", beat(200.0, progress=1), heard_at=200.0)
     assert table.state("b", 200.5) == "alive"
     # Progress moving: alive.
-    table.observe("a", beat(113.0, progress=6, in_flight=2))
+    table.observe("a", beat(113.0, progress=6, in_flight=2), heard_at=113.0)
     assert table.state("a", 113.5) == "alive"
     table.observe("a", None)  # a clean stop deletes the key
     assert "a" not in table.seen
@@ -74,17 +76,19 @@ def test_an_instance_idle_or_busy_for_long_is_not_stalled_as_soon_as_work_comes(
     """Only time with work in hand and no progress is a stall: an instance idle for minutes
     that gets work, or one whose long build just ended, starts a new stall clock."""
     table = LivenessTable(stale_after_s=3.0, stall_after_s=10.0)
-    table.observe("a", beat(100.0, progress=5))
-    table.observe("a", beat(300.0, progress=5))  # idle for 200 s
-    table.observe("a", beat(301.0, progress=5, in_flight=1))  # work came in
+    table.observe("a", beat(100.0, progress=5), heard_at=100.0)
+    table.observe("a", beat(300.0, progress=5), heard_at=300.0)  # idle for 200 s
+    table.observe("a", beat(301.0, progress=5, in_flight=1), heard_at=301.0)  # work came in
     assert table.state("a", 301.5) == "alive"
-    table.observe("a", beat(310.0, progress=5, in_flight=1))
+    table.observe("a", beat(310.0, progress=5, in_flight=1), heard_at=310.0)
     assert table.state("a", 310.5) == "alive"
-    table.observe("a", beat(312.0, progress=5, in_flight=1))  # 11 s with work, no progress
+    table.observe(
+        "a", beat(312.0, progress=5, in_flight=1), heard_at=312.0
+    )  # 11 s with work, no progress
     assert table.state("a", 312.5) == "stalled"
-    table.observe("b", beat(100.0, progress=1, in_flight=1, busy_with="building"))
-    table.observe("b", beat(200.0, progress=1, in_flight=1, busy_with="building"))
-    table.observe("b", beat(201.0, progress=1, in_flight=1))  # the build ended
+    table.observe("b", beat(100.0, progress=1, in_flight=1, busy_with="building"), heard_at=100.0)
+    table.observe("b", beat(200.0, progress=1, in_flight=1, busy_with="building"), heard_at=200.0)
+    table.observe("b", beat(201.0, progress=1, in_flight=1), heard_at=201.0)  # the build ended
     assert table.state("b", 201.5) == "alive"
 
 
@@ -103,29 +107,27 @@ def test_liveness_is_judged_by_the_managers_clock_not_the_senders() -> None:
     # A restarted watch replays the same entry: no news, its time stays.
     table.observe("ahead", beat(1030.0), heard_at=2000.0)
     assert table.state("ahead", 2000.0) == "dead"
-    # A replayed entry (when heard unknown) counts from the sender's time, never from later
-    # than now: an old one is dead, one from a clock ahead is alive until proven otherwise.
-    table.observe("old", beat(time.time() - 60.0))
-    assert table.state("old", time.time()) == "dead"
-    table.observe("future", beat(time.time() + 3600.0))
-    assert table.state("future", time.time()) == "alive"
-    assert table.state("future", time.time() + 4.0) == "dead"
+    # Heard with no time given (an entry the watch replays as it starts): heard now,
+    # whatever the sender's clock says; silent from then on, it is dead 3 s later.
+    table.observe("behind", beat(time.time() - 60.0))
+    assert table.state("behind", time.time()) == "alive"
+    assert table.state("behind", time.time() + 4.0) == "dead"
 
 
-def test_the_manager_hears_beats_after_its_watch_replayed_the_bucket_at_its_own_time() -> None:
+def test_the_manager_times_a_beat_from_when_it_hears_it_replayed_or_not() -> None:
+    """At the manager's start its watch replays the bucket: a sender 20 s behind, timed by
+    its own clock, would be found dead (or stalled by the skew) at the first look."""
     from nats.js.kv import KeyValue
 
     manager = HealthManager.__new__(HealthManager)
     manager.table = LivenessTable(3.0, 10.0)
-    manager.live = False
 
     def entry(key: str, at: float) -> KeyValue.Entry:
-        return KeyValue.Entry("heartbeats", key, encode(beat(at)), 1, 0, None, None)
+        return KeyValue.Entry("heartbeats", key, encode(beat(at, in_flight=1)), 1, 5, None, None)
 
-    manager.observe(entry("a", 500.0))  # replayed: heard at its own (old) time
-    assert manager.table.state("a", time.time()) == "dead"
-    manager.went_live()
-    manager.observe(entry("a", 501.0))  # a sender far behind, heard now
+    manager.observe(entry("a", time.time() - 20.0))  # replayed
+    assert manager.table.state("a", time.time()) == "alive"
+    manager.observe(entry("a", time.time() - 19.0))  # live, no progress: not a 20 s stall
     assert manager.table.state("a", time.time()) == "alive"
 
 
@@ -195,7 +197,7 @@ def test_a_spent_restart_budget_is_reported_once_while_another_instance_of_the_r
             )
             await manager.tick(t + 0.5)
 
-    manager.table.observe("envs.dead", role_beat("envs-dead", now - 100.0))
+    manager.table.observe("envs.dead", role_beat("envs-dead", now - 100.0), heard_at=now - 100.0)
     asyncio.run(ticks())
     assert events == ["budget_exhausted"]
 

@@ -113,8 +113,14 @@ async def test_a_submit_again_after_its_rejection_is_refused_naming_it_not_dropp
     assert isinstance(first, Queued) and not first.duplicate
     pending = await client.request(tenant, SubmitJob(tenant, job, spec))
     assert isinstance(pending, Queued) and pending.duplicate  # not handled yet: still queued
+    # An older rejection of another command under this id is not this submit's.
+    older = Rejected(tenant, job, "unknown job", time.time())
+    await publish_event(nc.jetstream(), older, first.stream_seq - 1)
+    again = await client.request(tenant, SubmitJob(tenant, job, spec))
+    assert isinstance(again, Queued) and again.duplicate
     reason = "dataset 'demos' is not in tenant acme's namespace"
-    await publish_event(nc.jetstream(), Rejected(tenant, job, reason, time.time()), 1)
+    rejected = Rejected(tenant, job, reason, time.time())
+    await publish_event(nc.jetstream(), rejected, first.stream_seq)  # what the master does
     with pytest.raises(RequestError, match=f"'exp1' was rejected: {reason}; submit under a new"):
         await client.request(tenant, SubmitJob(tenant, job, b'{"kind": "sft", "seed": 1}'))
 

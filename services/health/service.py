@@ -149,9 +149,10 @@ class LivenessTable:
 
     def observe(self, key: str, beat: Heartbeat | None, heard_at: float | None = None) -> None:
         """Take ``beat`` (None: the key was deleted, a clean stop) as heard at ``heard_at``
-        by the manager's clock. None: when is not known (an entry the watch replays when it
-        starts), so the sender's own time stands in, never later than now. The same beat
-        heard again (a restarted watch replays it) is no news and keeps its time."""
+        by the manager's clock (None: now). An entry the watch replays when it starts counts
+        as heard now too: the bucket's TTL bounds its age by the server's clock, and the
+        sender's own time is another host's clock. The same beat heard again (a restarted
+        watch replays it) is no news and keeps its time."""
         if beat is None:
             self.seen.pop(key, None)
             if self.alive.pop(key, False):
@@ -161,7 +162,7 @@ class LivenessTable:
         if known is not None and known.beat == beat:
             return
         if heard_at is None:
-            heard_at = min(beat.at, time.time())
+            heard_at = time.time()
         # A stall is time with work in hand and no progress: idle time (nothing in flight)
         # or time busy with a long operation does not count, so the clock starts again
         # when work comes in or the operation ends.
@@ -319,11 +320,6 @@ class HealthManager:
         #: Heartbeats it could not see while its own connection was down are no sign of
         #: anyone's death: it acts only on a view it has had time to renew.
         self.view = OwnView(config.restart_after_s, config.stale_after_s)
-        #: Whether the heartbeats watch has replayed the bucket once (entries are news).
-        self.live = False
-
-    def went_live(self) -> None:
-        self.live = True
 
     def report(self) -> HealthReport:
         report = self.table.report(time.time(), self.restarts.total, list(self.events))
@@ -347,11 +343,8 @@ class HealthManager:
         if entry.operation in ("DEL", "PURGE") or not entry.value:
             self.table.observe(entry.key, None)
             return
-        # Once the watch has replayed the bucket, an entry is news heard now; a replayed
-        # one was written at some time before (the bucket's TTL bounds it).
-        heard_at = time.time() if self.live else None
         try:
-            self.table.observe(entry.key, decode(HEARTBEAT_DECODER, entry.value), heard_at)
+            self.table.observe(entry.key, decode(HEARTBEAT_DECODER, entry.value), time.time())
         except DecodeError as exc:
             log.warning("ignoring malformed heartbeat %s: %s", entry.key, exc)
 
@@ -441,10 +434,7 @@ async def run(config: HealthConfig) -> None:
         kv = await rt.js.key_value(subjects.KV_HEARTBEATS)
         sub = await rt.nc.subscribe(HEALTH_SUBJECT, cb=manager.answer)
         queues = await rt.nc.subscribe(f"{subjects.QUEUE_METRICS}.>", cb=manager.on_queues)
-        rt.spawn(
-            follow_kv(kv, rt.stop, manager.observe, on_ready=manager.went_live),
-            "heartbeats follower",
-        )
+        rt.spawn(follow_kv(kv, rt.stop, manager.observe), "heartbeats follower")
         try:
             while not rt.stop.is_set():
                 await manager.tick(time.time())

@@ -178,8 +178,8 @@ class PolicyCache:
             return
         # Only jobs asked for here are followed: at start the watch replays every job ever
         # committed (records are kept), and most will never be asked for again.
-        if job not in self.records and job not in self._resident:
-            return
+        if job not in self.records and job not in self._resident and job not in self._reading:
+            return  # (a job being read through is followed: the read may answer older)
         if self._note(record) and job in self._resident:
             self._start_load(record.tenant, record.job_id, record.version, record, preload=True)
 
@@ -233,6 +233,24 @@ class PolicyCache:
         return record
 
     # -- resolving ---------------------------------------------------------------------------
+    def resident(self, tenant: str, job_id: str, version: int) -> ServedPolicy | None:
+        """What :meth:`resolve` answers at once when the version (0: the latest known) is
+        resident; None when it has to be read or loaded first."""
+        job = (tenant, job_id)
+        versions = self._resident.get(job)
+        if versions is None:
+            return None
+        if version == 0:
+            record = self.records.get(job)
+            if record is None:
+                return None
+            version = record.version
+        served = versions.get(version)
+        if served is not None:
+            versions.move_to_end(version)
+            self._resident.move_to_end(job)
+        return served
+
     async def resolve(self, tenant: str, job_id: str, version: int) -> ServedPolicy:
         """The policy that serves a request: ``version`` 0 = the latest committed one.
 

@@ -15,7 +15,8 @@ from opentelemetry import trace
 
 from bus import metrics
 from bus.codec import DecodeError, decode, encode
-from bus.errors import HandlerError, PoisonError
+from bus.errors import PoisonError
+from bus.fate import retry_decision
 from bus.publish import msg_id, publish
 from bus.service import Runtime
 from schemas import subjects
@@ -122,7 +123,9 @@ class Replies:
         sender = envelope(msg)
         version = self._failing.get(id(msg), 0)
         # Given up on a transient failure, a new request may succeed; a refusal never will.
-        retryable = isinstance(error, HandlerError) and error.retryable
+        # (An error of ours that is no HandlerError, a forward's or a head's, was retried as
+        # transient: the sender is told so too.)
+        retryable, _ = retry_decision(error, 1)
         answer = ActReply(sender.request_id, version, error=reason, retryable=retryable)
         await self.reply(sender.reply_to, answer)
         try:

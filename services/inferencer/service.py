@@ -261,6 +261,9 @@ class Inferencer:
     async def _resolve_in_time(self, request: ActRequest) -> ServedPolicy | None:
         """The request's policy, or None once its requester has stopped waiting: a load
         that outlasts it (a slow checkpoint read) is left to finish for later requests."""
+        resident = self.policies.resident(request.tenant, request.job_id, request.policy_version)
+        if resident is not None:
+            return resident  # the common case: no wait, its place in the room kept
         resolving = asyncio.ensure_future(
             self.policies.resolve(request.tenant, request.job_id, request.policy_version)
         )

@@ -160,30 +160,21 @@ class TenantGate:
             raise PoisonError(f"unknown tenant {tenant!r}")
         return record
 
-    async def older_waiting(self, tenant: str, job_id: str) -> str:
-        """Why a new job must wait behind the tenant's queued jobs ('' if none waits)."""
-        queued = [
-            r.job_id
-            for r in await list_jobs(self.js, tenant)
-            if r.status == "queued" and r.job_id != job_id
-        ]
-        if not queued:
-            return ""
-        return (
-            f"tenant {tenant!r} has {len(queued)} older jobs waiting to start "
-            f"({', '.join(queued[:5])}); jobs start oldest first"
-        )
-
     async def wait_reason(
-        self, tenant: str, job_id: str, spec: JobSpec, limits: TenantLimits
+        self,
+        tenant: str,
+        job_id: str,
+        spec: JobSpec,
+        limits: TenantLimits,
+        *,
+        new: bool = False,
     ) -> str:
         """Why ``spec`` must wait for the tenant's running jobs ('' if it may start now):
-        the first limit its holding would take the tenant past."""
-        running = [
-            r
-            for r in await list_jobs(self.js, tenant)
-            if r.status not in TERMINAL_STATUSES and r.status != "queued" and r.job_id != job_id
-        ]
+        the first limit its holding would take the tenant past; for a ``new`` job also the
+        tenant's queued jobs, which start first (oldest first: a flow of small new jobs
+        would otherwise keep a larger queued one waiting for ever)."""
+        records = [r for r in await list_jobs(self.js, tenant) if r.job_id != job_id]
+        running = [r for r in records if r.status not in TERMINAL_STATUSES and r.status != "queued"]
         held = Holding(0, 0, 0)
         for record in running:
             held = held + holding_of(record)
@@ -204,6 +195,12 @@ class TenantGate:
                 f"tenant {tenant!r} runs {held.env_sessions} simulator sessions and this job "
                 f"needs {want.env_sessions}; its limit max_env_sessions is "
                 f"{limits.max_env_sessions}"
+            )
+        queued = [r.job_id for r in records if r.status == "queued"]
+        if new and queued:
+            return (
+                f"tenant {tenant!r} has {len(queued)} older jobs waiting to start "
+                f"({', '.join(queued[:5])}); jobs start oldest first"
             )
         return ""
 

@@ -165,10 +165,9 @@ class Master:
             wait = ""
             if limits is not None:
                 check_fits(spec, limits)
-                wait = await self.gate.wait_reason(spec.tenant, command.job_id, spec, limits)
-                # Started oldest first: a job that would fit does not overtake the tenant's
-                # older jobs still waiting (a steady flow of small ones would starve them).
-                wait = wait or await self.gate.older_waiting(spec.tenant, command.job_id)
+                wait = await self.gate.wait_reason(
+                    spec.tenant, command.job_id, spec, limits, new=True
+                )
             await self.accept(
                 command.job_id, spec, command.spec_json, parent="", limits=limits, wait=wait
             )

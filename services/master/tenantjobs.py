@@ -39,6 +39,10 @@ PAGE_BYTES = 512 * 1024
 MAX_PAGE_EVENTS = 1024
 
 
+#: Rejections of one job id looked through for the one that answered a command.
+MAX_REJECTIONS_READ = 64
+
+
 class TenantJobs:
     """Queues tenants' job commands and pages through their events."""
 
@@ -80,7 +84,7 @@ class TenantJobs:
         if ack.duplicate and verb == "submit" and existing is None:
             # Dropped as the first submit under this id, which left no record: still
             # queued, or rejected (a resubmit after the fix would never reach the master).
-            rejected = await self._rejected(tenant, job_id)
+            rejected = await self._rejected(tenant, job_id, ack.seq)
             if rejected is not None:
                 return CtlError(
                     "invalid",
@@ -88,15 +92,29 @@ class TenantJobs:
                 )
         return Queued(job_id, ack.seq, bool(ack.duplicate))
 
-    async def _rejected(self, tenant: str, job_id: str) -> Rejected | None:
-        """The job's last ``rejected`` event, if it has one."""
+    async def _rejected(self, tenant: str, job_id: str, command_seq: int) -> Rejected | None:
+        """The ``rejected`` event that answered the command stored at ``command_seq`` on
+        ``JOBS`` (its msg id names that sequence), if there is one: not an older rejection
+        of another command under the same job id."""
         subject = subjects.event(tenant, job_id, "rejected")
-        try:
-            stored = await self.js.get_msg(subjects.STREAM_EVENTS, subject=subject)
-            event = decode(EVENT_DECODER, stored.data or b"")
-        except (NotFoundError, DecodeError):
-            return None
-        return event if isinstance(event, Rejected) else None
+        wanted = msg_id("ev", tenant, job_id, "rejected", command_seq)
+        seq = 0
+        for _ in range(MAX_REJECTIONS_READ):
+            try:
+                stored = await self.js.get_msg(
+                    subjects.STREAM_EVENTS, seq=seq + 1, subject=subject, next=True
+                )
+            except NotFoundError:
+                return None
+            seq = stored.seq or seq + 1
+            if (stored.headers or {}).get(headers.MSG_ID) != wanted:
+                continue
+            try:
+                event = decode(EVENT_DECODER, stored.data or b"")
+            except DecodeError:
+                return None
+            return event if isinstance(event, Rejected) else None
+        return None
 
     async def events(self, request: ReadEvents) -> TenantReply:
         """The job's events after ``after_seq``, oldest first, as many as fit one reply."""
