@@ -315,6 +315,31 @@ async def test_a_queued_job_that_cannot_be_started_fails_and_the_next_one_starts
     assert master.admissions.errors == {}
 
 
+async def test_a_queued_job_that_cannot_start_for_now_holds_up_no_younger_one(
+    own_js: JetStreamContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Jobs start oldest first, and a new job waits behind the queued ones: a queued job
+    whose start fails for now (no env worker describes its env yet, the bus) must not keep
+    the younger ones that could start waiting until it can."""
+    tenant = uid("acme")
+    master = await _master(own_js)
+    for i, name in enumerate(("stuck", "ready")):
+        record = JobRecord(tenant, name, "session", "queued", _session_spec(tenant), i, i)
+        await put_job(master.jobs, record, last=0)
+    real_compile = master.compile
+
+    async def not_yet_for_stuck(job_id: str, spec: Any, limits: Any = None) -> Any:
+        if job_id == "stuck":
+            raise RetryableError("no env worker answered describe")
+        return await real_compile(job_id, spec, limits)
+
+    monkeypatch.setattr(master, "compile", not_yet_for_stuck)
+    await master.admissions.admit_queued(tenant)
+    statuses = [await _status(master, tenant, name) for name in ("stuck", "ready")]
+    assert statuses == ["queued", "running"]
+    assert tenant in master.admissions.room  # the stuck one is tried again
+
+
 async def test_a_pipeline_id_that_leaves_its_stages_no_room_is_refused(
     own_nc: NATS, own_js: JetStreamContext
 ) -> None:

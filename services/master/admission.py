@@ -90,12 +90,18 @@ class Admissions:
                 self.tenants.discard(tenant)
                 return
             limits = record.limits if record is not None else None
+            retry = False
             for job in queued:
                 try:
                     if not await self._admit(job, limits):
                         return  # it waits, and the younger ones behind it
-                except (RetryableError, NatsError, TimeoutError):
-                    raise  # the bus's trouble, not the job's: tried again later
+                except (RetryableError, NatsError, TimeoutError) as exc:
+                    # Not the job's fault (the bus, no env worker describing its env yet):
+                    # tried again later, and meanwhile it holds up no younger job that can
+                    # start (one whose env is described, say).
+                    log.warning("admitting %s/%s: %s; trying again", tenant, job.job_id, exc)
+                    retry = True
+                    continue
                 except PoisonError as exc:  # what it points at changed while it waited
                     await master.transition(tenant, job.job_id, "failed", reason=str(exc))
                 except Exception as exc:
@@ -111,6 +117,9 @@ class Admissions:
                     reason = f"could not be started: {type(exc).__name__}: {exc}"
                     await master.transition(tenant, job.job_id, "failed", reason=reason)
                 self.errors.pop((tenant, job.job_id), None)
+            if retry:
+                self.room.add(tenant)  # at the next wake-up or sweep
+                return
             self.tenants.discard(tenant)
 
     async def _admit(self, job: JobRecord, limits: TenantLimits | None) -> bool:
