@@ -276,6 +276,30 @@ async def test_another_submits_refusal_leaves_an_accepted_job_alone(
     assert await _stored(own_js, subjects.event(tenant, job, "rejected")) == 0
 
 
+async def _queued_sessions(
+    js: JetStreamContext,
+    monkeypatch: pytest.MonkeyPatch,
+    tenant: str,
+    failing: str,
+    error: Exception,
+) -> Master:
+    """A master with two queued sessions of ``tenant``, "bad" then "good", whose compile
+    raises ``error`` for ``failing``."""
+    master = await _master(js)
+    for i, name in enumerate(("bad", "good")):
+        record = JobRecord(tenant, name, "session", "queued", _session_spec(tenant), i, i)
+        await put_job(master.jobs, record, last=0)
+    real_compile = master.compile
+
+    async def compile_fails(job_id: str, spec: Any, limits: Any = None) -> Any:
+        if job_id == failing:
+            raise error
+        return await real_compile(job_id, spec, limits)
+
+    monkeypatch.setattr(master, "compile", compile_fails)
+    return master
+
+
 async def test_a_queued_job_that_cannot_be_started_fails_and_the_next_one_starts(
     own_js: JetStreamContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -283,18 +307,9 @@ async def test_a_queued_job_that_cannot_be_started_fails_and_the_next_one_starts
     the admissions loop, and with it the master at every restart: it is tried
     UNEXPECTED_TRIES times, then that job fails and the jobs behind it start."""
     tenant = uid("acme")
-    master = await _master(own_js)
-    for i, name in enumerate(("bad", "good")):
-        record = JobRecord(tenant, name, "session", "queued", _session_spec(tenant), i, i)
-        await put_job(master.jobs, record, last=0)
-    real_compile = master.compile
-
-    async def compile_fails_for_bad(job_id: str, spec: Any, limits: Any = None) -> Any:
-        if job_id == "bad":
-            raise OverflowError("can't serialize ints > 2**64 - 1")
-        return await real_compile(job_id, spec, limits)
-
-    monkeypatch.setattr(master, "compile", compile_fails_for_bad)
+    master = await _queued_sessions(
+        own_js, monkeypatch, tenant, "bad", OverflowError("can't serialize ints > 2**64 - 1")
+    )
 
     async def status(name: str) -> str:
         found = await master.record(tenant, name)
@@ -322,20 +337,10 @@ async def test_a_queued_job_that_cannot_start_for_now_holds_up_no_younger_one(
     whose start fails for now (no env worker describes its env yet, the bus) must not keep
     the younger ones that could start waiting until it can."""
     tenant = uid("acme")
-    master = await _master(own_js)
-    for i, name in enumerate(("stuck", "ready")):
-        record = JobRecord(tenant, name, "session", "queued", _session_spec(tenant), i, i)
-        await put_job(master.jobs, record, last=0)
-    real_compile = master.compile
-
-    async def not_yet_for_stuck(job_id: str, spec: Any, limits: Any = None) -> Any:
-        if job_id == "stuck":
-            raise RetryableError("no env worker answered describe")
-        return await real_compile(job_id, spec, limits)
-
-    monkeypatch.setattr(master, "compile", not_yet_for_stuck)
+    not_yet = RetryableError("no env worker answered describe")
+    master = await _queued_sessions(own_js, monkeypatch, tenant, "bad", not_yet)
     await master.admissions.admit_queued(tenant)
-    statuses = [await _status(master, tenant, name) for name in ("stuck", "ready")]
+    statuses = [await _status(master, tenant, name) for name in ("bad", "good")]
     assert statuses == ["queued", "running"]
     assert tenant in master.admissions.room  # the stuck one is tried again
 

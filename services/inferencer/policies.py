@@ -99,6 +99,15 @@ async def until_stop(work: Awaitable[T], stop: asyncio.Event) -> T:
     return fut.result()
 
 
+async def wait_bounded(tasks: set[asyncio.Task[T]], timeout: float, what: str) -> None:
+    """Wait up to ``timeout`` for ``tasks`` (never cancelled: they end on the stop event)."""
+    if not tasks:
+        return
+    _, late = await asyncio.wait(set(tasks), timeout=timeout)
+    if late:
+        log.warning("%d %s still running %.1f s after stop", len(late), what, timeout)
+
+
 #: Latest records kept per resident job at most (those of jobs being loaded or asked for).
 RECORDS_PER_RESIDENT_JOB = 4
 

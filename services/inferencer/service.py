@@ -31,7 +31,6 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from typing import TypeVar
 
 import numpy as np
 import torch
@@ -56,7 +55,13 @@ from services.inferencer.admission import expired, parse, validate
 from services.inferencer.batching import BatchRunner, BatchStats, Outcome, Work
 from services.inferencer.config import InferencerConfig
 from services.inferencer.fairness import Waiting, fair_take
-from services.inferencer.policies import STOP_POLL_S, PolicyCache, ServedPolicy, retrieve_outcome
+from services.inferencer.policies import (
+    STOP_POLL_S,
+    PolicyCache,
+    ServedPolicy,
+    retrieve_outcome,
+    wait_bounded,
+)
 from services.inferencer.replies import Pending, Replies
 from vla import costmodel
 from vla.backbone import Backbone
@@ -64,7 +69,6 @@ from vla.costmodel import CostTable
 from vla.wire import WireEncoder
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 #: How long one pull waits for messages; also bounds how late the fetch loop sees a stop.
 FETCH_TIMEOUT_S = 0.5
@@ -80,15 +84,6 @@ LOAD_GRACE_S = 0.5
 #: per place in it: a job whose policy loads slowly holds these, not the room other jobs'
 #: requests are pulled through.
 LOAD_WAITERS_PER_PLACE = 4
-
-
-async def _bounded(tasks: set[asyncio.Task[T]], timeout: float, what: str) -> None:
-    """Wait up to ``timeout`` for ``tasks`` (never cancelled: they end on the stop event)."""
-    if not tasks:
-        return
-    _, late = await asyncio.wait(set(tasks), timeout=timeout)
-    if late:
-        log.warning("%d %s still running %.1f s after stop", len(late), what, timeout)
 
 
 class Inferencer:
@@ -189,7 +184,7 @@ class Inferencer:
         """After the scheduler returned (the batch in progress is answered or handed back):
         let admissions see the stop, hand back every admitted, unstarted request, let the
         answers of earlier batches settle and loads end, each wait bounded."""
-        await _bounded(self.admitting, ADMIT_GRACE_S, "admissions")
+        await wait_bounded(self.admitting, ADMIT_GRACE_S, "admissions")
         unstarted = [p.msg for p in self.pending]
         self._leave(len(self.pending))
         self.pending.clear()
@@ -197,7 +192,7 @@ class Inferencer:
         if unstarted:
             log.info("handing back %d unstarted requests", len(unstarted))
             await self.rt.consumer.hand_back(unstarted)
-        await _bounded(self.settling, SETTLE_GRACE_S, "answers")
+        await wait_bounded(self.settling, SETTLE_GRACE_S, "answers")
         await self.policies.close(LOAD_GRACE_S)
 
     async def fetch_loop(self) -> None:
