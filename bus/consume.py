@@ -403,15 +403,8 @@ class Consumer:
                 )
                 continue
             msgs = await self.fetch(durable, min(free, batch), fetch_timeout_s, count_crashes=False)
-            for msg in msgs:
-                self._keep(msg)  # alive while the ledger is asked and while it waits
-            counts = await asyncio.gather(*(self.crashes.peek(m) for m in msgs))
-            fresh = [m for m, c in zip(msgs, counts, strict=True) if c == 0]
-            # The least counted first: an innocent stays at its count, the poison climbs.
-            order = sorted(range(len(msgs)), key=lambda i: counts[i])
-            suspects += [msgs[i] for i in order if counts[i]]
-            starts = await asyncio.gather(*(self._start_fresh(durable, m) for m in fresh))
-            ready = [m for m, start in zip(fresh, starts, strict=True) if start]
+            ready, found = await self.sort_out(durable, msgs)
+            suspects += found
             if self.stop.is_set():
                 await self.hand_back(ready)
                 break
@@ -426,6 +419,25 @@ class Consumer:
                 await self.hand_back(running[t] for t in still)
                 for task in still:
                     task.cancel()  # their messages are already back; not awaited (see module)
+
+    async def sort_out(self, durable: Durable, msgs: list[Msg]) -> tuple[list[Msg], list[Msg]]:
+        """Split messages fetched with ``count_crashes=False`` into those that may start now
+        (a redelivery counted now; one past the crash limit dead-lettered) and the suspects:
+        in flight when a process died before (counted in the crash ledger already), the least
+        counted first. A suspect must run with nothing else in flight, counted only when it
+        starts (:meth:`begin_redelivered`), so that only the poison's count climbs
+        (:mod:`bus.crashes`); all are kept alive meanwhile."""
+        if not msgs:
+            return [], []
+        for msg in msgs:
+            self._keep(msg)  # alive while the ledger is asked and while it waits
+        counts = await asyncio.gather(*(self.crashes.peek(m) for m in msgs))
+        fresh = [m for m, c in zip(msgs, counts, strict=True) if c == 0]
+        # The least counted first: an innocent stays at its count, the poison climbs.
+        order = sorted(range(len(msgs)), key=lambda i: counts[i])
+        suspects = [msgs[i] for i in order if counts[i]]
+        starts = await asyncio.gather(*(self._start_fresh(durable, m) for m in fresh))
+        return [m for m, start in zip(fresh, starts, strict=True) if start], suspects
 
     async def _start_fresh(self, durable: Durable, msg: Msg) -> bool:
         """Whether a message with no crash count may start (a redelivery is counted now)."""

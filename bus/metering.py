@@ -48,6 +48,11 @@ class BusyMeter:
             self.stop()
 
     @property
+    def running(self) -> int:
+        """Pieces of work started and not yet stopped."""
+        return self._active
+
+    @property
     def busy_s(self) -> float:
         """Seconds busy so far (the interval in progress counted up to now)."""
         open_s = time.perf_counter() - self._since if self._active else 0.0

@@ -197,32 +197,65 @@ class Inferencer:
 
     async def fetch_loop(self) -> None:
         """Pull while there is room; each message is admitted in its own task so one slow
-        policy load does not hold up the others."""
+        policy load does not hold up the others. A suspect (in flight when a process died
+        before: :mod:`bus.crashes`) is served alone, with nothing else fetched, admitted or
+        batched until it is answered, and counted only then: a request that kills the
+        process (an out-of-memory forward, a crash in a kernel) then dies alone, and the
+        requests that shared its batch are answered instead of dead-lettered beside it."""
         consumer = self.rt.consumer
-        while not self.rt.stop.is_set():
-            # An admission waiting on its policy's load takes no place in the room (one
-            # job's slow load must not stop the pulls of every other job), only one of the
-            # bounded places beyond it.
-            held = len(self.pending) + len(self.admitting) - self.resolving
-            room = min(self.max_pending - held, self.max_admitting - len(self.admitting))
-            if room <= 0:
-                self._room.clear()
-                try:
-                    await asyncio.wait_for(self._room.wait(), FETCH_TIMEOUT_S)
-                except TimeoutError:
-                    pass
-                continue
-            msgs = await consumer.fetch(self.durable, room, FETCH_TIMEOUT_S)
-            for i, msg in enumerate(msgs):
-                if self.rt.stop.is_set():
-                    await consumer.hand_back(msgs[i:])  # another replica serves them
-                    break
-                task = asyncio.create_task(consumer.process(msg, self.admit))
-                self.admitting.add(task)
-                task.add_done_callback(self._admitted)
+        suspects: list[Msg] = []
+        alone = False  # a suspect's handling is under way
+        try:
+            while not self.rt.stop.is_set():
+                if suspects or alone:
+                    if self.admitting or self.active.running:
+                        await self._wait_room()
+                        continue
+                    alone = False
+                    if suspects:
+                        suspect = suspects.pop(0)
+                        if await consumer.begin_redelivered(self.durable, suspect):
+                            self._start_admission(suspect)
+                            alone = True
+                    continue
+                # An admission waiting on its policy's load takes no place in the room (one
+                # job's slow load must not stop the pulls of every other job), only one of
+                # the bounded places beyond it.
+                held = len(self.pending) + len(self.admitting) - self.resolving
+                room = min(self.max_pending - held, self.max_admitting - len(self.admitting))
+                if room <= 0:
+                    await self._wait_room()
+                    continue
+                msgs = await consumer.fetch(
+                    self.durable, room, FETCH_TIMEOUT_S, count_crashes=False
+                )
+                ready, found = await consumer.sort_out(self.durable, msgs)
+                suspects += found
+                for i, msg in enumerate(ready):
+                    if self.rt.stop.is_set():
+                        await consumer.hand_back(ready[i:])  # another replica serves them
+                        break
+                    self._start_admission(msg)
+        finally:
+            if suspects:
+                await consumer.hand_back(suspects)
+
+    async def _wait_room(self) -> None:
+        """Until requests leave (taken into a batch, answered, admitted) or a pull's time."""
+        self._room.clear()
+        try:
+            await asyncio.wait_for(self._room.wait(), FETCH_TIMEOUT_S)
+        except TimeoutError:
+            pass
+
+    def _start_admission(self, msg: Msg) -> None:
+        task = asyncio.create_task(self.rt.consumer.process(msg, self.admit))
+        self.admitting.add(task)
+        task.add_done_callback(self._admitted)
 
     def _admitted(self, task: asyncio.Task[Fate]) -> None:
         self.admitting.discard(task)
+        self._room.set()
         error = None if task.cancelled() else task.exception()
         if error is not None:  # settling failed (the bus): the message is redelivered
             log.warning("settling an admission failed: %r", error)
@@ -377,6 +410,7 @@ class Inferencer:
         """``requests`` admitted requests are done here (answered, failed or handed back)."""
         for _ in range(requests):
             self.active.stop()
+        self._room.set()
 
     async def finish(self, batch: list[Pending], outcomes: list[Outcome]) -> None:
         try:

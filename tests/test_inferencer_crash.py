@@ -1,0 +1,104 @@
+"""A request that kills the inferencer's process (an out-of-memory forward, a crash in a
+kernel: no exception, no settle) is dead-lettered alone, and the requests that shared its
+batch are answered. Before, every request of the batch in flight was counted in the crash
+ledger at each restart and batched with the poison again, so all of them reached the crash
+limit together and were dead-lettered beside it. The process is the real service with its
+batch runner made to die on the poison tenant's requests (``tests.crashing_inferencer``),
+restarted by the test as a supervisor would."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bus.connect import connect
+from bus.declare import declare
+from bus.inference import InferenceError, PolicyClient
+from bus.server import EmbeddedServer
+from schemas import subjects
+from schemas.infer import ActReply
+from tests.conftest import Procs
+from tests.crashing_inferencer import CRASHED
+from tests.helpers import ROOT, eventually, service_env, uid
+from tests.test_inferencer import FLOW, commit_policy, dead_letters, make_obs
+from vla.backbone import Backbone
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _start(url: str, poison: str, batches: Path, log: Path, bid: str) -> subprocess.Popen[bytes]:
+    flags = ["--backbone-id", bid, "--instance", uid("inf"), "--ack-wait-s", "1"]
+    # max-deliver 2: a crash limit of 2; a wide T, so the first delivery's requests share
+    # one batch.
+    flags += ["--max-deliver", "2", "--max-wait-ms", "500"]
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.crashing_inferencer", poison, str(batches), *flags],
+            cwd=ROOT,
+            env=service_env(url),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+
+async def test_a_request_that_kills_the_inferencer_dies_alone_and_its_batch_mates_are_answered(
+    fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
+) -> None:
+    bid, poison, calm = uid("crashinf"), uid("poison"), uid("calm")
+    batches, log = tmp_path / "batches", tmp_path / "inferencer.log"
+    nc = await connect(fresh_server.url)
+    try:
+        js = nc.jetstream()
+        await declare(js)
+        hidden = Backbone.load("tiny").hidden_size
+        await commit_policy(js, poison, "job", FLOW, hidden)
+        await commit_policy(js, calm, "job", FLOW, hidden)
+        async with await PolicyClient.create(nc, bid, js) as client:
+            calls = [
+                asyncio.create_task(client.act(tenant, "job", [make_obs(FLOW, i)], timeout=240))
+                for i, tenant in enumerate([calm, poison, calm])
+            ]
+
+            async def all_queued() -> bool:
+                info = await js.stream_info(subjects.STREAM_INFER)
+                return info.state.messages == 3
+
+            await eventually(all_queued, what="the three requests in the stream")
+            crashes = 0
+            for _ in range(8):  # bounded: 3 crashes are expected, then a run that carries on
+                proc = procs.add(_start(fresh_server.url, poison, batches, log, bid))
+                deadline = time.monotonic() + 90
+                while proc.poll() is None and time.monotonic() < deadline:
+                    if all(call.done() for call in calls):
+                        break
+                    await asyncio.wait(calls, timeout=0.1)  # and the child, which sends no event
+                if proc.poll() is None:
+                    break
+                assert proc.returncode == CRASHED, log.read_text()
+                crashes += 1
+            replies = await asyncio.gather(*calls, return_exceptions=True)
+        ran = [line.split() for line in batches.read_text().splitlines()]
+        assert sorted(ran[0]) == sorted([calm, poison, calm]), "the scenario: one batch of 3"
+        for reply in (replies[0], replies[2]):
+            assert isinstance(reply, ActReply), (reply, log.read_text())
+            assert reply.actions is not None
+            assert reply.actions.to_numpy().shape == (1, FLOW.chunk_len, FLOW.action_dim)
+        refused = replies[1]
+        assert isinstance(refused, InferenceError), refused
+        assert "began 3 times in a row" in str(refused) and not refused.retryable, refused
+        # Twice in a batch of three (the first delivery's and the first counted one), once
+        # alone (counted a second time), then dead-lettered unhandled at the third count.
+        assert crashes == 3, ran
+        assert [batch for batch in ran if poison in batch][-1] == [poison], ran
+        dead = await eventually(lambda: dead_letters(js, poison), what="the poison's dead letter")
+        assert len(dead) == 1 and dead[0].error_type == "CrashLoopError", dead
+        assert await dead_letters(js, calm) == []
+        assert procs.stop(proc) == 0, log.read_text()
+    finally:
+        await nc.close()
