@@ -21,7 +21,10 @@ reset it: a rollback costs at most the one delivery that showed ``num_delivered 
 A consumer that handles several messages at once counts every message in flight when its
 process dies, the innocent beside the poison; so a message with a count already (a
 *suspect*) is handled alone (:meth:`bus.consume.Consumer.run`), counted only when it starts:
-only the poison's count then keeps rising.
+only the poison's count then keeps rising. A role that holds messages long past the work
+that uses them (the trainer: prefetched steps, applied ones waiting for their commit) fetches
+them uncounted and counts each when its work starts, clearing the count when that work
+returns (:mod:`services.trainer.crashguard`): a crash then counts only the work that ran.
 
 The bucket has a TTL (a day, :class:`bus.declare.BusLayout`): a key left by a message that
 was purged or deleted otherwise goes away on its own.

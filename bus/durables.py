@@ -86,10 +86,17 @@ class DurableSet:
         return new
 
     async def fill(
-        self, wants: dict[str, int], timeout: float, also: Collection[str] = ()
+        self,
+        wants: dict[str, int],
+        timeout: float,
+        also: Collection[str] = (),
+        *,
+        count_crashes: bool = True,
     ) -> dict[str, list[Msg]]:
         """Fetch up to ``wants[key]`` messages for every active key and every key in ``also``
-        (keys expecting work, such as tenants with a live job), concurrently."""
+        (keys expecting work, such as tenants with a live job), concurrently; redeliveries
+        are counted in the crash ledger unless ``count_crashes`` is False (the caller counts
+        each when its handling starts: :meth:`bus.consume.Consumer.begin_redelivered`)."""
         keys = [
             k
             for k, n in wants.items()
@@ -100,7 +107,9 @@ class DurableSet:
             # Messages known to be stored are worth a longer wait: a short one can end before
             # large ones have crossed the connection, and the next round would idle.
             waits = max(timeout, BACKLOG_WAIT_S) if self.backlog.get(key, 0) > 0 else timeout
-            msgs = await self.consumer.fetch(self.durables[key], wants[key], waits)
+            msgs = await self.consumer.fetch(
+                self.durables[key], wants[key], waits, count_crashes=count_crashes
+            )
             if msgs:
                 self.backlog[key] = msgs[-1].metadata.num_pending
             elif waits >= BACKLOG_WAIT_S:

@@ -100,7 +100,9 @@ class Intake:
             room = self.max_buffer - len(buf) + overflow
             wants[tenant] = min(self.prefetch - (len(buf) - waiting), room)
         wait = 0.05 if linger and not self.busy else 0.001
-        fetched = await self.tenants.fill(wants, wait, also=live)
+        # Counted in the crash ledger when the work that uses them starts, not here
+        # (services.trainer.crashguard).
+        fetched = await self.tenants.fill(wants, wait, also=live, count_crashes=False)
         arrived = 0
         for tenant, msgs in fetched.items():
             for msg in msgs:

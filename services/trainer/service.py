@@ -62,6 +62,7 @@ from services.trainer.announce import Announcer
 from services.trainer.checks import check_call
 from services.trainer.commit import Committer
 from services.trainer.config import TrainerConfig
+from services.trainer.crashguard import CrashGuard
 from services.trainer.features import cache_stats, feature_sources
 from services.trainer.featurestore import BucketFeatureStore
 from services.trainer.intake import Intake, Waiting
@@ -118,6 +119,7 @@ class Trainer:
             key_of=subjects.tenant_of,
             on_dead=self.announcer.tell_tenant,
         )
+        self.guard = CrashGuard(rt.consumer)
         self.intake = Intake(
             rt.consumer, self.tenants, config.prefetch, config.limit, config.max_buffered
         )
@@ -242,6 +244,10 @@ class Trainer:
         # A CloseSlot triaged after its job's batch was picked removed the slot: that batch
         # stays buffered and is consumed unapplied next round.
         ready = {t: p for t, p in ready.items() if self.registry.jobs.get(p[2].key) is p[2]}
+        # A step that was running when the process died before runs alone (crashguard.py).
+        alone = await self.guard.suspect({t: [p[0]] for t, p in ready.items()})
+        if alone is not None:
+            ready = {alone: ready[alone]}
         candidates = [
             Candidate(t, b.actions.shape[0], job.spec.priority, self.slots.footprint(job.key))
             for t, (_, b, job) in ready.items()
@@ -251,6 +257,11 @@ class Trainer:
         chosen = [ready[t] for t in drr.chosen]
         for tenant in drr.chosen:
             self.intake.remove(tenant, ready[tenant][0])
+        dead = await self.guard.begin(msg for msg, _, _ in chosen)
+        for msg, _, job in chosen:
+            if any(msg is d for d in dead):
+                job.closed = True  # dead-lettered: its job fails; nothing more to apply
+        chosen = [c for c in chosen if not any(c[0] is d for d in dead)]
         if chosen:
             # While the round computes (in a thread), top up the buffers (triage is done:
             # nothing else touches them until the next round), so the next round's batches
@@ -260,6 +271,7 @@ class Trainer:
                 await self.stepper.step(
                     chosen, during=lambda: self.intake.fill(self.live(), linger=linger)
                 )
+            await self.guard.returned(msg for msg, _, _ in chosen)
         complete = any(j.iteration_complete for j in self.registry.jobs.values())
         if complete:
             with self.active.busy():
@@ -363,7 +375,11 @@ class Trainer:
             await self.consumed(msg, job)
         if verdict is not Verdict.APPLY or isinstance(call, ForwardBackward):
             return verdict
+        if await self.guard.begin([msg]):
+            job.closed = True  # dead-lettered (its handling killed the process): fails
+            return Verdict.CONSUMED
         answer = await session.apply_now(self.registry, self.slots, job, call)
+        await self.guard.returned([msg])
         self.inline_calls += 1
         job.applied_seq = max(job.applied_seq, msg.metadata.sequence.stream)
         job.held.append((msg, None))

@@ -256,6 +256,23 @@ class Stepper:
         keys = trainer.slots.fits([k for k, j in complete.items() if not j.closed])
         if not keys:
             return
+        episodes = {k: [m for m, _ in complete[k].rollouts.values()] for k in keys}
+        # An update that was running when the process died before runs alone (crashguard.py).
+        alone = await trainer.guard.suspect(episodes)
+        if alone is not None:
+            keys = [alone]
+        dead = await trainer.guard.begin(m for k in keys for m in episodes[k])
+        for key in keys:
+            if any(m is d for m in episodes[key] for d in dead):
+                # Dead-lettered (its update killed the process): the job fails, and the rest
+                # of its iteration is consumed unapplied.
+                complete[key].closed = True
+                complete[key].rollouts.clear()
+                alive = [m for m in episodes[key] if not any(m is d for d in dead)]
+                await trainer.consumer.release(alive)
+        keys = [k for k in keys if not complete[k].closed]
+        if not keys:
+            return
         ready = [complete[k] for k in keys]
         slots = trainer.slots.acquire(keys)
         iterations = []
@@ -277,6 +294,7 @@ class Stepper:
         t0 = time.perf_counter()
         start_ns = time.time_ns()
         results = await asyncio.to_thread(rl.update_iterations, self.rl_encoder, iterations)
+        await trainer.guard.returned(m for k in keys for m in episodes[k])
         end_ns = time.time_ns()
         compute_s = time.perf_counter() - t0
         self.compute_s += compute_s

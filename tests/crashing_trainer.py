@@ -1,0 +1,49 @@
+"""A trainer process for the crash test: the real service, whose grouped step and RL update
+die (``os._exit``, as an out-of-memory kill or a crashing kernel would: no exception, no
+settle) on any round or update that holds work of the poison tenant; each round's tenants are
+appended to a file first. ``python -m tests.crashing_trainer POISON_TENANT ROUNDS_FILE
+[trainer flags]``; runs until SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bus.config import main_config
+from bus.service import main
+from services.trainer import rl, steps
+from services.trainer.config import TrainerConfig
+from services.trainer.service import run
+
+CRASHED = 3  # the exit status when a round or update holds the poison's work
+
+
+def crash_on(poison: str, rounds: Path) -> None:
+    """Make this process die on a round or RL update holding ``poison``'s work."""
+
+    def dying(real: Callable[..., Any], tenants_of: Callable[[list[Any]], list[str]]) -> Any:
+        def run_or_die(encoder: Any, work: list[Any], **kwargs: Any) -> Any:
+            tenants = tenants_of(work)
+            with rounds.open("a") as f:
+                f.write(" ".join(tenants) + "\n")
+            if poison in tenants:
+                os._exit(CRASHED)
+            return real(encoder, work, **kwargs)
+
+        return run_or_die
+
+    steps.group_train_step = dying(  # type: ignore[assignment]
+        steps.group_train_step, lambda requests: [r.tenant.split("/")[0] for r in requests]
+    )
+    rl.update_iterations = dying(  # type: ignore[assignment]
+        rl.update_iterations, lambda its: [it.key.split("/")[0] for it in its]
+    )
+
+
+if __name__ == "__main__":
+    crash_on(sys.argv[1], Path(sys.argv[2]))
+    del sys.argv[1:3]
+    main(run, main_config(TrainerConfig, "python -m tests.crashing_trainer"))

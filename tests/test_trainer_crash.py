@@ -1,0 +1,167 @@
+"""A training batch that kills the trainer's process (an out-of-memory step, a crash in a
+kernel: no exception, no settle) fails its own job only: the other tenants' steps that shared
+its rounds are applied and their jobs finish. Before, the trainer counted every message it
+held in the crash ledger at each restart (prefetched steps, applied ones waiting for their
+commit), so all of them reached the crash limit together and every tenant in flight failed
+beside the poison. The process is the real trainer with its grouped step made to die on the
+poison tenant's rounds (``tests.crashing_trainer``), restarted by the test as a supervisor
+would."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+
+from bus.codec import decode
+from bus.connect import connect
+from bus.declare import declare
+from bus.server import EmbeddedServer
+from schemas import subjects
+from schemas.dead import DEAD_LETTER_DECODER, DeadLetter
+from schemas.events import ErrorEvent
+from schemas.model import OptimizerConfig
+from tests.conftest import Procs
+from tests.crashing_trainer import CRASHED
+from tests.helpers import ROOT, eventually, service_env, uid
+from tests.test_trainer_defects import (
+    done,
+    episode,
+    events_of,
+    rl_open,
+    send,
+    sft_batch,
+    sft_open,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = 4
+
+
+async def train_dead_letters(js: JetStreamContext, tenant: str) -> list[DeadLetter]:
+    sub = await js.subscribe(subjects.dead("TRAIN", tenant), ordered_consumer=True)
+    found = []
+    try:
+        while True:
+            found.append(decode(DEAD_LETTER_DECODER, (await sub.next_msg(timeout=0.5)).data))
+    except NatsError:  # no more records
+        return found
+    finally:
+        await sub.unsubscribe()
+
+
+def _start(url: str, poison: str, rounds: Path, log: Path) -> subprocess.Popen[bytes]:
+    # max-deliver 3: a crash limit of 3; redelivered 1.5 s after a crash.
+    flags = ["--deterministic", "--ack-wait-s", "1.5", "--max-deliver", "3"]
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.crashing_trainer", poison, str(rounds), *flags],
+            cwd=ROOT,
+            env=service_env(url),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+
+def _text(path: Path) -> str:
+    return path.read_text()
+
+
+async def _run_until(
+    url: str, procs: Procs, poison: str, rounds: Path, log: Path, calm: str, job: str, batches: int
+) -> tuple[int, subprocess.Popen[bytes]]:
+    """Start the crashing trainer again each time it dies (bounded), until the calm job has
+    ``batches`` done and the poison is dead-lettered; the crashes and the last process."""
+    nc = await connect(url)
+    js = nc.jetstream()
+    crashes = 0
+    try:
+        for _ in range(8):  # bounded: 4 crashes are expected, then a run that carries on
+            proc = procs.add(_start(url, poison, rounds, log))
+            deadline = time.monotonic() + 90
+            while proc.poll() is None and time.monotonic() < deadline:
+                if await done(js, calm, job, batches) and await train_dead_letters(js, poison):
+                    break
+                await asyncio.sleep(0.2)  # polling a child process; it sends no event
+            if proc.poll() is None:
+                return crashes, proc
+            assert proc.returncode == CRASHED, _text(log)
+            crashes += 1
+    finally:
+        await nc.close()
+    raise AssertionError(f"still crashing after {crashes} starts: {_text(rounds)}")
+
+
+async def test_a_batch_that_kills_the_trainer_fails_its_own_job_and_the_others_finish(
+    fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
+) -> None:
+    poison, calm, job = uid("poison"), uid("calm"), uid("j")
+    rounds, log = tmp_path / "rounds", tmp_path / "trainer.log"
+    nc = await connect(fresh_server.url)
+    try:
+        js = nc.jetstream()
+        await declare(js)
+        for tenant in (poison, calm):
+            await send(js, tenant, sft_open(tenant, job, STEPS, checkpoint_every=100))
+            await send(js, tenant, *(sft_batch(tenant, job, s) for s in range(STEPS)))
+        crashes, proc = await _run_until(
+            fresh_server.url, procs, poison, rounds, log, calm, job, STEPS
+        )
+        ran = [line.split() for line in rounds.read_text().splitlines()]
+        assert sorted(ran[0]) == sorted([poison, calm]), "the scenario: one round of both"
+        record = await done(js, calm, job, STEPS)
+        assert record is not None, (ran, log.read_text()[-3000:])
+        assert await train_dead_letters(js, calm) == []
+        dead = await train_dead_letters(js, poison)
+        assert [d.error_type for d in dead] == ["CrashLoopError"], dead
+        # The first delivery's crash (uncounted), then three counted starts: twice beside the
+        # calm tenant or alone, the last alone; the fourth count dead-letters it unstepped.
+        assert crashes == 4, ran
+        assert [r for r in ran if poison in r][-1] == [poison], ran
+
+        async def failed() -> list[ErrorEvent]:
+            events = await events_of(js, poison, job)
+            return [e for e in events if isinstance(e, ErrorEvent) and e.fatal]
+
+        errors = await eventually(failed, what="the poison's job failing")
+        assert "in a row without finishing" in errors[0].message, errors
+        assert procs.stop(proc) == 0, log.read_text()[-3000:]
+    finally:
+        await nc.close()
+
+
+async def test_an_rl_update_that_kills_the_trainer_fails_its_own_job_and_the_others_finish(
+    fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
+) -> None:
+    """The same for RL: the iterations of two jobs update together; the poison's kills the
+    process. Its episodes are dead-lettered, the other job's iteration is committed."""
+    poison, calm, job = uid("poison"), uid("calm"), uid("j")
+    rounds, log = tmp_path / "rounds", tmp_path / "trainer.log"
+    optim = OptimizerConfig(lr=1e-3)
+    nc = await connect(fresh_server.url)
+    try:
+        js = nc.jetstream()
+        await declare(js)
+        for tenant in (poison, calm):
+            await send(js, tenant, rl_open(tenant, job, 1, lag=0, optim=optim))
+            await send(js, tenant, episode(tenant, job, 0, 0, 1), episode(tenant, job, 0, 1, 1))
+        crashes, proc = await _run_until(fresh_server.url, procs, poison, rounds, log, calm, job, 1)
+        ran = [line.split() for line in rounds.read_text().splitlines()]
+        assert sorted(ran[0]) == sorted([poison, calm]), "the scenario: one update of both"
+        assert await done(js, calm, job, 1) is not None
+        assert await train_dead_letters(js, calm) == []
+        dead = await train_dead_letters(js, poison)
+        assert [d.error_type for d in dead] == ["CrashLoopError"] * 2, dead
+        assert crashes == 4, ran
+        assert [r for r in ran if poison in r][-1] == [poison], ran
+        assert procs.stop(proc) == 0, log.read_text()[-3000:]
+    finally:
+        await nc.close()
