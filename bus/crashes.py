@@ -23,8 +23,9 @@ process dies, the innocent beside the poison; so a message with a count already 
 *suspect*) is handled alone (:meth:`bus.consume.Consumer.run`), counted only when it starts:
 only the poison's count then keeps rising. A role that holds messages long past the work
 that uses them (the trainer: prefetched steps, applied ones waiting for their commit) fetches
-them uncounted and counts each when its work starts, clearing the count when that work
-returns (:mod:`services.trainer.crashguard`): a crash then counts only the work that ran.
+them uncounted, counts each when its work starts and takes that start back when the work
+returns (:meth:`CrashLedger.undo`; :mod:`services.trainer.crashguard`): a crash then counts
+only the work that was running.
 
 The bucket has a TTL (a day, :class:`bus.declare.BusLayout`): a key left by a message that
 was purged or deleted otherwise goes away on its own.
@@ -63,8 +64,9 @@ class CrashLedger:
         self.js = js
         self._kv: KeyValue | None = None
         self._missing = False
-        #: Keys this process wrote (deleted when their message settles).
-        self._written: set[str] = set()
+        #: Keys this process wrote, with the count it wrote (deleted when their message
+        #: settles).
+        self._written: dict[str, int] = {}
 
     async def _bucket(self) -> KeyValue | None:
         if self._kv is None and not self._missing:
@@ -101,7 +103,7 @@ class CrashLedger:
             # Counting is a guard, not a gate: the message is handled uncounted.
             log.warning("crash ledger: could not count %s: %s", key, exc)
             return 0
-        self._written.add(key)
+        self._written[key] = count
         return count
 
     async def peek(self, msg: Msg) -> int:
@@ -127,8 +129,26 @@ class CrashLedger:
         key = ledger_key(msg)
         if key not in self._written or self._kv is None:
             return
-        self._written.discard(key)
+        del self._written[key]
         try:
             await self._kv.delete(key)
         except (NatsError, TimeoutError) as exc:
             log.info("crash ledger: could not clear %s: %s", key, exc)
+
+    async def undo(self, msg: Msg) -> None:
+        """``msg``'s latest start returned (the process survived it), though the message is
+        not settled (held until its effect is durable): take that start back from its
+        count, which keeps the starts that never returned (only a key this process wrote)."""
+        key = ledger_key(msg)
+        count = self._written.get(key)
+        if count is None or self._kv is None:
+            return
+        try:
+            if count <= 1:
+                del self._written[key]
+                await self._kv.delete(key)
+            else:
+                self._written[key] = count - 1
+                await self._kv.put(key, str(count - 1).encode())
+        except (NatsError, TimeoutError) as exc:
+            log.info("crash ledger: could not take a start back from %s: %s", key, exc)

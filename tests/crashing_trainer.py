@@ -1,8 +1,10 @@
 """A trainer process for the crash test: the real service, whose grouped step and RL update
 die (``os._exit``, as an out-of-memory kill or a crashing kernel would: no exception, no
-settle) on any round or update that holds work of the poison tenant; each round's tenants are
-appended to a file first. ``python -m tests.crashing_trainer POISON_TENANT ROUNDS_FILE
-[trainer flags]``; runs until SIGTERM."""
+settle) on any round or update that holds work of the poison tenant (mode ``work``), or whose
+restore of a slot from its checkpoint dies on the poison tenant's (mode ``restore``); each
+round's tenants (or ``restore TENANT``) are appended to a file first. ``python -m
+tests.crashing_trainer MODE POISON_TENANT ROUNDS_FILE [trainer flags]``; runs until
+SIGTERM."""
 
 from __future__ import annotations
 
@@ -17,8 +19,24 @@ from bus.service import main
 from services.trainer import rl, steps
 from services.trainer.config import TrainerConfig
 from services.trainer.service import run
+from services.trainer.slots import Slots
 
 CRASHED = 3  # the exit status when a round or update holds the poison's work
+
+
+def crash_on_restore(poison: str, rounds: Path) -> None:
+    """Make this process die restoring a slot of ``poison``'s."""
+    real = Slots.restore
+
+    def restore_or_die(self: Slots, key: str, job_id: str, checkpoint: bytes) -> Any:
+        tenant = key.split("/")[0]
+        with rounds.open("a") as f:
+            f.write(f"restore {tenant}\n")
+        if tenant == poison:
+            os._exit(CRASHED)
+        return real(self, key, job_id, checkpoint)
+
+    Slots.restore = restore_or_die  # type: ignore[method-assign]
 
 
 def crash_on(poison: str, rounds: Path) -> None:
@@ -44,6 +62,7 @@ def crash_on(poison: str, rounds: Path) -> None:
 
 
 if __name__ == "__main__":
-    crash_on(sys.argv[1], Path(sys.argv[2]))
-    del sys.argv[1:3]
+    mode, poison, rounds = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    (crash_on_restore if mode == "restore" else crash_on)(poison, rounds)
+    del sys.argv[1:4]
     main(run, main_config(TrainerConfig, "python -m tests.crashing_trainer"))

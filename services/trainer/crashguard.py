@@ -1,14 +1,14 @@
 """The trainer's side of the crash ledger (:mod:`bus.crashes`): a message counts as started
 when the work that uses it starts (its round's step, its iteration's RL update, a session
-call or slot opening applied at triage), not when it is fetched, and its count is cleared
-when that work returns, though the message stays held until its commit.
+call applied at triage, the restore of its job's slot), not when it is fetched, and that
+start is taken back when the work returns, though the message stays held until its commit.
 
 The trainer buffers and holds many messages of every tenant at once (prefetched steps,
 applied steps waiting for their commit, an iteration's episodes). Counted at fetch, all of
 them climbed together at every crash: a batch that kills the process (an out-of-memory step,
 a crash in a kernel) took the steps and episodes of every other tenant in flight to the crash
-limit with it, and their jobs failed beside its own. Now a crash counts only the work that
-was running; and work holding a message counted already (a *suspect*: it ran when the
+limit with it, and their jobs failed beside its own. Now a crash counts only the messages of
+the work that was running; and work holding a message counted already (a *suspect*: it ran when the
 process died) runs alone, the least counted first, so that only the poison's count climbs
 until it is dead-lettered (its job fails with :class:`~bus.crashes.CrashLoopError`)."""
 
@@ -68,5 +68,6 @@ class CrashGuard:
 
     async def returned(self, msgs: Iterable[Msg]) -> None:
         """The work using ``msgs`` returned (whatever its outcome): the process survived it,
-        so their counts go, though the messages stay held until their commit."""
-        await asyncio.gather(*(self.consumer.crashes.end(m) for m in msgs))
+        so that start is taken back from their counts (the messages stay held until their
+        commit; the crashes they were in flight for still count)."""
+        await asyncio.gather(*(self.consumer.crashes.undo(m) for m in msgs))

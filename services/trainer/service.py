@@ -248,6 +248,8 @@ class Trainer:
         alone = await self.guard.suspect({t: [p[0]] for t, p in ready.items()})
         if alone is not None:
             ready = {alone: ready[alone]}
+            # Alone: no commit of another job in flight either, to be blamed on it.
+            await self.committer.drain()
         candidates = [
             Candidate(t, b.actions.shape[0], job.spec.priority, self.slots.footprint(job.key))
             for t, (_, b, job) in ready.items()
@@ -317,7 +319,15 @@ class Trainer:
             await self.consumer.settle(msg, None)
             return Verdict.CONSUMED
         assert isinstance(body, (SFTBatch, RolloutBatch, *SESSION_CALL_TYPES))
-        job = await self.registry.job_for(body.tenant, body.job_id)
+        # Restoring a job's slot (its checkpoint read and loaded) is work this message starts.
+        restoring = f"{body.tenant}/{body.job_id}" not in self.registry.jobs
+        if restoring and await self.guard.begin([msg]):
+            return Verdict.CONSUMED  # dead-lettered: its job's restore killed the process
+        try:
+            job = await self.registry.job_for(body.tenant, body.job_id)
+        finally:
+            if restoring:
+                await self.guard.returned([msg])
         if not isinstance(job, JobSlot):
             if job is WAIT:
                 return Verdict.WAIT  # its OpenSlot is being redelivered
@@ -378,8 +388,11 @@ class Trainer:
         if await self.guard.begin([msg]):
             job.closed = True  # dead-lettered (its handling killed the process): fails
             return Verdict.CONSUMED
-        answer = await session.apply_now(self.registry, self.slots, job, call)
-        await self.guard.returned([msg])
+        try:
+            answer = await session.apply_now(self.registry, self.slots, job, call)
+        finally:
+            # Also when it raised (the broker away: tried again next round, counted again).
+            await self.guard.returned([msg])
         self.inline_calls += 1
         job.applied_seq = max(job.applied_seq, msg.metadata.sequence.stream)
         job.held.append((msg, None))

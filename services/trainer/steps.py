@@ -261,6 +261,7 @@ class Stepper:
         alone = await trainer.guard.suspect(episodes)
         if alone is not None:
             keys = [alone]
+            await trainer.committer.drain()  # alone: no other job's commit in flight either
         dead = await trainer.guard.begin(m for k in keys for m in episodes[k])
         for key in keys:
             if any(m is d for m in episodes[key] for d in dead):
