@@ -308,11 +308,15 @@ class Consumer:
         max_deliver = self._max_deliver(msg)
         return max_deliver <= 0 or msg.metadata.num_delivered < max_deliver // 2
 
-    async def hand_back(self, msgs: Iterable[Msg], delay_s: float = 0.0) -> None:
+    async def hand_back(
+        self, msgs: Iterable[Msg], delay_s: float = 0.0, *, still_running: bool = False
+    ) -> None:
         """Nak without delay (another instance takes them), or redelivered after ``delay_s``;
         bounded, errors ignored. A message on the last delivery the server allows is
         dead-lettered instead (:meth:`settle` with :class:`~bus.errors.Interrupted`): a nak
-        would leave it undelivered for good."""
+        would leave it undelivered for good. ``still_running``: their handling has not
+        returned (a stop that could not wait for it), so their starts stay counted in the
+        crash ledger (a poison that hangs until a restart is counted like one that kills)."""
         pending = list(msgs)
         last = [m for m in pending if not self.can_hand_back(m)]
         if last:
@@ -324,10 +328,12 @@ class Consumer:
             self._alive.pop(id(msg), None)
             self._unsettled.pop(id(msg), None)
         if pending:
+            # The ledger first: once nak'ed, another instance may count its own start.
+            ledger = (self.crashes.handed_back(m, still_running=still_running) for m in pending)
+            await _bounded(asyncio.gather(*ledger))
             delay = delay_s or None
             naks = (m.nak(delay=delay) for m in pending)
             await _bounded(asyncio.gather(*naks, return_exceptions=True))
-            await _bounded(asyncio.gather(*(self.crashes.end(m) for m in pending)))
 
     # -- keep-alive --------------------------------------------------------------------------
     def _keep(self, msg: Msg) -> None:
@@ -416,7 +422,7 @@ class Consumer:
             _, still = await asyncio.wait(running, timeout=DRAIN_S)
             if still:
                 log.warning("%d handlers still running at stop; handing back", len(still))
-                await self.hand_back(running[t] for t in still)
+                await self.hand_back((running[t] for t in still), still_running=True)
                 for task in still:
                     task.cancel()  # their messages are already back; not awaited (see module)
 

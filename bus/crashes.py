@@ -25,7 +25,8 @@ only the poison's count then keeps rising. A role that holds messages long past 
 that uses them (the trainer: prefetched steps, applied ones waiting for their commit) fetches
 them uncounted, counts each when its work starts and takes that start back when the work
 returns (:meth:`CrashLedger.undo`; :mod:`services.trainer.crashguard`): a crash then counts
-only the work that was running.
+only the work that was running. A message handed back unsettled (a stop, a deferral) has its
+start taken back the same way, and the crashes before it stay counted for the next instance.
 
 The bucket has a TTL (a day, :class:`bus.declare.BusLayout`): a key left by a message that
 was purged or deleted otherwise goes away on its own.
@@ -67,6 +68,10 @@ class CrashLedger:
         #: Keys this process wrote, with the count it wrote (deleted when their message
         #: settles).
         self._written: dict[str, int] = {}
+        #: Keys whose latest start this process counted and has not taken back: only those
+        #: may be taken back (:meth:`undo`), so a start that was never counted (the ledger
+        #: away) cannot erase one that was.
+        self._started: set[str] = set()
 
     async def _bucket(self) -> KeyValue | None:
         if self._kv is None and not self._missing:
@@ -100,10 +105,16 @@ class CrashLedger:
                 count = 1
             await kv.put(key, str(count).encode())
         except (NatsError, TimeoutError, ValueError) as exc:
-            # Counting is a guard, not a gate: the message is handled uncounted.
+            # Counting is a guard, not a gate: the message is handled uncounted. What the
+            # key holds is unknown now (a put may have landed unanswered): this process
+            # neither takes a start back from it nor clears it (it expires with the bucket's
+            # TTL).
             log.warning("crash ledger: could not count %s: %s", key, exc)
+            self._written.pop(key, None)
+            self._started.discard(key)
             return 0
         self._written[key] = count
+        self._started.add(key)
         return count
 
     async def peek(self, msg: Msg) -> int:
@@ -130,6 +141,7 @@ class CrashLedger:
         if key not in self._written or self._kv is None:
             return
         del self._written[key]
+        self._started.discard(key)
         try:
             await self._kv.delete(key)
         except (NatsError, TimeoutError) as exc:
@@ -138,17 +150,42 @@ class CrashLedger:
     async def undo(self, msg: Msg) -> None:
         """``msg``'s latest start returned (the process survived it), though the message is
         not settled (held until its effect is durable): take that start back from its
-        count, which keeps the starts that never returned (only a key this process wrote)."""
-        key = ledger_key(msg)
-        count = self._written.get(key)
-        if count is None or self._kv is None:
+        count, which keeps the starts that never returned (only a start this process
+        counted, once)."""
+        if not self._started:  # the common case: no counted start in flight
             return
+        key = ledger_key(msg)
+        if key not in self._started or self._kv is None:
+            return
+        self._started.discard(key)
+        count = self._written.get(key, 1) - 1
         try:
-            if count <= 1:
-                del self._written[key]
+            if count <= 0:
                 await self._kv.delete(key)
             else:
-                self._written[key] = count - 1
-                await self._kv.put(key, str(count - 1).encode())
+                await self._kv.put(key, str(count).encode())
         except (NatsError, TimeoutError) as exc:
+            # The start stays counted (a crash too many, at worst): never less than the
+            # starts that did not return.
             log.info("crash ledger: could not take a start back from %s: %s", key, exc)
+            return
+        if key not in self._written or key in self._started:
+            return  # settled meanwhile (end() cleared it), or started again (begin() wrote it)
+        if count <= 0:
+            del self._written[key]
+        else:
+            self._written[key] = count
+
+    async def handed_back(self, msg: Msg, *, still_running: bool = False) -> None:
+        """``msg`` goes back to the server unsettled, its work not done (a stop, a
+        deferral): a start of it still counted is taken back (the process survived it) unless
+        its handling is ``still_running`` (a stop that could not wait for it: a hang counts
+        like a crash), and the crashes before it stay counted for whoever handles it next
+        (clearing them would start a poison's count again at every scale-down)."""
+        if not self._written:
+            return
+        if not still_running:
+            await self.undo(msg)
+        key = ledger_key(msg)
+        self._written.pop(key, None)
+        self._started.discard(key)

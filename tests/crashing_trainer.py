@@ -1,8 +1,9 @@
 """A trainer process for the crash test: the real service, whose grouped step and RL update
 die (``os._exit``, as an out-of-memory kill or a crashing kernel would: no exception, no
 settle) on any round or update that holds work of the poison tenant (mode ``work``), or whose
-restore of a slot from its checkpoint dies on the poison tenant's (mode ``restore``); each
-round's tenants (or ``restore TENANT``) are appended to a file first. ``python -m
+restore of a slot from its checkpoint (mode ``restore``) or the opening of a new one (mode
+``open``) dies on the poison tenant's; each round's tenants (or ``MODE TENANT``) are appended
+to a file first. ``python -m
 tests.crashing_trainer MODE POISON_TENANT ROUNDS_FILE [trainer flags]``; runs until
 SIGTERM."""
 
@@ -24,19 +25,20 @@ from services.trainer.slots import Slots
 CRASHED = 3  # the exit status when a round or update holds the poison's work
 
 
-def crash_on_restore(poison: str, rounds: Path) -> None:
-    """Make this process die restoring a slot of ``poison``'s."""
-    real = Slots.restore
+def crash_on_slot(mode: str, poison: str, rounds: Path) -> None:
+    """Make this process die restoring (mode ``restore``) or opening (mode ``open``) a slot
+    of ``poison``'s."""
+    real = getattr(Slots, "create" if mode == "open" else mode)
 
-    def restore_or_die(self: Slots, key: str, job_id: str, checkpoint: bytes) -> Any:
+    def slot_or_die(self: Slots, key: str, *args: Any) -> Any:
         tenant = key.split("/")[0]
         with rounds.open("a") as f:
-            f.write(f"restore {tenant}\n")
+            f.write(f"{mode} {tenant}\n")
         if tenant == poison:
             os._exit(CRASHED)
-        return real(self, key, job_id, checkpoint)
+        return real(self, key, *args)
 
-    Slots.restore = restore_or_die  # type: ignore[method-assign]
+    setattr(Slots, "create" if mode == "open" else mode, slot_or_die)
 
 
 def crash_on(poison: str, rounds: Path) -> None:
@@ -63,6 +65,9 @@ def crash_on(poison: str, rounds: Path) -> None:
 
 if __name__ == "__main__":
     mode, poison, rounds = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    (crash_on_restore if mode == "restore" else crash_on)(poison, rounds)
+    if mode == "work":
+        crash_on(poison, rounds)
+    else:
+        crash_on_slot(mode, poison, rounds)
     del sys.argv[1:4]
     main(run, main_config(TrainerConfig, "python -m tests.crashing_trainer"))

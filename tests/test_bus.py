@@ -532,6 +532,42 @@ async def test_a_durable_that_fails_to_bind_is_bound_at_the_next_discovery(
     await nc.close()
 
 
+async def test_a_message_handed_back_keeps_its_crash_count_and_a_hung_one_its_start(
+    js: JetStreamContext,
+) -> None:
+    """A message counted in the crash ledger and handed back (a stop) has the start this
+    process counted taken back, the crashes before it kept; one handed back while its handling
+    still runs (a stop that could not wait for a hang) keeps that start too: a hang that ends
+    in a restart counts like a crash."""
+    tenant = uid("handback")
+    consumer = Consumer(js, asyncio.Event())
+    durable = await consumer.bind(
+        ConsumerSpec("TRAIN", uid("c"), subjects.train("tiny", tenant), max_deliver=10)
+    )
+    await js.publish(subjects.train("tiny", tenant), b"x")
+    kv = await js.key_value(subjects.KV_CRASHES)
+
+    async def delivery(n: int) -> Msg:
+        msgs = await eventually(
+            lambda: consumer.fetch(durable, 1, 0.5) or None, what=f"delivery {n}"
+        )
+        assert msgs[0].metadata.num_delivered == n
+        return msgs[0]
+
+    first = await delivery(1)  # a first delivery is not counted
+    key = f"TRAIN.{durable.name}.{first.metadata.sequence.stream}"
+    await kv.put(key, b"2")  # two crashes before, counted by a process that died
+    await consumer.hand_back([first])
+    await consumer.hand_back([await delivery(2)])  # counted 3 at fetch, then taken back
+    assert (await kv.get(key)).value == b"2"
+    await consumer.hand_back([await delivery(3)], still_running=True)
+    assert (await kv.get(key)).value == b"3"
+    await consumer.settle(await delivery(4), None)
+    info = await js.consumer_info("TRAIN", durable.name)
+    assert info.num_pending == 0 and info.num_ack_pending == 0
+    await consumer.close()
+
+
 async def test_a_message_handed_back_on_its_last_delivery_is_dead_lettered_not_lost(
     js: JetStreamContext,
 ) -> None:

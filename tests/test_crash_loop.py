@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
+from nats.js.kv import KeyValue
 
 from bus.codec import decode
 from bus.connect import connect
@@ -165,3 +167,84 @@ async def test_the_ledger_counts_nothing_but_carries_on_when_jetstream_does_not_
         await ledger.end(redelivered)  # nothing was written: nothing to clear, no error
     finally:
         await nc.close()
+
+
+class _FlakyBucket:
+    """The ledger's real bucket, whose every operation times out while ``down`` is set (as
+    while a cluster elects a new leader)."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        self.kv = kv
+        self.down = False
+
+    def __getattr__(self, name: str) -> Callable[..., Awaitable[object]]:
+        operation = getattr(self.kv, name)
+
+        async def call(*args: object, **kwargs: object) -> object:
+            if self.down:
+                raise TimeoutError(f"{name}: no answer")
+            return await operation(*args, **kwargs)
+
+        return call
+
+
+async def test_a_start_is_taken_back_once_and_only_if_it_was_counted(js: JetStreamContext) -> None:
+    """Two crashes counted before (by a process that died): a start this process counts and
+    takes back leaves them; a start the ledger could not count (its bucket away) is not
+    taken back when its work returns, which would erase one of the crashes; nor is one start
+    taken back twice."""
+    consumer = uid("c")
+    kv = await js.key_value(subjects.KV_CRASHES)
+    ledger = CrashLedger(js)
+    flaky = _FlakyBucket(kv)
+    ledger._kv = flaky  # type: ignore[assignment]
+    msg = Msg(js._nc, subject="s", reply=f"$JS.ACK.TRAIN.{consumer}.3.7.7.1700000000000000000.0")
+    key = f"TRAIN.{consumer}.7"
+
+    async def count() -> int:
+        try:
+            return int((await kv.get(key)).value or b"0")
+        except (KeyNotFoundError, KeyDeletedError):
+            return 0
+
+    await kv.put(key, b"2")
+    assert await ledger.begin(msg) == 3
+    await ledger.undo(msg)
+    assert await count() == 2
+    flaky.down = True
+    assert await ledger.begin(msg) == 0  # handled uncounted
+    flaky.down = False
+    await ledger.undo(msg)
+    assert await count() == 2
+    assert await ledger.begin(msg) == 3
+    await ledger.undo(msg)
+    await ledger.undo(msg)
+    assert await count() == 2
+    assert await ledger.begin(msg) == 3
+    flaky.down = True
+    await ledger.undo(msg)  # cannot be written: the start stays counted, never less
+    flaky.down = False
+    assert await count() == 3
+    await ledger.end(msg)
+    assert await count() == 0
+
+
+async def test_a_message_handed_back_keeps_the_crashes_counted_before_its_start(
+    js: JetStreamContext,
+) -> None:
+    """A graceful stop (a scale-down) hands a started message back: its start is taken back,
+    but the crashes it was in flight for stay counted for the next instance; before, the
+    hand-back cleared them, so a poison's count started again at every scale-down."""
+    consumer = uid("c")
+    kv = await js.key_value(subjects.KV_CRASHES)
+    ledger = CrashLedger(js)
+    msg = Msg(js._nc, subject="s", reply=f"$JS.ACK.TRAIN.{consumer}.3.9.9.1700000000000000000.0")
+    key = f"TRAIN.{consumer}.9"
+    await kv.put(key, b"2")
+    assert await ledger.begin(msg) == 3
+    await ledger.handed_back(msg)
+    assert int((await kv.get(key)).value or b"0") == 2
+    await ledger.end(msg)  # settled elsewhere later: not this process's key to clear now
+    assert int((await kv.get(key)).value or b"0") == 2
+    other = CrashLedger(js)  # the next instance counts on from the crashes
+    assert await other.begin(msg) == 3

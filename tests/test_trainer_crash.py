@@ -73,6 +73,11 @@ def _start(
         )
 
 
+async def _all_settled(js: JetStreamContext, tenant: str) -> bool:
+    info = await js.consumer_info(subjects.STREAM_TRAIN, subjects.trainer_durable("tiny", tenant))
+    return info.num_ack_pending == 0 and info.num_pending == 0
+
+
 def _text(path: Path) -> str:
     return path.read_text()
 
@@ -213,7 +218,7 @@ async def test_a_slot_whose_restore_kills_the_trainer_fails_its_own_job_and_the_
         await eventually(committed_and_acked, timeout=90, what="3 steps of both, acked")
         assert procs.stop(first) == 0
         # The next steps, served by a trainer that must restore both slots first.
-        await send(js, poison, sft_batch(poison, job, 3))
+        await send(js, poison, sft_batch(poison, job, 3), sft_batch(poison, job, 4))
         await send(js, calm, *(sft_batch(calm, job, s) for s in range(3, 6)))
         crashes, proc = await _run_until(
             fresh_server.url, procs, poison, rounds, log, calm, job, 6, mode="restore"
@@ -222,8 +227,46 @@ async def test_a_slot_whose_restore_kills_the_trainer_fails_its_own_job_and_the_
         assert await train_dead_letters(js, calm) == []
         dead = await train_dead_letters(js, poison)
         assert [d.error_type for d in dead] == ["CrashLoopError"], dead
-        # The first delivery's (uncounted), then three counted restores.
+        # The first delivery's (uncounted), then three counted restores; the job's next
+        # batch is not restored from again (it would crash as many times more), but
+        # consumed unapplied with its failing job.
         assert crashes == 4, _text(rounds)
+        await eventually(
+            lambda: _all_settled(js, poison), timeout=30, what="the poison job's batches settled"
+        )
+        assert _text(rounds).split().count(poison) == 4, _text(rounds)
+        assert procs.stop(proc) == 0, log.read_text()[-3000:]
+    finally:
+        await nc.close()
+
+
+async def test_a_slot_whose_opening_kills_the_trainer_fails_its_own_job_and_the_others_finish(
+    fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
+) -> None:
+    """Opening a job's slot (its head built, an init checkpoint loaded) is work its OpenSlot
+    starts: counted, so an opening that kills the process ends in a dead letter of that
+    OpenSlot, and the job's batches are consumed unapplied, not left waiting for a slot."""
+    poison, calm, job = uid("poison"), uid("calm"), uid("j")
+    rounds, log = tmp_path / "rounds", tmp_path / "trainer.log"
+    nc = await connect(fresh_server.url)
+    try:
+        js = nc.jetstream()
+        await declare(js)
+        for tenant in (poison, calm):
+            await send(js, tenant, sft_open(tenant, job, 3))
+            await send(js, tenant, *(sft_batch(tenant, job, s) for s in range(3)))
+        crashes, proc = await _run_until(
+            fresh_server.url, procs, poison, rounds, log, calm, job, 3, mode="open"
+        )
+        assert await done(js, calm, job, 3) is not None
+        assert await train_dead_letters(js, calm) == []
+        dead = await train_dead_letters(js, poison)
+        assert [(d.error_type, d.stream_seq) for d in dead] == [("CrashLoopError", 1)], dead
+        assert crashes == 4, _text(rounds)
+        await eventually(
+            lambda: _all_settled(js, poison), timeout=30, what="the poison job's batches settled"
+        )
+        assert _text(rounds).split().count(poison) == 4, _text(rounds)
         assert procs.stop(proc) == 0, log.read_text()[-3000:]
     finally:
         await nc.close()

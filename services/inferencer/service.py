@@ -377,7 +377,7 @@ class Inferencer:
             log.warning("forward of %d requests still running at stop; handing back", len(batch))
             forward.add_done_callback(lambda f: f.cancelled() or f.exception())
             self._leave(len(batch))
-            await self.rt.consumer.hand_back(p.msg for p in batch)
+            await self.rt.consumer.hand_back((p.msg for p in batch), still_running=True)
             return
         try:
             outcomes, stats = forward.result()

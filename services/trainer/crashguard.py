@@ -15,7 +15,8 @@ until it is dead-lettered (its job fails with :class:`~bus.crashes.CrashLoopErro
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from nats.aio.msg import Msg
@@ -23,6 +24,12 @@ from nats.aio.msg import Msg
 from bus.consume import Consumer
 
 K = TypeVar("K")
+
+
+class DeadLettered(Exception):
+    """Raised instead of starting work whose message was dead-lettered as it began (its
+    handling killed the process too many times in a row): the message is settled already
+    (its sender told) and must not be used."""
 
 
 class CrashGuard:
@@ -71,3 +78,15 @@ class CrashGuard:
         so that start is taken back from their counts (the messages stay held until their
         commit; the crashes they were in flight for still count)."""
         await asyncio.gather(*(self.consumer.crashes.undo(m) for m in msgs))
+
+    @contextlib.asynccontextmanager
+    async def started(self, msg: Msg) -> AsyncIterator[None]:
+        """Count the block as work ``msg`` started, taken back when it returns (raised
+        included); raises :class:`DeadLettered` instead of entering it when ``msg`` was
+        dead-lettered as it began."""
+        if await self.begin([msg]):
+            raise DeadLettered
+        try:
+            yield
+        finally:
+            await self.returned([msg])

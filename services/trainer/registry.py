@@ -4,6 +4,7 @@ unapplied)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -20,6 +21,7 @@ from schemas.events import PolicyPublished
 from schemas.jobs import TERMINAL_STATUSES
 from schemas.train import OpenSlot
 from services.trainer.announce import announced_version
+from services.trainer.crashguard import DeadLettered
 from services.trainer.jobs import JobError, JobSlot
 from services.trainer.slots import Slots
 
@@ -46,6 +48,10 @@ class JobRegistry:
         self.keep_versions = keep_versions
         self.jobs: dict[str, JobSlot] = {}
         self.status: dict[str, str] = {}
+        #: Jobs whose slot's opening or restore was dead-lettered (it killed the process too
+        #: often): failing, so their other messages are consumed unapplied, not opened or
+        #: restored from again.
+        self.dead_lettered: set[str] = set()
         self.policies: KeyValue
         self.jobs_kv: KeyValue
         self.store: ObjectStore
@@ -73,14 +79,22 @@ class JobRegistry:
                 self.status[key] = record.status
         return self.status.get(key)
 
-    async def job_for(self, tenant: str, job_id: str) -> JobSlot | _Wait | None:
-        """The job's slot: resident, or restored from its latest checkpoint; None if the job
-        has ended; WAIT if it is live but its slot is not open yet. Raises :class:`JobError`
-        for a job nobody submitted or a slot that cannot be restored."""
+    async def job_for(
+        self,
+        tenant: str,
+        job_id: str,
+        restoring: contextlib.AbstractAsyncContextManager[object] | None = None,
+    ) -> JobSlot | _Wait | None:
+        """The job's slot: resident, or restored from its latest checkpoint (inside
+        ``restoring``, when given: the crash ledger counts a restore as work its message
+        started); None if the job has ended; WAIT if it is live but its slot is not open
+        yet. Raises :class:`JobError` for a job nobody submitted or a slot that cannot be
+        restored; what ``restoring`` raises (its restore was dead-lettered: the job is
+        failing, and it is not restored again for its other messages)."""
         key = f"{tenant}/{job_id}"
         if key in self.jobs:
             return self.jobs[key]
-        if self.status.get(key) in TERMINAL_STATUSES:
+        if key in self.dead_lettered or self.status.get(key) in TERMINAL_STATUSES:
             return None
         record, revision = await records.get_policy(self.policies, tenant, job_id)
         if record is None:
@@ -91,12 +105,17 @@ class JobRegistry:
                 return None
             raise JobError(f"no slot is open for job {job_id!r} of tenant {tenant!r}", job_id)
         try:
-            data = await ckpt.get_checkpoint(self.store, record.object_name, record.sha256)
-        except ckpt.CheckpointError as exc:
-            raise JobError(f"cannot restore the slot: {exc}", job_id) from exc
-        # Committed with its event not out (the trainer stopped first): it is owed still.
-        owed = await announced_version(self.js, tenant, job_id) < record.version
-        slot = self.slots.restore(key, job_id, data)
+            async with restoring or contextlib.nullcontext():
+                try:
+                    data = await ckpt.get_checkpoint(self.store, record.object_name, record.sha256)
+                except ckpt.CheckpointError as exc:
+                    raise JobError(f"cannot restore the slot: {exc}", job_id) from exc
+                # Committed with its event not out (the trainer stopped first): owed still.
+                owed = await announced_version(self.js, tenant, job_id) < record.version
+                slot = self.slots.restore(key, job_id, data)
+        except DeadLettered:
+            self.dead_lettered.add(key)
+            raise
         job = JobSlot(
             record.slot,
             slot,
@@ -134,21 +153,36 @@ class JobRegistry:
         )
         return job
 
-    async def open_job(self, spec: OpenSlot, seq: int) -> JobSlot | None:
-        """Create the job's slot (None if it exists already: a replayed OpenSlot)."""
+    async def open_job(
+        self,
+        spec: OpenSlot,
+        seq: int,
+        opening: contextlib.AbstractAsyncContextManager[object] | None = None,
+    ) -> JobSlot | None:
+        """Create the job's slot (inside ``opening``, when given, as :meth:`job_for`'s
+        ``restoring``); None if it exists already (a replayed OpenSlot) or its opening was
+        dead-lettered before."""
         key = f"{spec.tenant}/{spec.job_id}"
         if (
             key in self.jobs
+            or key in self.dead_lettered
             or (await records.get_policy(self.policies, spec.tenant, spec.job_id))[0]
         ):
             return None
-        init = None
-        if spec.init_object:
-            try:
-                init = await ckpt.get_checkpoint(self.store, spec.init_object, spec.init_sha256)
-            except ckpt.CheckpointError as exc:
-                raise JobError(f"cannot initialise the slot: {exc}", spec.job_id) from exc
-        slot = self.slots.create(key, spec, init)
+        try:
+            async with opening or contextlib.nullcontext():
+                init = None
+                if spec.init_object:
+                    try:
+                        init = await ckpt.get_checkpoint(
+                            self.store, spec.init_object, spec.init_sha256
+                        )
+                    except ckpt.CheckpointError as exc:
+                        raise JobError(f"cannot initialise the slot: {exc}", spec.job_id) from exc
+                slot = self.slots.create(key, spec, init)
+        except DeadLettered:
+            self.dead_lettered.add(key)
+            raise
         job = JobSlot(
             spec,
             slot,

@@ -62,7 +62,7 @@ from services.trainer.announce import Announcer
 from services.trainer.checks import check_call
 from services.trainer.commit import Committer
 from services.trainer.config import TrainerConfig
-from services.trainer.crashguard import CrashGuard
+from services.trainer.crashguard import CrashGuard, DeadLettered
 from services.trainer.features import cache_stats, feature_sources
 from services.trainer.featurestore import BucketFeatureStore
 from services.trainer.intake import Intake, Waiting
@@ -269,11 +269,13 @@ class Trainer:
             # nothing else touches them until the next round), so the next round's batches
             # are there when this one ends.
             linger = not self.sessions_open()
-            with self.active.busy():
-                await self.stepper.step(
-                    chosen, during=lambda: self.intake.fill(self.live(), linger=linger)
-                )
-            await self.guard.returned(msg for msg, _, _ in chosen)
+            try:
+                with self.active.busy():
+                    await self.stepper.step(
+                        chosen, during=lambda: self.intake.fill(self.live(), linger=linger)
+                    )
+            finally:
+                await self.guard.returned(msg for msg, _, _ in chosen)
         complete = any(j.iteration_complete for j in self.registry.jobs.values())
         if complete:
             with self.active.busy():
@@ -319,15 +321,13 @@ class Trainer:
             await self.consumer.settle(msg, None)
             return Verdict.CONSUMED
         assert isinstance(body, (SFTBatch, RolloutBatch, *SESSION_CALL_TYPES))
-        # Restoring a job's slot (its checkpoint read and loaded) is work this message starts.
-        restoring = f"{body.tenant}/{body.job_id}" not in self.registry.jobs
-        if restoring and await self.guard.begin([msg]):
-            return Verdict.CONSUMED  # dead-lettered: its job's restore killed the process
         try:
-            job = await self.registry.job_for(body.tenant, body.job_id)
-        finally:
-            if restoring:
-                await self.guard.returned([msg])
+            # Restoring a job's slot (its checkpoint read and loaded) is work it starts.
+            job = await self.registry.job_for(
+                body.tenant, body.job_id, restoring=self.guard.started(msg)
+            )
+        except DeadLettered:
+            return Verdict.CONSUMED  # its job's restore killed the process: the job fails
         if not isinstance(job, JobSlot):
             if job is WAIT:
                 return Verdict.WAIT  # its OpenSlot is being redelivered
@@ -385,14 +385,13 @@ class Trainer:
             await self.consumed(msg, job)
         if verdict is not Verdict.APPLY or isinstance(call, ForwardBackward):
             return verdict
-        if await self.guard.begin([msg]):
-            job.closed = True  # dead-lettered (its handling killed the process): fails
-            return Verdict.CONSUMED
         try:
-            answer = await session.apply_now(self.registry, self.slots, job, call)
-        finally:
-            # Also when it raised (the broker away: tried again next round, counted again).
-            await self.guard.returned([msg])
+            # Taken back also when it raises (the broker away: tried again next round).
+            async with self.guard.started(msg):
+                answer = await session.apply_now(self.registry, self.slots, job, call)
+        except DeadLettered:
+            job.closed = True  # its handling killed the process too often: the job fails
+            return Verdict.CONSUMED
         self.inline_calls += 1
         job.applied_seq = max(job.applied_seq, msg.metadata.sequence.stream)
         job.held.append((msg, None))
@@ -408,11 +407,22 @@ class Trainer:
         """Open the job's slot (consumed once its first version is committed); a replay of
         an open job's OpenSlot waits while that first version is not committed yet (acked,
         it could leave the job with no record and no OpenSlot), then is consumed."""
-        job = await self.registry.open_job(spec, msg.metadata.sequence.stream)
-        if job is None:  # already open (a replayed OpenSlot)
+        try:
+            # Opening the slot (its head built, an init checkpoint loaded) is work it starts.
+            job = await self.registry.open_job(
+                spec, msg.metadata.sequence.stream, opening=self.guard.started(msg)
+            )
+        except DeadLettered:
+            return Verdict.CONSUMED  # opening this slot killed the process: the job fails
+        if job is None:  # already open (a replayed OpenSlot), or its opening dead-lettered
             # Restored if it is not resident: its committed version's event may be owed
             # (for an RL job or a session it is what brings the rest of the job's work).
-            existing = await self.registry.job_for(spec.tenant, spec.job_id)
+            try:
+                existing = await self.registry.job_for(
+                    spec.tenant, spec.job_id, restoring=self.guard.started(msg)
+                )
+            except DeadLettered:
+                return Verdict.CONSUMED
             if isinstance(existing, JobSlot):
                 if existing.kv_revision == 0:
                     return Verdict.WAIT  # its first version is not committed yet

@@ -294,8 +294,10 @@ class Stepper:
             )
         t0 = time.perf_counter()
         start_ns = time.time_ns()
-        results = await asyncio.to_thread(rl.update_iterations, self.rl_encoder, iterations)
-        await trainer.guard.returned(m for k in keys for m in episodes[k])
+        try:
+            results = await asyncio.to_thread(rl.update_iterations, self.rl_encoder, iterations)
+        finally:
+            await trainer.guard.returned(m for k in keys for m in episodes[k])
         end_ns = time.time_ns()
         compute_s = time.perf_counter() - t0
         self.compute_s += compute_s
