@@ -78,6 +78,29 @@ async def _all_settled(js: JetStreamContext, tenant: str) -> bool:
     return info.num_ack_pending == 0 and info.num_pending == 0
 
 
+async def _only_the_poison_failed(
+    js: JetStreamContext,
+    poison: str,
+    calm: str,
+    job: str,
+    batches: int,
+    crashes: int,
+    rounds: Path,
+) -> list[DeadLetter]:
+    """A slot's opening or restore killed the process on the poison's job: the calm job has
+    ``batches`` done and no dead letter; the poison's slot was tried once per crash (4: the
+    first delivery's, uncounted, then three counted) and not again, its job's batches all
+    settled. The poison's dead letters, for the caller to check."""
+    assert await done(js, calm, job, batches) is not None
+    assert await train_dead_letters(js, calm) == []
+    assert crashes == 4, _text(rounds)
+    await eventually(
+        lambda: _all_settled(js, poison), timeout=30, what="the poison job's batches settled"
+    )
+    assert _text(rounds).split().count(poison) == 4, _text(rounds)
+    return await train_dead_letters(js, poison)
+
+
 def _text(path: Path) -> str:
     return path.read_text()
 
@@ -223,18 +246,11 @@ async def test_a_slot_whose_restore_kills_the_trainer_fails_its_own_job_and_the_
         crashes, proc = await _run_until(
             fresh_server.url, procs, poison, rounds, log, calm, job, 6, mode="restore"
         )
-        assert await done(js, calm, job, 6) is not None
-        assert await train_dead_letters(js, calm) == []
-        dead = await train_dead_letters(js, poison)
-        assert [d.error_type for d in dead] == ["CrashLoopError"], dead
         # The first delivery's (uncounted), then three counted restores; the job's next
         # batch is not restored from again (it would crash as many times more), but
         # consumed unapplied with its failing job.
-        assert crashes == 4, _text(rounds)
-        await eventually(
-            lambda: _all_settled(js, poison), timeout=30, what="the poison job's batches settled"
-        )
-        assert _text(rounds).split().count(poison) == 4, _text(rounds)
+        dead = await _only_the_poison_failed(js, poison, calm, job, 6, crashes, rounds)
+        assert [d.error_type for d in dead] == ["CrashLoopError"], dead
         assert procs.stop(proc) == 0, log.read_text()[-3000:]
     finally:
         await nc.close()
@@ -258,15 +274,8 @@ async def test_a_slot_whose_opening_kills_the_trainer_fails_its_own_job_and_the_
         crashes, proc = await _run_until(
             fresh_server.url, procs, poison, rounds, log, calm, job, 3, mode="open"
         )
-        assert await done(js, calm, job, 3) is not None
-        assert await train_dead_letters(js, calm) == []
-        dead = await train_dead_letters(js, poison)
+        dead = await _only_the_poison_failed(js, poison, calm, job, 3, crashes, rounds)
         assert [(d.error_type, d.stream_seq) for d in dead] == [("CrashLoopError", 1)], dead
-        assert crashes == 4, _text(rounds)
-        await eventually(
-            lambda: _all_settled(js, poison), timeout=30, what="the poison job's batches settled"
-        )
-        assert _text(rounds).split().count(poison) == 4, _text(rounds)
         assert procs.stop(proc) == 0, log.read_text()[-3000:]
     finally:
         await nc.close()
