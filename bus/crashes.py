@@ -110,8 +110,7 @@ class CrashLedger:
             # neither takes a start back from it nor clears it (it expires with the bucket's
             # TTL).
             log.warning("crash ledger: could not count %s: %s", key, exc)
-            self._written.pop(key, None)
-            self._started.discard(key)
+            self._forget(key)
             return 0
         self._written[key] = count
         self._started.add(key)
@@ -140,8 +139,7 @@ class CrashLedger:
         key = ledger_key(msg)
         if key not in self._written or self._kv is None:
             return
-        del self._written[key]
-        self._started.discard(key)
+        self._forget(key)
         try:
             await self._kv.delete(key)
         except (NatsError, TimeoutError) as exc:
@@ -186,6 +184,10 @@ class CrashLedger:
             return
         if not still_running:
             await self.undo(msg)
-        key = ledger_key(msg)
+        self._forget(ledger_key(msg))
+
+    def _forget(self, key: str) -> None:
+        """Leave ``key`` to others: this process neither takes a start back from it nor
+        clears it any more."""
         self._written.pop(key, None)
         self._started.discard(key)

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
@@ -79,6 +80,19 @@ class JobRegistry:
                 self.status[key] = record.status
         return self.status.get(key)
 
+    @contextlib.asynccontextmanager
+    async def _counted(
+        self, key: str, work: contextlib.AbstractAsyncContextManager[object] | None
+    ) -> AsyncIterator[None]:
+        """The block (a slot's opening or restore) inside ``work``, the crash ledger's count
+        of it; a job whose opening or restore was dead-lettered is not tried again."""
+        try:
+            async with work or contextlib.nullcontext():
+                yield
+        except DeadLettered:
+            self.dead_lettered.add(key)
+            raise
+
     async def job_for(
         self,
         tenant: str,
@@ -104,18 +118,14 @@ class JobRegistry:
             if status in TERMINAL_STATUSES:
                 return None
             raise JobError(f"no slot is open for job {job_id!r} of tenant {tenant!r}", job_id)
-        try:
-            async with restoring or contextlib.nullcontext():
-                try:
-                    data = await ckpt.get_checkpoint(self.store, record.object_name, record.sha256)
-                except ckpt.CheckpointError as exc:
-                    raise JobError(f"cannot restore the slot: {exc}", job_id) from exc
-                # Committed with its event not out (the trainer stopped first): owed still.
-                owed = await announced_version(self.js, tenant, job_id) < record.version
-                slot = self.slots.restore(key, job_id, data)
-        except DeadLettered:
-            self.dead_lettered.add(key)
-            raise
+        async with self._counted(key, restoring):
+            try:
+                data = await ckpt.get_checkpoint(self.store, record.object_name, record.sha256)
+            except ckpt.CheckpointError as exc:
+                raise JobError(f"cannot restore the slot: {exc}", job_id) from exc
+            # Committed with its event not out (the trainer stopped first): it is owed still.
+            owed = await announced_version(self.js, tenant, job_id) < record.version
+            slot = self.slots.restore(key, job_id, data)
         job = JobSlot(
             record.slot,
             slot,
@@ -169,20 +179,14 @@ class JobRegistry:
             or (await records.get_policy(self.policies, spec.tenant, spec.job_id))[0]
         ):
             return None
-        try:
-            async with opening or contextlib.nullcontext():
-                init = None
-                if spec.init_object:
-                    try:
-                        init = await ckpt.get_checkpoint(
-                            self.store, spec.init_object, spec.init_sha256
-                        )
-                    except ckpt.CheckpointError as exc:
-                        raise JobError(f"cannot initialise the slot: {exc}", spec.job_id) from exc
-                slot = self.slots.create(key, spec, init)
-        except DeadLettered:
-            self.dead_lettered.add(key)
-            raise
+        async with self._counted(key, opening):
+            init = None
+            if spec.init_object:
+                try:
+                    init = await ckpt.get_checkpoint(self.store, spec.init_object, spec.init_sha256)
+                except ckpt.CheckpointError as exc:
+                    raise JobError(f"cannot initialise the slot: {exc}", spec.job_id) from exc
+            slot = self.slots.create(key, spec, init)
         job = JobSlot(
             spec,
             slot,
