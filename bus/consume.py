@@ -36,7 +36,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
@@ -96,6 +96,8 @@ class Consumer:
         self._unsettled: dict[int, Msg] = {}
         #: Messages settled so far, whatever their fate: the service's progress.
         self.settled = 0
+        #: What to do once a message is acknowledged (:meth:`when_acked`), by ``id(msg)``.
+        self._on_ack: dict[int, tuple[Msg, Callable[[], Awaitable[None]]]] = {}
 
     # -- binding and fetching ----------------------------------------------------------------
     async def bind(self, spec: ConsumerSpec, on_dead: DeadHook | None = None) -> Durable:
@@ -223,6 +225,12 @@ class Consumer:
         self._unsettled[id(msg)] = msg
         self._keep(msg)
 
+    def when_acked(self, msg: Msg, then: Callable[[], Awaitable[None]]) -> None:
+        """Run ``then`` after ``msg`` is acknowledged (e.g. delete the object it referenced).
+        Not after any other fate: a redelivery still needs what it refers to, and a dead
+        letter is kept for reading. Its failures are logged, never raised."""
+        self._on_ack[id(msg)] = (msg, then)
+
     async def release(self, msgs: Iterable[Msg], error: BaseException | None = None) -> None:
         """Settle held messages now that their effect is durable (``error`` None: ack)."""
         await asyncio.gather(*(self.settle(m, error) for m in msgs))
@@ -235,14 +243,21 @@ class Consumer:
         ack wait, and decided again then: every handler recognises a replay."""
         self._alive.pop(id(msg), None)
         self._unsettled.pop(id(msg), None)
+        after = self._on_ack.pop(id(msg), None)
         self.settled += 1
         try:
-            return await self._settle(msg, error)
+            fate = await self._settle(msg, error)
         except (NatsError, TimeoutError) as exc:
             log.warning("could not settle %s (%s); it will be redelivered", msg.subject, exc)
             return Fate.RETRY
         finally:
             await self.crashes.end(msg)
+        if fate is Fate.ACKED and after is not None and after[0] is msg:
+            try:
+                await after[1]()
+            except Exception:  # the message is settled: only its hook failed
+                log.exception("after-ack hook of %s failed", msg.subject)
+        return fate
 
     async def _settle(self, msg: Msg, error: BaseException | None) -> Fate:
         if error is None:
@@ -327,6 +342,7 @@ class Consumer:
         for msg in pending:
             self._alive.pop(id(msg), None)
             self._unsettled.pop(id(msg), None)
+            self._on_ack.pop(id(msg), None)
         if pending:
             # The ledger first: once nak'ed, another instance may count its own start.
             ledger = (self.crashes.handed_back(m, still_running=still_running) for m in pending)

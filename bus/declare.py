@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nats.js import JetStreamContext
-from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import ObjectStoreConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
 from schemas import subjects as s
@@ -38,6 +38,9 @@ class BusLayout:
     crash_ledger_ttl_s: float = DAY
     duplicate_window_s: float = 120.0
     max_msg_size: int = -1
+    #: How long a message stored by reference (:mod:`bus.payloads`) is kept when nobody
+    #: consumes it (its consumer deletes it once the message is acknowledged).
+    payloads_max_age_s: float = 7 * DAY
 
     def streams(self) -> list[StreamConfig]:
         def cfg(name: str, retention: RetentionPolicy, max_age: float | None) -> StreamConfig:
@@ -108,8 +111,8 @@ async def _ensure_stream(js: JetStreamContext, want: StreamConfig, report: Decla
 
 
 async def declare(js: JetStreamContext, layout: BusLayout | None = None) -> DeclareReport:
-    """Create missing streams, KV buckets and the checkpoints object store; verify existing
-    ones. Safe to call from every service at start-up, concurrently."""
+    """Create missing streams, KV buckets and the object stores (checkpoints, payloads);
+    verify existing ones. Safe to call from every service at start-up, concurrently."""
     layout = layout or BusLayout()
     report = DeclareReport()
     for config in layout.streams():
@@ -133,12 +136,14 @@ async def declare(js: JetStreamContext, layout: BusLayout | None = None) -> Decl
         if (have_ttl or None) != (ttl or None):
             raise DeclareConflict(f"kv {bucket} exists with ttl {have_ttl!r}, declared {ttl!r}")
         report.existing.append(f"kv {bucket}")
-    try:
-        await js.stream_info(f"OBJ_{s.OBJ_CHECKPOINTS}")
-        report.existing.append(f"object store {s.OBJ_CHECKPOINTS}")
-    except NotFoundError:
-        await js.create_object_store(
-            bucket=s.OBJ_CHECKPOINTS, storage=StorageType.FILE, replicas=layout.replicas
-        )
-        report.created.append(f"object store {s.OBJ_CHECKPOINTS}")
+    for bucket, max_age in ((s.OBJ_CHECKPOINTS, None), (s.OBJ_PAYLOADS, layout.payloads_max_age_s)):
+        try:
+            await js.stream_info(f"OBJ_{bucket}")
+            report.existing.append(f"object store {bucket}")
+        except NotFoundError:
+            store_config = ObjectStoreConfig(
+                bucket=bucket, ttl=max_age, storage=StorageType.FILE, replicas=layout.replicas
+            )
+            await js.create_object_store(bucket, config=store_config)
+            report.created.append(f"object store {bucket}")
     return report

@@ -4,7 +4,7 @@ batched in-flight publishes for hot paths (one awaited publish at a time caps at
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,15 +87,20 @@ class Outgoing:
 
 
 async def publish_all(
-    js: JetStreamContext, items: Sequence[Outgoing], *, max_in_flight: int = 256
+    js: JetStreamContext,
+    items: Sequence[Outgoing],
+    *,
+    max_in_flight: int = 256,
+    send: Callable[..., Awaitable[PubAck]] = publish,
 ) -> list[PubAck]:
     """Publish many with up to ``max_in_flight`` awaiting their acks at once; order of the
-    returned acks matches ``items``. Raises the first failure after all settle."""
+    returned acks matches ``items``. Raises the first failure after all settle. ``send``
+    publishes one (:func:`publish`'s signature; e.g. :func:`bus.payloads.publish_train`)."""
     gate = asyncio.Semaphore(max_in_flight)
 
     async def one(item: Outgoing) -> PubAck:
         async with gate:
-            return await publish(
+            return await send(
                 js, item.subject, item.message, message_id=item.message_id, headers=item.headers
             )
 

@@ -26,6 +26,9 @@ KV_POLICIES = "policies"
 KV_HEARTBEATS = "heartbeats"
 KV_PLACEMENT = "placement"
 OBJ_CHECKPOINTS = "checkpoints"
+#: Messages too large for one NATS message, stored here and sent as a reference
+#: (:class:`schemas.train.PayloadRef`); deleted once consumed, else after the bucket's max age.
+OBJ_PAYLOADS = "payloads"
 #: Registered tenants (:class:`schemas.tenants.TenantRecord`), written by the operator.
 KV_TENANTS = "tenants"
 #: Datasets in tenants' namespaces (:class:`schemas.tenants.DatasetRecord`), key

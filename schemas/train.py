@@ -196,6 +196,26 @@ class LoadState(msgspec.Struct, frozen=True, tag="load_state"):
     optimizer: bool = True
 
 
+class PayloadRef(msgspec.Struct, frozen=True, tag="payload_ref"):
+    """A TRAIN message too large for one NATS message (an episode of many steps or views, a
+    large SFT batch), stored in the :data:`~schemas.subjects.OBJ_PAYLOADS` object store and
+    sent as this reference in its place (DESIGN.md §2). The trainer fetches the object,
+    checks its size and digest, and decodes it as the message it stands for; once that
+    message is acknowledged the object is deleted (the bucket's max age removes the rest).
+    """
+
+    tenant: str
+    job_id: str
+    #: The referenced message's tag (``rollout``, ``sft_batch``): it must decode as that.
+    kind: str
+    #: Name in :data:`~schemas.subjects.OBJ_PAYLOADS`: ``train/<tenant>/<job>/<sha256>``.
+    object_name: str
+    #: Bytes of the stored message.
+    size: int
+    #: Hex SHA-256 of the stored message.
+    sha256: str
+
+
 SessionCall = ForwardBackward | OptimStep | SaveState | LoadState
 SESSION_CALL_TYPES = (ForwardBackward, OptimStep, SaveState, LoadState)
 
@@ -208,6 +228,7 @@ TrainMessage = (
     | OptimStep
     | SaveState
     | LoadState
+    | PayloadRef
 )
 TRAIN_DECODER = msgspec.msgpack.Decoder(TrainMessage)
 

@@ -120,6 +120,14 @@ async def test_bad_rl_specs_are_rejected_with_the_reason(
         )
         with pytest.raises(JobFailed, match="policy_job: job 'nothing-here'"):
             await no_policy.wait(60)
+        # 1000 steps of 512 px: ~790 MB an episode, refused before any is run.
+        huge = await client.train_rl(rl_spec(tenant, 2, max_episode_steps=1000, image_size=512))
+        with pytest.raises(
+            JobFailed,
+            match=r"an episode of max_episode_steps 1000 x num_views 1 x image_size 512: up to "
+            r"\d+ bytes exceeds max_message_bytes 8388608",
+        ):
+            await huge.wait(60)
 
 
 def maniskill_rl_spec(tenant: str, env: str, head: dict[str, Any], **kw: Any) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from bus.durable import ConsumerSpec
 from bus.errors import Interrupted, PoisonError, RetryableError
 from bus.inference import InferenceError, PolicyClient
 from bus.metering import BusyMeter
+from bus.payloads import publish_train
 from bus.publish import Outgoing, msg_id, publish, publish_all
 from bus.service import Runtime, serve
 from bus.usage import UsageReporter
@@ -184,6 +185,7 @@ class EnvWorker:
                 return
             raise
         subject = subjects.train(task.backbone, task.tenant)
+        # An episode over the server's max_payload goes by reference (bus.payloads).
         await publish_all(
             self.js,
             [
@@ -195,6 +197,7 @@ class EnvWorker:
                 )
                 for r in records
             ],
+            send=partial(publish_train, max_bytes=self.limits.max_message_bytes),
         )
 
     async def evaluate(self, task: EvalTask) -> None:
@@ -370,12 +373,13 @@ class EnvWorker:
                 actions=Tensor.from_numpy(batch.actions_B_C_A.astype(np.float32)),
                 action_pad=Tensor.from_numpy(batch.action_pad_B_C),
             )
-            await publish(
+            await publish_train(
                 self.js,
                 subject,
                 message,
                 message_id=msg_id("sft", task.tenant, task.job_id, epoch, batch.batch_index),
                 headers={headers.JOB_ID: task.job_id},
+                max_bytes=self.limits.max_message_bytes,
             )
             flow.published()
             self.batches_streamed += 1

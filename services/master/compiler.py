@@ -23,7 +23,7 @@ from schemas.tenants import TenantLimits
 from schemas.train import PolicyRecord
 from services.master.backbones import BackboneWatch
 from services.master.envfit import EnvDescriptions, fit_env
-from services.master.limits import apply_limits, check_planned_head
+from services.master.limits import apply_limits, check_episode_bytes, check_planned_head
 from services.master.plans import (
     Datasets,
     Plan,
@@ -84,7 +84,12 @@ class Compiler:
                 init = await self.init_policy(spec.tenant, spec.init_from)
                 return await compile_sft(job_id, spec, init, self.datasets, self.limits)
             case RLJobSpec():
-                return compile_rl(job_id, spec, await self.init_policy(spec.tenant, spec.init_from))
+                plan = compile_rl(job_id, spec, await self.init_policy(spec.tenant, spec.init_from))
+                assert plan.open_slot is not None
+                # Its episodes must fit the trainer's max_message_bytes (after the env filled in
+                # the head's dims).
+                check_episode_bytes(spec, plan.open_slot.head, self.limits)
+                return plan
             case SessionSpec():
                 init = await self.init_policy(spec.tenant, spec.init_from)
                 return compile_session(job_id, spec, init)

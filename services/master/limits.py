@@ -128,6 +128,44 @@ def _slot(prefix: str, spec: SFTJobSpec | RLJobSpec | SessionSpec, limits: Input
     )
 
 
+#: Bytes of an episode's record besides its arrays (its other fields, its instruction, the
+#: msgpack framing): a bound, not an estimate.
+EPISODE_OVERHEAD = 8 << 10
+
+
+def episode_bytes_bound(steps: int, head: HeadConfig, num_views: int, image_size: int) -> int:
+    """The most bytes one episode's :class:`~schemas.train.RolloutBatch` can take: a
+    transition per policy query (``chunk_len`` env steps, so at most ``ceil(steps /
+    chunk_len)``), each with its views' uint8 pixels, its proprio, its action chunk and three
+    floats (log-prob, value, reward)."""
+    transitions = -(-steps // head.chunk_len)
+    pixels = num_views * image_size * image_size * 3
+    floats = head.proprio_dim + head.chunk_len * head.action_dim + 3
+    return transitions * (pixels + 4 * floats) + EPISODE_OVERHEAD
+
+
+def check_episode_bytes(spec: RLJobSpec, head: HeadConfig, limits: InputLimits) -> None:
+    """Refuse an RL spec whose episodes could be over the trainer's ``max_message_bytes``
+    (they would be run, then refused): it names the fields that set the size. An episode over
+    the server's ``max_payload`` but within this bound travels by reference
+    (:mod:`bus.payloads`)."""
+    size = episode_bytes_bound(spec.max_episode_steps, head, spec.num_views, spec.image_size)
+    if size > limits.max_message_bytes:
+        fields = (
+            f"max_episode_steps {spec.max_episode_steps} x num_views {spec.num_views} x "
+            f"image_size {spec.image_size}"
+        )
+        raise PoisonError(
+            exceeds(
+                f"an episode of {fields}",
+                f"up to {size} bytes",
+                "max_message_bytes",
+                limits.max_message_bytes,
+            )
+            + ": lower one of them (or ask the operator for a larger limit)"
+        )
+
+
 def _rollouts(prefix: str, envs: int, steps: int, image_size: int, limits: InputLimits) -> None:
     _at_most(f"{prefix}parallel_envs", envs, "max_parallel_envs", limits.max_parallel_envs)
     _at_most(f"{prefix}max_episode_steps", steps, "max_episode_steps", limits.max_episode_steps)

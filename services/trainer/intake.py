@@ -15,6 +15,7 @@ jobs: jobs are keyed by (tenant, job), and the tenant is the subject's."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -23,9 +24,10 @@ from nats.aio.msg import Msg
 from bus.codec import DecodeError, decode
 from bus.consume import Consumer
 from bus.durables import DurableSet
-from bus.errors import PoisonError
+from bus.errors import HandlerError, PoisonError
+from bus.payloads import discard, fetch_train
 from schemas.limits import InputLimits, exceeds
-from schemas.train import TRAIN_DECODER, OpenSlot, RolloutBatch, SFTBatch
+from schemas.train import TRAIN_DECODER, OpenSlot, PayloadRef, RolloutBatch, SFTBatch
 from services.trainer.checks import check_open_slot, check_rollout, check_sft
 
 log = logging.getLogger(__name__)
@@ -107,7 +109,7 @@ class Intake:
         for tenant, msgs in fetched.items():
             for msg in msgs:
                 self.consumer.hold(msg)  # kept alive while buffered; settled exactly once
-                self.buffers[tenant].append((msg, self.decode(tenant, msg)))
+                self.buffers[tenant].append((msg, await self.decode(tenant, msg)))
             arrived += len(msgs)
         return arrived
 
@@ -167,8 +169,10 @@ class Intake:
         await self.consumer.hand_back(handed, delay_s=delay)
         return 0
 
-    def decode(self, tenant: str, msg: Msg) -> object:
-        """The message's body, or the error it will be dead-lettered with."""
+    async def decode(self, tenant: str, msg: Msg) -> object:
+        """The message's body, or the error it will be settled with. A
+        :class:`~schemas.train.PayloadRef` is resolved here to the message it stands for
+        (its object deleted once that message is acknowledged)."""
         with self.consumer.span(msg):
             limit = self.limits.max_message_bytes
             if len(msg.data) > limit:
@@ -182,6 +186,13 @@ class Intake:
                 return PoisonError(
                     f"message for tenant {body.tenant!r} on tenant {tenant!r}'s subject"
                 )
+            if isinstance(body, PayloadRef):
+                ref = body
+                try:
+                    body = await self.dereference(ref)
+                except HandlerError as exc:
+                    return type(exc)(f"{ref.kind} of job {ref.job_id!r} by reference: {exc}")
+                self.consumer.when_acked(msg, functools.partial(discard, self.consumer.js, ref))
             try:
                 match body:
                     case SFTBatch():
@@ -193,6 +204,26 @@ class Intake:
             except PoisonError as exc:
                 return PoisonError(f"{type(body).__name__} of job {body.job_id!r}: {exc}")
             return body
+
+    async def dereference(self, ref: PayloadRef) -> SFTBatch | RolloutBatch:
+        """The message ``ref`` stands for: fetched, its size and digest checked, and it must
+        be the kind, tenant and job the reference names."""
+        data = await fetch_train(self.consumer.js, ref, self.limits.max_message_bytes)
+        try:
+            body = decode(TRAIN_DECODER, data)
+        except DecodeError as exc:
+            raise PoisonError(f"the stored message is malformed: {exc}") from exc
+        if (
+            not isinstance(body, SFTBatch | RolloutBatch)
+            or type(body).__struct_config__.tag != ref.kind
+            or (body.tenant, body.job_id) != (ref.tenant, ref.job_id)
+        ):
+            raise PoisonError(
+                f"the stored message is a {type(body).__name__} of "
+                f"{body.tenant}/{body.job_id}, not the {ref.kind} of {ref.tenant}/{ref.job_id} "
+                "its reference names"
+            )
+        return body
 
     def remove(self, tenant: str, msg: Msg) -> None:
         self.buffers[tenant] = [(m, b) for m, b in self.buffers[tenant] if m is not msg]

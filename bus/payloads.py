@@ -1,0 +1,131 @@
+"""TRAIN messages too large for one NATS message travel by reference (DESIGN.md §2).
+
+An env worker's episode of many steps or views, or an SFT batch of large images, can be over
+the server's ``max_payload`` (1 MiB by default). :func:`publish_train` then stores the
+message's bytes in the :data:`~schemas.subjects.OBJ_PAYLOADS` object store under
+``train/<tenant>/<job>/<sha256>`` and publishes a :class:`~schemas.train.PayloadRef` in its
+place, with the same message id and headers: a retried publish stores the same object
+(content-addressed) and the stream drops the duplicate message as before.
+
+The trainer resolves a reference with :func:`fetch_train` (size and digest checked, the
+object must be the one its tenant and job name) and deletes the object with :func:`discard`
+once the message it stood for is acknowledged. An object nobody consumes (a publish the
+stream dropped as a duplicate of a different run of the same episode, a message
+dead-lettered: kept for an operator to read) goes after the bucket's max age
+(:attr:`bus.declare.BusLayout.payloads_max_age_s`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundError
+
+from bus.codec import encode
+from bus.errors import PoisonError, RetryableError
+from bus.kv import ChunksMissingError, read_object_into
+from bus.publish import check_payload, headers_for, wire_size
+from schemas import subjects
+from schemas.limits import exceeds
+from schemas.train import PayloadRef, RolloutBatch, SFTBatch
+
+__all__ = ["LargeTrainMessage", "discard", "fetch_train", "object_name", "publish_train"]
+
+log = logging.getLogger(__name__)
+
+#: The TRAIN messages that may travel by reference (the ones whose size grows with a tenant's
+#: data: images of a batch or an episode).
+LargeTrainMessage = SFTBatch | RolloutBatch
+
+
+def object_name(tenant: str, job_id: str, sha256: str) -> str:
+    """Where a message of ``tenant``'s job ``job_id`` with digest ``sha256`` is stored."""
+    return f"train/{tenant}/{job_id}/{sha256}"
+
+
+def _tag(message: LargeTrainMessage) -> str:
+    return str(type(message).__struct_config__.tag)
+
+
+async def publish_train(
+    js: JetStreamContext,
+    subject: str,
+    message: LargeTrainMessage,
+    *,
+    message_id: str,
+    headers: dict[str, str] | None = None,
+    max_bytes: int,
+    timeout: float = 5.0,
+) -> PubAck:
+    """Publish ``message`` on its TRAIN ``subject``: inline when it fits the server's
+    ``max_payload`` with its headers, else stored and sent as a :class:`PayloadRef`.
+
+    ``max_bytes`` is the largest message the trainer accepts (the operator's
+    ``max_message_bytes``): a bigger one is refused here (:class:`PoisonError` naming its
+    size) before anything is stored, so its sender learns why instead of the trainer."""
+    data, sent_headers = encode(message), headers_for(message_id, headers)
+    what = f"{_tag(message)} of job {message.job_id!r}"
+    if len(data) > max_bytes:
+        raise PoisonError(exceeds(what, f"{len(data)} bytes", "max_message_bytes", max_bytes))
+    max_payload = js._nc.max_payload
+    if wire_size(data, sent_headers) > max_payload:
+        sha = hashlib.sha256(data).hexdigest()
+        name = object_name(message.tenant, message.job_id, sha)
+        store = await js.object_store(subjects.OBJ_PAYLOADS)
+        try:
+            await store.get_info(name)
+        except (ObjectNotFoundError, NotFoundError):
+            await store.put(name, data)
+        ref = PayloadRef(message.tenant, message.job_id, _tag(message), name, len(data), sha)
+        data = encode(ref)
+        check_payload(max_payload, data, sent_headers, f"a reference to {what}")
+    return await js.publish(subject, data, timeout=timeout, headers=sent_headers)
+
+
+async def fetch_train(js: JetStreamContext, ref: PayloadRef, max_bytes: int) -> bytes:
+    """The stored bytes ``ref`` names, checked against its size and digest.
+
+    Raises :class:`PoisonError` for a reference that can never be honoured (an object name
+    that is not its tenant's and job's, a size over ``max_bytes``, an object gone or not the
+    one referenced) and :class:`RetryableError` when the broker does not answer."""
+    if ref.object_name != object_name(ref.tenant, ref.job_id, ref.sha256):
+        raise PoisonError(
+            f"object_name: {ref.object_name!r} is not where tenant {ref.tenant!r}'s job "
+            f"{ref.job_id!r} stores a payload of digest {ref.sha256[:12]}"
+        )
+    if ref.size > max_bytes:
+        size = f"{ref.size} bytes"
+        raise PoisonError(exceeds(f"referenced {ref.kind}", size, "max_message_bytes", max_bytes))
+    buffer = io.BytesIO()
+    try:
+        store = await js.object_store(subjects.OBJ_PAYLOADS)
+        await read_object_into(store, ref.object_name, buffer)
+    except (BucketNotFoundError, ObjectNotFoundError, NotFoundError, ChunksMissingError) as exc:
+        raise PoisonError(
+            f"payload object {subjects.OBJ_PAYLOADS}/{ref.object_name} is gone (kept until it "
+            "is consumed, at most the bucket's max age)"
+        ) from exc
+    except (NatsError, TimeoutError) as exc:
+        raise RetryableError(f"reading payload object {ref.object_name}: {exc!r}") from exc
+    data = buffer.getvalue()
+    if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
+        raise PoisonError(
+            f"payload object {ref.object_name}: {len(data)} bytes that do not match the "
+            f"reference's size {ref.size} and digest"
+        )
+    return data
+
+
+async def discard(js: JetStreamContext, ref: PayloadRef) -> None:
+    """Delete ``ref``'s object (its message is acknowledged). A failure only leaves the
+    object to the bucket's max age."""
+    try:
+        store = await js.object_store(subjects.OBJ_PAYLOADS)
+        await store.delete(ref.object_name)
+    except (NatsError, TimeoutError, ObjectNotFoundError, NotFoundError) as exc:
+        log.info("payload object %s not deleted (%r); its max age removes it", ref.object_name, exc)
