@@ -113,6 +113,18 @@ async def test_bad_dataset_is_rejected_at_submit_with_a_specific_error(
             JobFailed, match=r"head\.action_dim: 3 does not match the dataset's action dimension 2"
         ):
             await wrong_dim.wait(60)
+        # 1024 frames of 64x64x3 are over 8 MiB a batch: refused before any is streamed.
+        too_big = await client.train_sft(
+            sft_spec(
+                tenant, await registered(js, tenant, datasets["reach"]), OFT_2D, 5, batch_size=1024
+            )
+        )
+        with pytest.raises(
+            JobFailed,
+            match=r"batch_size: 1024 samples of 64x64x3 pixels: about \d+ bytes a batch exceeds "
+            r"max_message_bytes 8388608: use a smaller batch_size",
+        ):
+            await too_big.wait(60)
 
 
 async def test_a_bad_frame_the_submit_check_misses_fails_the_job_naming_the_frame(

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from nats.js import JetStreamContext
 from bus.datasets import DatasetStoreError, default_cache_root, resolve
 from bus.errors import PoisonError, RetryableError
 from schemas.env import EnvTask, EvalTask, RolloutTask, StreamDataset
-from schemas.limits import InputLimits
+from schemas.limits import InputLimits, exceeds
 from schemas.model import HeadConfig
 from schemas.specs import EvalJobSpec, HeadSpec, RLJobSpec, SessionSpec, SFTJobSpec
 from schemas.train import OpenSlot, PolicyRecord
@@ -41,6 +42,32 @@ class Plan:
     backbone: str
     open_slot: OpenSlot | None
     env_tasks: list[EnvTask] = field(default_factory=list)
+
+
+#: Bytes of an SFT sample besides its arrays: its instruction and the msgpack framing.
+SAMPLE_OVERHEAD = 1 << 10
+
+
+def check_batch_bytes(ds: DatasetMeta, spec: SFTJobSpec, max_bytes: int) -> None:
+    """Refuse an SFT spec whose batches would be over the trainer's ``max_message_bytes``
+    (the env worker would refuse each one; a batch over the server's ``max_payload`` but
+    within it travels by reference, :mod:`bus.payloads`), naming ``batch_size``."""
+    views = ds.camera_keys[: spec.num_views]
+    pixels = sum(math.prod(ds.info.features[key].shape) for key in views)
+    head = spec.head
+    floats = (head.proprio_dim or 0) + head.chunk_len * ((head.action_dim or 0) + 1)
+    size = spec.batch_size * (pixels + 4 * floats + SAMPLE_OVERHEAD)
+    if size > max_bytes:
+        shape = "+".join("x".join(map(str, ds.info.features[k].shape)) for k in views)
+        raise PoisonError(
+            exceeds(
+                f"batch_size: {spec.batch_size} samples of {shape} pixels",
+                f"about {size} bytes a batch",
+                "max_message_bytes",
+                max_bytes,
+            )
+            + ": use a smaller batch_size"
+        )
 
 
 def check_dataset_fits(
@@ -151,6 +178,7 @@ async def compile_sft(
         update={"head": spec.head.filled(ds.action_dim, ds.state_dim, "dataset")}
     )
     check_dataset_fits(ds, spec.head, spec.dataset)
+    check_batch_bytes(ds, spec, (limits or InputLimits()).max_message_bytes)
     if init is not None:
         check_init_fits(spec, init)
     train_episodes, _ = ds.split(spec.val_fraction, spec.seed)
