@@ -39,8 +39,9 @@ class BusLayout:
     duplicate_window_s: float = 120.0
     max_msg_size: int = -1
     #: How long a message stored by reference (:mod:`bus.payloads`) is kept when nobody
-    #: consumes it (its consumer deletes it once the message is acknowledged).
-    payloads_max_age_s: float = 7 * DAY
+    #: consumes it (its consumer deletes it once the message is acknowledged): as long as a
+    #: dead letter, whose reference it is.
+    payloads_max_age_s: float = 30 * DAY
 
     def streams(self) -> list[StreamConfig]:
         def cfg(name: str, retention: RetentionPolicy, max_age: float | None) -> StreamConfig:

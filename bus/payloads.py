@@ -2,16 +2,19 @@
 
 An env worker's episode of many steps or views, or an SFT batch of large images, can be over
 the server's ``max_payload`` (1 MiB by default). :func:`publish_train` then stores the
-message's bytes in the :data:`~schemas.subjects.OBJ_PAYLOADS` object store under
-``train/<tenant>/<job>/<sha256>`` and publishes a :class:`~schemas.train.PayloadRef` in its
-place, with the same message id and headers: a retried publish stores the same object
-(content-addressed) and the stream drops the duplicate message as before.
+message's bytes in the :data:`~schemas.subjects.OBJ_PAYLOADS` object store under a name of its
+own, ``train/<tenant>/<job>/<uuid>``, and publishes a :class:`~schemas.train.PayloadRef` in
+its place with the same message id and headers. A retried publish that the stream drops as a
+duplicate deletes the object it stored (the message kept names another one). Every message
+has an object of its own, so a message re-published after the duplicate window (a replay
+the trainer acknowledges as already applied) never loses its object to the first one's
+deletion.
 
 The trainer resolves a reference with :func:`fetch_train` (size and digest checked, the
-object must be the one its tenant and job name) and deletes the object with :func:`discard`
-once the message it stood for is acknowledged. An object nobody consumes (a publish the
-stream dropped as a duplicate of a different run of the same episode, a message
-dead-lettered: kept for an operator to read) goes after the bucket's max age
+object must be under its tenant's and job's prefix) and deletes the object with
+:func:`discard` once the message it stood for is acknowledged. An object nobody consumes (a
+sender that died between storing and publishing, a message dead-lettered: kept for an
+operator to read) goes after the bucket's max age
 (:attr:`bus.declare.BusLayout.payloads_max_age_s`).
 """
 
@@ -20,11 +23,18 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import uuid
 
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
-from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundError
+from nats.js.errors import (
+    BadObjectMetaError,
+    BucketNotFoundError,
+    DigestMismatchError,
+    NotFoundError,
+    ObjectNotFoundError,
+)
 
 from bus.codec import encode
 from bus.errors import PoisonError, RetryableError
@@ -34,7 +44,14 @@ from schemas import subjects
 from schemas.limits import exceeds
 from schemas.train import PayloadRef, RolloutBatch, SFTBatch
 
-__all__ = ["LargeTrainMessage", "discard", "fetch_train", "object_name", "publish_train"]
+__all__ = [
+    "LargeTrainMessage",
+    "PayloadGoneError",
+    "discard",
+    "fetch_train",
+    "object_prefix",
+    "publish_train",
+]
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +60,14 @@ log = logging.getLogger(__name__)
 LargeTrainMessage = SFTBatch | RolloutBatch
 
 
-def object_name(tenant: str, job_id: str, sha256: str) -> str:
-    """Where a message of ``tenant``'s job ``job_id`` with digest ``sha256`` is stored."""
-    return f"train/{tenant}/{job_id}/{sha256}"
+class PayloadGoneError(PoisonError):
+    """A reference whose object is no longer stored: deleted after its message was
+    acknowledged (this is a redelivery of it), or expired."""
+
+
+def object_prefix(tenant: str, job_id: str) -> str:
+    """Where the payloads of ``tenant``'s job ``job_id`` are stored."""
+    return f"train/{tenant}/{job_id}/"
 
 
 def _tag(message: LargeTrainMessage) -> str:
@@ -75,28 +97,33 @@ async def publish_train(
     max_payload = js._nc.max_payload
     if wire_size(data, sent_headers) > max_payload:
         sha = hashlib.sha256(data).hexdigest()
-        name = object_name(message.tenant, message.job_id, sha)
+        name = object_prefix(message.tenant, message.job_id) + uuid.uuid4().hex
         store = await js.object_store(subjects.OBJ_PAYLOADS)
-        try:
-            await store.get_info(name)
-        except (ObjectNotFoundError, NotFoundError):
-            await store.put(name, data)
-        ref = PayloadRef(message.tenant, message.job_id, _tag(message), name, len(data), sha)
+        await store.put(name, data)
+        step = message.step if isinstance(message, SFTBatch) else message.iteration
+        ref = PayloadRef(
+            message.tenant, message.job_id, _tag(message), name, len(data), sha, step=step
+        )
         data = encode(ref)
         check_payload(max_payload, data, sent_headers, f"a reference to {what}")
+        ack = await js.publish(subject, data, timeout=timeout, headers=sent_headers)
+        if ack.duplicate:  # the stream kept an earlier publish, which names its own object
+            await discard(js, ref)
+        return ack
     return await js.publish(subject, data, timeout=timeout, headers=sent_headers)
 
 
 async def fetch_train(js: JetStreamContext, ref: PayloadRef, max_bytes: int) -> bytes:
     """The stored bytes ``ref`` names, checked against its size and digest.
 
-    Raises :class:`PoisonError` for a reference that can never be honoured (an object name
-    that is not its tenant's and job's, a size over ``max_bytes``, an object gone or not the
-    one referenced) and :class:`RetryableError` when the broker does not answer."""
-    if ref.object_name != object_name(ref.tenant, ref.job_id, ref.sha256):
+    Raises :class:`PayloadGoneError` for an object no longer stored, :class:`PoisonError` for
+    a reference that can never be honoured (an object name that is not its tenant's and
+    job's, a size over ``max_bytes``, an object damaged or not the one referenced) and
+    :class:`RetryableError` when the broker does not answer."""
+    if not ref.object_name.startswith(object_prefix(ref.tenant, ref.job_id)):
         raise PoisonError(
             f"object_name: {ref.object_name!r} is not where tenant {ref.tenant!r}'s job "
-            f"{ref.job_id!r} stores a payload of digest {ref.sha256[:12]}"
+            f"{ref.job_id!r} stores its payloads"
         )
     if ref.size > max_bytes:
         size = f"{ref.size} bytes"
@@ -106,10 +133,12 @@ async def fetch_train(js: JetStreamContext, ref: PayloadRef, max_bytes: int) -> 
         store = await js.object_store(subjects.OBJ_PAYLOADS)
         await read_object_into(store, ref.object_name, buffer)
     except (BucketNotFoundError, ObjectNotFoundError, NotFoundError, ChunksMissingError) as exc:
-        raise PoisonError(
-            f"payload object {subjects.OBJ_PAYLOADS}/{ref.object_name} is gone (kept until it "
-            "is consumed, at most the bucket's max age)"
+        raise PayloadGoneError(
+            f"payload object {subjects.OBJ_PAYLOADS}/{ref.object_name} is gone (kept until its "
+            "message is acknowledged, at most the bucket's max age)"
         ) from exc
+    except (DigestMismatchError, BadObjectMetaError) as exc:
+        raise PoisonError(f"payload object {ref.object_name} is damaged: {exc!r}") from exc
     except (NatsError, TimeoutError) as exc:
         raise RetryableError(f"reading payload object {ref.object_name}: {exc!r}") from exc
     data = buffer.getvalue()

@@ -208,12 +208,16 @@ class PayloadRef(msgspec.Struct, frozen=True, tag="payload_ref"):
     job_id: str
     #: The referenced message's tag (``rollout``, ``sft_batch``): it must decode as that.
     kind: str
-    #: Name in :data:`~schemas.subjects.OBJ_PAYLOADS`: ``train/<tenant>/<job>/<sha256>``.
+    #: Name in :data:`~schemas.subjects.OBJ_PAYLOADS`: ``train/<tenant>/<job>/<uuid>``.
     object_name: str
     #: Bytes of the stored message.
     size: int
     #: Hex SHA-256 of the stored message.
     sha256: str
+    #: The stored message's ``step`` (an SFT batch) or ``iteration`` (an episode): a
+    #: redelivery of a message already acknowledged, whose object is deleted, is recognised
+    #: as applied by it.
+    step: int
 
 
 SessionCall = ForwardBackward | OptimStep | SaveState | LoadState

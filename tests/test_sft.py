@@ -121,7 +121,7 @@ async def test_bad_dataset_is_rejected_at_submit_with_a_specific_error(
         )
         with pytest.raises(
             JobFailed,
-            match=r"batch_size: 1024 samples of 64x64x3 pixels: about \d+ bytes a batch exceeds "
+            match=r"batch_size: 1024 samples of 64x64x3 pixels: up to \d+ bytes a batch exceeds "
             r"max_message_bytes 8388608: use a smaller batch_size",
         ):
             await too_big.wait(60)

@@ -44,8 +44,11 @@ class Plan:
     env_tasks: list[EnvTask] = field(default_factory=list)
 
 
-#: Bytes of an SFT sample besides its arrays: its instruction and the msgpack framing.
-SAMPLE_OVERHEAD = 1 << 10
+#: Bytes of an SFT batch besides its samples' arrays and instructions: its other fields and
+#: the msgpack framing (a bound).
+BATCH_OVERHEAD = 1 << 10
+#: Framing bytes per sample of its instruction string.
+SAMPLE_FRAMING = 8
 
 
 def check_batch_bytes(ds: DatasetMeta, spec: SFTJobSpec, max_bytes: int) -> None:
@@ -56,13 +59,14 @@ def check_batch_bytes(ds: DatasetMeta, spec: SFTJobSpec, max_bytes: int) -> None
     pixels = sum(math.prod(ds.info.features[key].shape) for key in views)
     head = spec.head
     floats = (head.proprio_dim or 0) + head.chunk_len * ((head.action_dim or 0) + 1)
-    size = spec.batch_size * (pixels + 4 * floats + SAMPLE_OVERHEAD)
+    longest = max((len(task.encode()) for task in ds.tasks.values()), default=0)
+    size = spec.batch_size * (pixels + 4 * floats + longest + SAMPLE_FRAMING) + BATCH_OVERHEAD
     if size > max_bytes:
         shape = "+".join("x".join(map(str, ds.info.features[k].shape)) for k in views)
         raise PoisonError(
             exceeds(
                 f"batch_size: {spec.batch_size} samples of {shape} pixels",
-                f"about {size} bytes a batch",
+                f"up to {size} bytes a batch",
                 "max_message_bytes",
                 max_bytes,
             )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 
@@ -25,7 +26,7 @@ from bus.codec import DecodeError, decode
 from bus.consume import Consumer
 from bus.durables import DurableSet
 from bus.errors import HandlerError, PoisonError
-from bus.payloads import discard, fetch_train
+from bus.payloads import PayloadGoneError, discard, fetch_train
 from schemas.limits import InputLimits, exceeds
 from schemas.train import TRAIN_DECODER, OpenSlot, PayloadRef, RolloutBatch, SFTBatch
 from services.trainer.checks import check_open_slot, check_rollout, check_sft
@@ -53,6 +54,25 @@ class Waiting:
 
     def __init__(self, body: object) -> None:
         self.body = body
+
+
+@dataclass(frozen=True)
+class MissingPayload:
+    """A reference whose object is gone. Its object is deleted once its message is
+    acknowledged, so a redelivery of an acknowledged message (a lost ack) finds none: the
+    trainer recognises it by the reference's step as already applied; anything else fails
+    with ``error``."""
+
+    ref: PayloadRef
+    error: PoisonError
+
+    @property
+    def tenant(self) -> str:
+        return self.ref.tenant
+
+    @property
+    def job_id(self) -> str:
+        return self.ref.job_id
 
 
 class Intake:
@@ -190,6 +210,9 @@ class Intake:
                 ref = body
                 try:
                     body = await self.dereference(ref)
+                except PayloadGoneError as exc:
+                    what = f"{ref.kind} of job {ref.job_id!r} by reference: {exc}"
+                    return MissingPayload(ref, PoisonError(what))
                 except HandlerError as exc:
                     return type(exc)(f"{ref.kind} of job {ref.job_id!r} by reference: {exc}")
                 self.consumer.when_acked(msg, functools.partial(discard, self.consumer.js, ref))

@@ -65,7 +65,7 @@ from services.trainer.config import TrainerConfig
 from services.trainer.crashguard import CrashGuard, DeadLettered
 from services.trainer.features import cache_stats, feature_sources
 from services.trainer.featurestore import BucketFeatureStore
-from services.trainer.intake import Intake, Waiting
+from services.trainer.intake import Intake, MissingPayload, Waiting
 from services.trainer.jobs import JobSlot
 from services.trainer.ledger import Verdict, sft_verdict
 from services.trainer.registry import WAIT, JobRegistry
@@ -320,7 +320,7 @@ class Trainer:
             await self.close_slot(body)
             await self.consumer.settle(msg, None)
             return Verdict.CONSUMED
-        assert isinstance(body, (SFTBatch, RolloutBatch, *SESSION_CALL_TYPES))
+        assert isinstance(body, (SFTBatch, RolloutBatch, MissingPayload, *SESSION_CALL_TYPES))
         try:
             # Restoring a job's slot (its checkpoint read and loaded) is work it starts.
             job = await self.registry.job_for(
@@ -337,6 +337,13 @@ class Trainer:
             # Ended (its CloseSlot may still be behind a backlog): nothing more to apply.
             await self.consumer.settle(msg, None)
             return Verdict.CONSUMED
+        if isinstance(body, MissingPayload):
+            if body.ref.step < job.committed_batches:
+                # A redelivery of a message acknowledged after its commit (its object was
+                # deleted then): already applied.
+                await self.consumed(msg, job)
+                return Verdict.CONSUMED
+            raise body.error
         if isinstance(body, RolloutBatch):
             return await self.stepper.collect(msg, body, job)
         if isinstance(body, SESSION_CALL_TYPES):
