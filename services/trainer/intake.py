@@ -126,9 +126,12 @@ class Intake:
         # (services.trainer.crashguard).
         fetched = await self.tenants.fill(wants, wait, also=live, count_crashes=False)
         arrived = 0
-        for tenant, msgs in fetched.items():
+        for msgs in fetched.values():
             for msg in msgs:
                 self.consumer.hold(msg)  # kept alive while buffered; settled exactly once
+        for tenant, msgs in fetched.items():
+            for msg in msgs:
+                # Decoding may fetch a referenced payload: the others are held meanwhile.
                 self.buffers[tenant].append((msg, await self.decode(tenant, msg)))
             arrived += len(msgs)
         return arrived
