@@ -27,6 +27,7 @@ from bus.publish import msg_id, publish, publish_event
 from bus.queues import publish_queues
 from bus.records import RevisionConflict, get_job, list_jobs, put_job
 from bus.service import Runtime, serve
+from bus.sweep import sweep_every
 from schemas import headers, subjects
 from schemas.events import (
     EVENT_DECODER,
@@ -477,6 +478,7 @@ async def run(config: MasterConfig) -> None:
         rt.spawn(rt.consumer.run(events, master.handle_event), "master events")
         rt.spawn(watch.run(rt.stop, master.fail), "backbone watch")
         rt.spawn(master.admissions.run(rt.stop), "admissions")
+        rt.spawn(sweep_every(rt.js, rt.stop), "object chunk sweep")
         rt.spawn(
             publish_queues(rt.nc, rt.stop, "master", rt.instance, "jobs", master.admissions.queue),
             "queue report",

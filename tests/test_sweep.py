@@ -1,0 +1,91 @@
+"""A put killed between its chunks and its metadata leaves chunks no object names; the sweep
+(bus.sweep, run by the master) purges them once they are old enough, and nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import subprocess
+import sys
+
+from nats.js import JetStreamContext
+
+from bus.server import EmbeddedServer
+from bus.sweep import object_buckets, sweep_all, sweep_orphan_chunks
+from tests.conftest import Procs
+from tests.helpers import uid
+
+#: A process that puts an object whose source stalls after three chunks, so that it is
+#: SIGKILLed with its chunks stored and its metadata never written.
+STALLING_PUT = """
+import asyncio, sys, time
+import nats
+
+class Stalls:
+    chunks = 0
+    def readinto(self, buffer):
+        self.chunks += 1
+        if self.chunks > 3:
+            print("stalled", flush=True)
+            time.sleep(600)
+            return 0
+        buffer[:] = bytes([self.chunks]) * len(buffer)
+        return len(buffer)
+
+async def main(url, bucket):
+    nc = await nats.connect(url)
+    store = await nc.jetstream().object_store(bucket)
+    await store.put("doomed", Stalls())
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+def stalling_put(url: str, bucket: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-c", STALLING_PUT, url, bucket],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+async def chunk_nuids(js: JetStreamContext, bucket: str) -> set[str]:
+    prefix = f"$O.{bucket}.C."
+    info = await js.stream_info(f"OBJ_{bucket}", subjects_filter=f"{prefix}>")
+    return {s[len(prefix) :] for s in (info.state.subjects or {})}
+
+
+async def test_the_chunks_of_a_killed_put_are_swept_and_live_objects_kept(
+    nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs
+) -> None:
+    bucket = uid("sweep")
+    store = await js.create_object_store(bucket)
+    kept = bytes(range(256)) * 1200  # 300 KiB: three chunks
+    await store.put("kept", kept)
+    replaced = await store.put("replaced", b"first")
+    await store.put("replaced", b"second")  # the first version's chunks are purged
+    gone = await store.put("gone", b"bye")
+    await store.delete("gone")
+
+    putter = procs.add(stalling_put(nats_server.url, bucket))
+    assert putter.stdout is not None
+    line = await asyncio.wait_for(asyncio.to_thread(putter.stdout.readline), 30)
+    assert line.strip() == b"stalled"
+    putter.kill()
+    putter.wait(10)
+    putter.stdout.close()
+
+    live = {o.nuid for o in await store.list() if not o.deleted}
+    orphans = await chunk_nuids(js, bucket) - live
+    assert len(orphans) == 1 and replaced.nuid not in orphans and gone.nuid not in orphans
+
+    # Younger than the bound: it could be a put still running.
+    assert await sweep_orphan_chunks(js, bucket, min_age_s=3600) == []
+    assert await sweep_orphan_chunks(js, bucket, min_age_s=0) == sorted(orphans)
+    assert await chunk_nuids(js, bucket) == live
+    out = io.BytesIO()
+    await store.get("kept", writeinto=out)
+    assert out.getvalue() == kept
+    assert bucket in await object_buckets(js)
+    assert await sweep_all(js, min_age_s=0) >= 0  # every bucket of the server, no error
+    assert await chunk_nuids(js, bucket) == live
