@@ -90,9 +90,18 @@ async def sweep_all(js: JetStreamContext, min_age_s: float = ORPHAN_MIN_AGE_S) -
     return total
 
 
+#: Most pages of streams listed (the server answers 256 streams a page).
+MAX_STREAM_PAGES = 1000
+
+
 async def object_buckets(js: JetStreamContext) -> list[str]:
-    """The names of the server's object stores."""
-    names = [info.config.name or "" for info in await js.streams_info()]
+    """The names of the server's object stores (every page of its stream list)."""
+    names: list[str] = []
+    for _ in range(MAX_STREAM_PAGES):
+        page = await js.streams_info(offset=len(names))
+        if not page:
+            break
+        names += [info.config.name or "" for info in page]
     return [n[len(OBJECT_STREAM_PREFIX) :] for n in names if n.startswith(OBJECT_STREAM_PREFIX)]
 
 
