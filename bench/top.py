@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -83,6 +84,10 @@ class Watcher:
     previous: dict[str, Heartbeat] = field(default_factory=dict)
     utilisation: dict[str, float] = field(default_factory=dict)
     queues: dict[tuple[str, str], QueueReport] = field(default_factory=dict)
+    #: When (this watcher's monotonic clock) each queue report, and each instance's latest
+    #: heartbeat, arrived: ages are never read from the sender's clock, which may be skewed.
+    received: dict[tuple[str, str], float] = field(default_factory=dict)
+    beat_seen: dict[str, float] = field(default_factory=dict)
     _sub: Subscription | None = None
 
     async def listen(self, nc: NATS) -> None:
@@ -90,6 +95,7 @@ class Watcher:
             with contextlib.suppress(DecodeError):
                 report = decode(QUEUE_REPORT_DECODER, msg.data)
                 self.queues[(report.service, report.instance)] = report
+                self.received[(report.service, report.instance)] = time.monotonic()
 
         self._sub = await nc.subscribe(f"{subjects.QUEUE_METRICS}.>", cb=keep)
 
@@ -99,17 +105,17 @@ class Watcher:
                 await self._sub.unsubscribe()
 
     async def frame(self) -> Frame:
-        now = time.time()
+        now = time.monotonic()
         beats = await self._heartbeats()
         roles = [self._role_row(key, beat, now) for key, beat in sorted(beats.items())]
         jobs = await self._jobs()
         live = {(r.role, r.instance) for r in roles}
         queues = [
             q
-            for (service, instance), q in sorted(self.queues.items())
-            if (service, instance) in live and now - q.at < 10.0
+            for key, q in sorted(self.queues.items())
+            if key in live and now - self.received.get(key, -math.inf) < 10.0
         ]
-        return Frame(now, roles, jobs, queues)
+        return Frame(time.time(), roles, jobs, queues)
 
     async def _heartbeats(self) -> dict[str, Heartbeat]:
         beats = {}
@@ -119,19 +125,23 @@ class Watcher:
         return beats
 
     def _role_row(self, key: str, beat: Heartbeat, now: float) -> RoleRow:
+        """``now``: this watcher's monotonic clock. Utilisation is a difference of the
+        sender's own readings (its clock's offset cancels); the age is how long ago this
+        watcher first saw the heartbeat (the bucket's TTL drops one that stops)."""
         before = self.previous.get(key)
         if before is not None and beat.at > before.at and "busy_s" in beat.gauges:
             busy = beat.gauges["busy_s"] - before.gauges.get("busy_s", 0.0)
             self.utilisation[key] = max(0.0, busy / (beat.at - before.at))
         if before is None or beat.at > before.at:
             self.previous[key] = beat
+            self.beat_seen[key] = now
         return RoleRow(
             beat.role,
             beat.instance,
             self.utilisation.get(key),
             beat.in_flight,
             beat.progress,
-            max(0.0, now - beat.at),
+            max(0.0, now - self.beat_seen.get(key, now)),
             beat.busy_with,
         )
 

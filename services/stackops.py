@@ -72,7 +72,9 @@ async def wait_healthy(
                 for value in (await kv_values(js, subjects.KV_HEARTBEATS)).values():
                     with contextlib.suppress(DecodeError):
                         beat = decode(HEARTBEAT_DECODER, value)
-                        if beat.role in roles and time.time() - beat.at < 5.0:
+                        # Held by the bucket = fresh: its TTL (the server's clock) drops a
+                        # heartbeat that stops; the sender's clock may be skewed.
+                        if beat.role in roles:
                             seen[beat.role] = f"{beat.instance} pid={beat.pid}"
             except NatsError as exc:  # bucket not declared yet, or no keys yet: keep polling
                 log.debug("waiting for heartbeats: %s", exc)

@@ -38,12 +38,14 @@ def test_utilisation_is_busy_seconds_over_the_time_between_two_heartbeats() -> N
     def beat(at: float, busy: float) -> Heartbeat:
         return Heartbeat("trainer", "t-1", 1, "h", 0.0, at, "0", gauges={"busy_s": busy})
 
-    first = watcher._role_row("t-1", beat(10.0, 1.0), 10.5)
-    assert first.utilisation is None
-    second = watcher._role_row("t-1", beat(12.0, 2.5), 12.2)
-    assert second.utilisation == 0.75 and abs(second.age_s - 0.2) < 1e-9
-    same = watcher._role_row("t-1", beat(12.0, 2.5), 13.0)  # no new heartbeat: kept
-    assert same.utilisation == 0.75
+    # The sender's clock runs 1000 s ahead of the watcher's: utilisation is a difference of
+    # its own readings, and the age is measured on the watcher's clock from when it saw one.
+    first = watcher._role_row("t-1", beat(1010.0, 1.0), 10.5)
+    assert first.utilisation is None and first.age_s == 0.0
+    second = watcher._role_row("t-1", beat(1012.0, 2.5), 12.2)
+    assert second.utilisation == 0.75 and second.age_s == 0.0
+    same = watcher._role_row("t-1", beat(1012.0, 2.5), 13.0)  # no new heartbeat: kept
+    assert same.utilisation == 0.75 and abs(same.age_s - 0.8) < 1e-9
     console = Console(width=160, record=True)
     console.print(
         render(
