@@ -51,6 +51,12 @@ class InputLimits(BaseModel):
         100_000, ge=1, description="Most episodes per RL iteration or evaluation."
     )
     max_parallel_envs: int = Field(256, ge=1, description="Most env sessions per task.")
+    max_iteration_bytes: int = Field(
+        2 << 30,
+        ge=1024,
+        description="Most bytes of one RL iteration's episodes (the trainer holds them all "
+        "until the iteration's update).",
+    )
     max_token_budget: int = Field(4096, ge=4, description="Most tokens per sample.")
     max_hidden_dim: int = Field(4096, ge=8, description="Widest head layer.")
 

@@ -128,6 +128,17 @@ async def test_bad_rl_specs_are_rejected_with_the_reason(
             r"\d+ bytes exceeds max_message_bytes 8388608",
         ):
             await huge.wait(60)
+        # 4096 episodes of ~620 KB: ~2.6 GB the trainer would hold until the update.
+        many = await client.train_rl(
+            rl_spec(tenant, 2, max_episode_steps=50, episodes_per_iteration=4096)
+        )
+        with pytest.raises(
+            JobFailed,
+            match=r"an iteration of episodes_per_iteration 4096 episodes of max_episode_steps "
+            r"50 x num_views 1 x image_size 64: up to \d+ bytes exceeds max_iteration_bytes "
+            r"2147483648",
+        ):
+            await many.wait(60)
 
 
 def maniskill_rl_spec(tenant: str, env: str, head: dict[str, Any], **kw: Any) -> dict[str, Any]:

@@ -146,15 +146,17 @@ def episode_bytes_bound(steps: int, head: HeadConfig, num_views: int, image_size
 
 def check_episode_bytes(spec: RLJobSpec, head: HeadConfig, limits: InputLimits) -> None:
     """Refuse an RL spec whose episodes could be over the trainer's ``max_message_bytes``
-    (they would be run, then refused): it names the fields that set the size. An episode over
-    the server's ``max_payload`` but within this bound travels by reference
-    (:mod:`bus.payloads`)."""
+    (they would be run, then refused), or whose iteration's episodes together could be over
+    ``max_iteration_bytes`` (the trainer holds them until the update); the message names the
+    fields that set the size. An episode over the server's ``max_payload`` but within these
+    bounds travels by reference (:mod:`bus.payloads`)."""
     size = episode_bytes_bound(spec.max_episode_steps, head, spec.num_views, spec.image_size)
+    fields = (
+        f"max_episode_steps {spec.max_episode_steps} x num_views {spec.num_views} x "
+        f"image_size {spec.image_size}"
+    )
+    advice = ": lower one of them (or ask the operator for a larger limit)"
     if size > limits.max_message_bytes:
-        fields = (
-            f"max_episode_steps {spec.max_episode_steps} x num_views {spec.num_views} x "
-            f"image_size {spec.image_size}"
-        )
         raise PoisonError(
             exceeds(
                 f"an episode of {fields}",
@@ -162,7 +164,18 @@ def check_episode_bytes(spec: RLJobSpec, head: HeadConfig, limits: InputLimits) 
                 "max_message_bytes",
                 limits.max_message_bytes,
             )
-            + ": lower one of them (or ask the operator for a larger limit)"
+            + advice
+        )
+    episodes = spec.episodes_per_iteration
+    if episodes * size > limits.max_iteration_bytes:
+        raise PoisonError(
+            exceeds(
+                f"an iteration of episodes_per_iteration {episodes} episodes of {fields}",
+                f"up to {episodes * size} bytes",
+                "max_iteration_bytes",
+                limits.max_iteration_bytes,
+            )
+            + advice
         )
 
 
