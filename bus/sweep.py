@@ -39,19 +39,18 @@ async def sweep_orphan_chunks(
     js: JetStreamContext, bucket: str, min_age_s: float = ORPHAN_MIN_AGE_S
 ) -> list[str]:
     """Purge ``bucket``'s chunks that no live object names and that are older than
-    ``min_age_s``; return the nuids purged."""
+    ``min_age_s``; return the nuids purged. Nothing is purged unless the listing of the
+    bucket's objects holds every object metadata the stream holds (a partial listing would
+    make live objects look like orphans)."""
     stream = f"{OBJECT_STREAM_PREFIX}{bucket}"
     prefix = f"$O.{bucket}.C."
     info = await js.stream_info(stream, subjects_filter=f"{prefix}>")
     chunk_nuids = {s[len(prefix) :] for s in (info.state.subjects or {})}
     if not chunk_nuids:
         return []
-    store = await js.object_store(bucket)
-    try:
-        objects = await store.list()
-    except NotFoundError:  # no metadata at all: every chunk is an orphan
-        objects = []
-    live = {o.nuid for o in objects if o.nuid and not o.deleted}
+    live = await _live_nuids(js, bucket)
+    if live is None:
+        return []
     now = dt.datetime.now(dt.UTC)
     purged = []
     for nuid in sorted(chunk_nuids - live):
@@ -63,9 +62,9 @@ async def sweep_orphan_chunks(
         if last.time is not None and (now - last.time).total_seconds() < min_age_s:
             continue
         # Listed again: an object whose put ended since the listing is not purged.
-        with contextlib.suppress(NotFoundError):
-            if any(o.nuid == nuid and not o.deleted for o in await store.list()):
-                continue
+        again = await _live_nuids(js, bucket)
+        if again is None or nuid in again:
+            continue
         await js.purge_stream(stream, subject=subject)
         purged.append(nuid)
     if purged:
@@ -76,6 +75,30 @@ async def sweep_orphan_chunks(
             len(purged),
         )
     return purged
+
+
+async def _live_nuids(js: JetStreamContext, bucket: str) -> set[str] | None:
+    """The nuids the bucket's live (not deleted) objects name; None when the listing does not
+    hold one entry per metadata subject of the stream (an object put meanwhile, or a listing
+    cut short): no sweep then."""
+    meta = await js.stream_info(
+        f"{OBJECT_STREAM_PREFIX}{bucket}", subjects_filter=f"$O.{bucket}.M.>"
+    )
+    expected = len(meta.state.subjects or {})
+    store = await js.object_store(bucket)
+    try:
+        objects = await store.list()
+    except NotFoundError:  # nats.py: no entries at all
+        objects = []
+    if len(objects) != expected:
+        log.info(
+            "object store %s: %d objects listed, %d in the stream; not swept now",
+            bucket,
+            len(objects),
+            expected,
+        )
+        return None
+    return {o.nuid for o in objects if o.nuid and not o.deleted}
 
 
 async def sweep_all(js: JetStreamContext, min_age_s: float = ORPHAN_MIN_AGE_S) -> int:

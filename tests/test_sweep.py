@@ -8,7 +8,10 @@ import io
 import subprocess
 import sys
 
+import pytest
 from nats.js import JetStreamContext
+from nats.js.api import ObjectInfo
+from nats.js.object_store import ObjectStore
 
 from bus.server import EmbeddedServer
 from bus.sweep import object_buckets, sweep_all, sweep_orphan_chunks
@@ -89,3 +92,29 @@ async def test_the_chunks_of_a_killed_put_are_swept_and_live_objects_kept(
     assert bucket in await object_buckets(js)
     assert await sweep_all(js, min_age_s=0) >= 0  # every bucket of the server, no error
     assert await chunk_nuids(js, bucket) == live
+
+
+async def test_a_listing_that_misses_an_object_purges_nothing(
+    js: JetStreamContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Were the listing of the bucket's objects cut short, a live object would look like an
+    orphan: the sweep compares it with the stream's metadata subjects and does nothing."""
+    bucket = uid("partial")
+    store = await js.create_object_store(bucket)
+    for name in ("a", "b", "c"):
+        await store.put(name, name.encode() * 1000)
+    chunks = await chunk_nuids(js, bucket)
+    full = ObjectStore.list
+
+    async def missing_one(self: ObjectStore, ignore_deletes: bool = False) -> list[ObjectInfo]:
+        return (await full(self, ignore_deletes))[1:]
+
+    monkeypatch.setattr(ObjectStore, "list", missing_one)
+    assert await sweep_orphan_chunks(js, bucket, min_age_s=0) == []
+    assert await chunk_nuids(js, bucket) == chunks
+    monkeypatch.setattr(ObjectStore, "list", full)
+    assert await sweep_orphan_chunks(js, bucket, min_age_s=0) == []  # nothing orphaned
+    for name in ("a", "b", "c"):
+        out = io.BytesIO()
+        await store.get(name, writeinto=out)
+        assert out.getvalue() == name.encode() * 1000
