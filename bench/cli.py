@@ -167,6 +167,12 @@ def _bench_rl(args: argparse.Namespace) -> int:
     return int(rl.main(args.bench_args) or 0)
 
 
+def _bench_payloads(args: argparse.Namespace) -> int:
+    from bench import payloads
+
+    return int(payloads.main(args.bench_args) or 0)
+
+
 def _bench_learn(args: argparse.Namespace) -> int:
     from bench import learn
 
@@ -186,6 +192,10 @@ BENCHES: dict[str, tuple[Command, str]] = {
     "flood": (
         _bench_flood,
         "a calm tenant's SFT and act throughput with and without another tenant's flood",
+    ),
+    "payloads": (
+        _bench_payloads,
+        "a TRAIN episode inline vs by reference through the object store, per episode",
     ),
     "lowlevel": (
         _bench_lowlevel,

@@ -4,6 +4,7 @@ the payloads object store, fetched and checked by the trainer, deleted once ackn
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import msgspec
@@ -16,6 +17,7 @@ from nats.js import JetStreamContext
 from nats.js.api import ObjectInfo
 from nats.js.errors import NotFoundError
 
+from bench import payloads as payloads_bench
 from bus.codec import decode, encode
 from bus.consume import Consumer
 from bus.declare import declare
@@ -340,3 +342,13 @@ async def _dead_letters(js: JetStreamContext, tenant: str) -> list[DeadLetter]:
         return found
     finally:
         await sub.unsubscribe()
+
+
+def test_the_payloads_bench_measures_inline_and_by_reference_side_by_side(tmp_path: Path) -> None:
+    out = tmp_path / "payloads.json"
+    argv = ["--episodes", "3", "--sizes", "10x1,100x2", "--json", str(out)]
+    assert payloads_bench.main(argv) == 0
+    small, large = json.loads(out.read_text())
+    assert small["by_reference"] == 0.0 and small["mb"] < 0.2
+    assert large["by_reference"] == 1.0 and large["mb"] > 2.0
+    assert small["ratio"] > 0 and large["ratio"] > 0
