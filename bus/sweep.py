@@ -7,19 +7,22 @@ it uploads a checkpoint, a master while it stores a pushed dataset) leaves chunk
 metadata names. Nothing reads them and nothing deletes them: the ``checkpoints`` bucket has no
 max age, so each such crash would keep its bytes for good.
 
-:func:`sweep_orphan_chunks` purges, in one bucket, the chunk subjects whose nuid no live
-object names and whose last chunk is older than ``min_age_s`` (a put still running writes
-chunks every moment, and its metadata comes after them). :func:`sweep_all` does it for every
-object store of the server; the master runs it at start and then every
-:data:`SWEEP_EVERY_S` (``services.master``).
+A :class:`ChunkSweeper` purges such chunks in two passes and never by a clock it does not
+own: a pass notes each orphan's last chunk sequence, and a later pass, at least
+``min_age_s`` later on the sweeper's own monotonic clock, purges it only if no chunk was
+added since (a put still running adds chunks; its metadata comes after them). Nothing is
+purged unless the listing of the bucket's objects holds one entry per metadata subject of its
+stream (a listing cut short must not make live objects look orphaned). The master runs one at
+start and then every :data:`SWEEP_EVERY_S` over every object store (``services.master``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import logging
+import time
+from collections.abc import Callable
 
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
@@ -27,67 +30,109 @@ from nats.js.errors import NotFoundError
 
 log = logging.getLogger(__name__)
 
-#: Chunks younger than this may belong to a put still running: kept.
+#: An orphan is purged once it has kept its last chunk at least this long (by the sweeper's
+#: clock, across two passes).
 ORPHAN_MIN_AGE_S = 15 * 60.0
 #: How often the master sweeps every object store.
 SWEEP_EVERY_S = 3600.0
 #: Object stores are the streams named ``OBJ_<bucket>``.
 OBJECT_STREAM_PREFIX = "OBJ_"
+#: Bound on listing one bucket's objects.
+LIST_TIMEOUT_S = 60.0
+#: Most pages of streams listed (the server answers 256 streams a page).
+MAX_STREAM_PAGES = 1000
 
 
-async def sweep_orphan_chunks(
-    js: JetStreamContext, bucket: str, min_age_s: float = ORPHAN_MIN_AGE_S
-) -> list[str]:
-    """Purge ``bucket``'s chunks that no live object names and that are older than
-    ``min_age_s``; return the nuids purged. Nothing is purged unless the listing of the
-    bucket's objects holds every object metadata the stream holds (a partial listing would
-    make live objects look like orphans)."""
-    stream = f"{OBJECT_STREAM_PREFIX}{bucket}"
-    prefix = f"$O.{bucket}.C."
-    info = await js.stream_info(stream, subjects_filter=f"{prefix}>")
-    chunk_nuids = {s[len(prefix) :] for s in (info.state.subjects or {})}
-    if not chunk_nuids:
-        return []
-    live = await _live_nuids(js, bucket)
-    if live is None:
-        return []
-    now = dt.datetime.now(dt.UTC)
-    purged = []
-    for nuid in sorted(chunk_nuids - live):
-        subject = f"{prefix}{nuid}"
-        try:
-            last = await js.get_last_msg(stream, subject)
-        except NotFoundError:
-            continue  # purged meanwhile
-        if last.time is not None and (now - last.time).total_seconds() < min_age_s:
-            continue
-        # Listed again: an object whose put ended since the listing is not purged.
-        again = await _live_nuids(js, bucket)
-        if again is None or nuid in again:
-            continue
-        await js.purge_stream(stream, subject=subject)
-        purged.append(nuid)
-    if purged:
-        log.warning(
-            "object store %s: purged the chunks of %d objects no metadata names (a put or "
-            "delete cut short)",
-            bucket,
-            len(purged),
-        )
-    return purged
+class ChunkSweeper:
+    """Finds and purges orphaned chunks over passes (see the module docstring)."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        min_age_s: float = ORPHAN_MIN_AGE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.js = js
+        self.min_age_s = min_age_s
+        self.clock = clock
+        #: (bucket, nuid) of an orphan seen → (its last chunk's sequence, when first seen so).
+        self.seen: dict[tuple[str, str], tuple[int, float]] = {}
+
+    async def sweep(self, bucket: str, stop: asyncio.Event | None = None) -> list[str]:
+        """One pass over ``bucket``: note its orphans, purge those noted long enough ago and
+        unchanged since; return the nuids purged."""
+        stream = f"{OBJECT_STREAM_PREFIX}{bucket}"
+        prefix = f"$O.{bucket}.C."
+        info = await self.js.stream_info(stream, subjects_filter=f"{prefix}>")
+        chunk_nuids = {s[len(prefix) :] for s in (info.state.subjects or {})}
+        live = await live_nuids(self.js, bucket) if chunk_nuids else set()
+        if live is None:
+            return []
+        now = self.clock()
+        orphans = chunk_nuids - live
+        for key in [k for k in self.seen if k[0] == bucket and k[1] not in orphans]:
+            del self.seen[key]
+        aged = []
+        for nuid in sorted(orphans):
+            if stop is not None and stop.is_set():
+                return []
+            try:
+                last = await self.js.get_last_msg(stream, f"{prefix}{nuid}")
+            except NotFoundError:
+                continue  # purged meanwhile
+            seq = last.seq or 0
+            noted = self.seen.get((bucket, nuid))
+            if noted is None or noted[0] != seq:
+                self.seen[(bucket, nuid)] = (seq, now)
+            elif now - noted[1] >= self.min_age_s:
+                aged.append(nuid)
+        if not aged:
+            return []
+        # Listed again: an object whose put ended since the first listing is not purged.
+        again = await live_nuids(self.js, bucket)
+        if again is None:
+            return []
+        purged = []
+        for nuid in aged:
+            if nuid in again:
+                continue
+            await self.js.purge_stream(stream, subject=f"{prefix}{nuid}")
+            self.seen.pop((bucket, nuid), None)
+            purged.append(nuid)
+        if purged:
+            log.warning(
+                "object store %s: purged the chunks of %d objects no metadata names (a put "
+                "or delete cut short)",
+                bucket,
+                len(purged),
+            )
+        return purged
+
+    async def sweep_all(self, stop: asyncio.Event | None = None) -> int:
+        """:meth:`sweep` every object store; returns how many objects' chunks were purged. A
+        bucket that cannot be swept now is left for the next pass."""
+        total = 0
+        for name in await object_buckets(self.js):
+            if stop is not None and stop.is_set():
+                break
+            try:
+                total += len(await self.sweep(name, stop))
+            except (NatsError, TimeoutError) as exc:
+                log.info("object store %s not swept now: %r", name, exc)
+        return total
 
 
-async def _live_nuids(js: JetStreamContext, bucket: str) -> set[str] | None:
+async def live_nuids(js: JetStreamContext, bucket: str) -> set[str] | None:
     """The nuids the bucket's live (not deleted) objects name; None when the listing does not
-    hold one entry per metadata subject of the stream (an object put meanwhile, or a listing
-    cut short): no sweep then."""
+    hold one entry per metadata subject of the stream (an object put meanwhile, a listing cut
+    short, or more metadata subjects than the server lists at once): no purge then."""
     meta = await js.stream_info(
         f"{OBJECT_STREAM_PREFIX}{bucket}", subjects_filter=f"$O.{bucket}.M.>"
     )
     expected = len(meta.state.subjects or {})
     store = await js.object_store(bucket)
     try:
-        objects = await store.list()
+        objects = await asyncio.wait_for(store.list(), LIST_TIMEOUT_S)
     except NotFoundError:  # nats.py: no entries at all
         objects = []
     if len(objects) != expected:
@@ -99,22 +144,6 @@ async def _live_nuids(js: JetStreamContext, bucket: str) -> set[str] | None:
         )
         return None
     return {o.nuid for o in objects if o.nuid and not o.deleted}
-
-
-async def sweep_all(js: JetStreamContext, min_age_s: float = ORPHAN_MIN_AGE_S) -> int:
-    """:func:`sweep_orphan_chunks` in every object store; returns how many objects' chunks
-    were purged. A bucket that cannot be swept now is left for the next sweep."""
-    total = 0
-    for name in await object_buckets(js):
-        try:
-            total += len(await sweep_orphan_chunks(js, name, min_age_s))
-        except (NatsError, TimeoutError) as exc:
-            log.info("object store %s not swept now: %r", name, exc)
-    return total
-
-
-#: Most pages of streams listed (the server answers 256 streams a page).
-MAX_STREAM_PAGES = 1000
 
 
 async def object_buckets(js: JetStreamContext) -> list[str]:
@@ -131,10 +160,11 @@ async def object_buckets(js: JetStreamContext) -> list[str]:
 async def sweep_every(
     js: JetStreamContext, stop: asyncio.Event, every_s: float = SWEEP_EVERY_S
 ) -> None:
-    """Until ``stop``: :func:`sweep_all` now and then every ``every_s``."""
+    """Until ``stop``: a pass over every object store now and then every ``every_s``."""
+    sweeper = ChunkSweeper(js)
     while not stop.is_set():
         try:
-            await sweep_all(js)
+            await sweeper.sweep_all(stop)
         except (NatsError, TimeoutError) as exc:
             log.info("object stores not swept now: %r", exc)
         with contextlib.suppress(TimeoutError):

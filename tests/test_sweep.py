@@ -1,5 +1,6 @@
 """A put killed between its chunks and its metadata leaves chunks no object names; the sweep
-(bus.sweep, run by the master) purges them once they are old enough, and nothing else."""
+(bus.sweep, run by the master) purges them once they have stayed unchanged long enough, and
+nothing else."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from nats.js.api import ObjectInfo
 from nats.js.object_store import ObjectStore
 
 from bus.server import EmbeddedServer
-from bus.sweep import object_buckets, sweep_all, sweep_orphan_chunks
+from bus.sweep import ChunkSweeper, object_buckets
 from tests.conftest import Procs
 from tests.helpers import uid
 
@@ -58,6 +59,14 @@ async def chunk_nuids(js: JetStreamContext, bucket: str) -> set[str]:
     return {s[len(prefix) :] for s in (info.state.subjects or {})}
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 async def test_the_chunks_of_a_killed_put_are_swept_and_live_objects_kept(
     nats_server: EmbeddedServer, js: JetStreamContext, procs: Procs
 ) -> None:
@@ -81,17 +90,24 @@ async def test_the_chunks_of_a_killed_put_are_swept_and_live_objects_kept(
     live = {o.nuid for o in await store.list() if not o.deleted}
     orphans = await chunk_nuids(js, bucket) - live
     assert len(orphans) == 1 and replaced.nuid not in orphans and gone.nuid not in orphans
+    (orphan,) = orphans
 
-    # Younger than the bound: it could be a put still running.
-    assert await sweep_orphan_chunks(js, bucket, min_age_s=3600) == []
-    assert await sweep_orphan_chunks(js, bucket, min_age_s=0) == sorted(orphans)
+    clock = FakeClock()
+    sweeper = ChunkSweeper(js, min_age_s=60, clock=clock)
+    assert await sweeper.sweep(bucket) == []  # noted, never purged on first sight
+    # A chunk more (as if its put were still running): noted again from now.
+    await js.publish(f"$O.{bucket}.C.{orphan}", b"more")
+    clock.now = 100.0
+    assert await sweeper.sweep(bucket) == []
+    clock.now = 150.0
+    assert await sweeper.sweep(bucket) == []  # 50 s unchanged: younger than the bound
+    clock.now = 160.0
+    assert await sweeper.sweep(bucket) == [orphan]
     assert await chunk_nuids(js, bucket) == live
     out = io.BytesIO()
     await store.get("kept", writeinto=out)
     assert out.getvalue() == kept
     assert bucket in await object_buckets(js)
-    assert await sweep_all(js, min_age_s=0) >= 0  # every bucket of the server, no error
-    assert await chunk_nuids(js, bucket) == live
 
 
 async def test_a_listing_that_misses_an_object_purges_nothing(
@@ -109,11 +125,15 @@ async def test_a_listing_that_misses_an_object_purges_nothing(
     async def missing_one(self: ObjectStore, ignore_deletes: bool = False) -> list[ObjectInfo]:
         return (await full(self, ignore_deletes))[1:]
 
+    clock = FakeClock()
+    sweeper = ChunkSweeper(js, min_age_s=0, clock=clock)
     monkeypatch.setattr(ObjectStore, "list", missing_one)
-    assert await sweep_orphan_chunks(js, bucket, min_age_s=0) == []
+    for clock.now in (0.0, 10.0, 20.0):
+        assert await sweeper.sweep(bucket) == []
     assert await chunk_nuids(js, bucket) == chunks
     monkeypatch.setattr(ObjectStore, "list", full)
-    assert await sweep_orphan_chunks(js, bucket, min_age_s=0) == []  # nothing orphaned
+    for clock.now in (30.0, 40.0):
+        assert await sweeper.sweep(bucket) == []  # nothing orphaned
     for name in ("a", "b", "c"):
         out = io.BytesIO()
         await store.get(name, writeinto=out)
