@@ -12,8 +12,9 @@ own: a pass notes each orphan's last chunk sequence, and a later pass, at least
 ``min_age_s`` later on the sweeper's own monotonic clock, purges it only if no chunk was
 added since (a put still running adds chunks; its metadata comes after them). Nothing is
 purged unless the listing of the bucket's objects holds one entry per metadata subject of its
-stream (a listing cut short must not make live objects look orphaned). The master runs one at
-start and then every :data:`SWEEP_EVERY_S` over every object store (``services.master``).
+stream (a listing cut short must not make live objects look orphaned). The master runs a pass
+over every object store :data:`FIRST_PASS_AFTER_S` after it starts and then every
+:data:`SWEEP_EVERY_S` (``services.master``).
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ log = logging.getLogger(__name__)
 #: An orphan is purged once it has kept its last chunk at least this long (by the sweeper's
 #: clock, across two passes).
 ORPHAN_MIN_AGE_S = 15 * 60.0
-#: How often the master sweeps every object store.
+#: How often the master sweeps every object store, and its first pass after start (a pass
+#: only notes what a later one may purge).
 SWEEP_EVERY_S = 3600.0
+FIRST_PASS_AFTER_S = 300.0
 #: Object stores are the streams named ``OBJ_<bucket>``.
 OBJECT_STREAM_PREFIX = "OBJ_"
 #: Bound on listing one bucket's objects.
@@ -158,14 +161,23 @@ async def object_buckets(js: JetStreamContext) -> list[str]:
 
 
 async def sweep_every(
-    js: JetStreamContext, stop: asyncio.Event, every_s: float = SWEEP_EVERY_S
+    js: JetStreamContext,
+    stop: asyncio.Event,
+    every_s: float = SWEEP_EVERY_S,
+    first_after_s: float = FIRST_PASS_AFTER_S,
+    min_age_s: float = ORPHAN_MIN_AGE_S,
 ) -> None:
-    """Until ``stop``: a pass over every object store now and then every ``every_s``."""
-    sweeper = ChunkSweeper(js)
+    """Until ``stop``: a pass over every object store ``first_after_s`` after start (out of
+    the way of a starting stack) and then every ``every_s``."""
+    sweeper = ChunkSweeper(js, min_age_s)
+    wait = first_after_s
     while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), wait)
+        if stop.is_set():
+            return
         try:
             await sweeper.sweep_all(stop)
         except (NatsError, TimeoutError) as exc:
             log.info("object stores not swept now: %r", exc)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), every_s)
+        wait = every_s

@@ -15,9 +15,9 @@ from nats.js.api import ObjectInfo
 from nats.js.object_store import ObjectStore
 
 from bus.server import EmbeddedServer
-from bus.sweep import ChunkSweeper, object_buckets
+from bus.sweep import ChunkSweeper, object_buckets, sweep_every
 from tests.conftest import Procs
-from tests.helpers import uid
+from tests.helpers import eventually, uid
 
 #: A process that puts an object whose source stalls after three chunks, so that it is
 #: SIGKILLed with its chunks stored and its metadata never written.
@@ -138,3 +138,26 @@ async def test_a_listing_that_misses_an_object_purges_nothing(
         out = io.BytesIO()
         await store.get(name, writeinto=out)
         assert out.getvalue() == name.encode() * 1000
+
+
+async def test_the_masters_sweep_loop_purges_over_two_passes_and_stops_on_its_event(
+    js: JetStreamContext,
+) -> None:
+    bucket = uid("loop")
+    store = await js.create_object_store(bucket)
+    await store.put("live", b"x" * 1000)
+    await js.publish(f"$O.{bucket}.C.orphannuid", b"left by a killed put")
+    live = {o.nuid for o in await store.list()}
+    stop = asyncio.Event()
+    loop = asyncio.create_task(
+        sweep_every(js, stop, every_s=0.05, first_after_s=0.0, min_age_s=0.0)
+    )
+    try:
+        await eventually(lambda: _only(js, bucket, live), timeout=30, what="the orphan purged")
+    finally:
+        stop.set()
+        await asyncio.wait_for(loop, 10)
+
+
+async def _only(js: JetStreamContext, bucket: str, live: set[str | None]) -> bool:
+    return await chunk_nuids(js, bucket) == live
