@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import uuid
 
 import msgspec
@@ -28,7 +27,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundErr
 from nats.js.object_store import ObjectStore
 
 from bus.codec import DecodeError, decode, encode
-from bus.kv import ChunksMissingError, read_object_into
+from bus.kv import ObjectGoneError, ReferenceMismatchError, read_referenced
 from schemas import subjects
 from schemas.feature import (
     FEATURE_DECODER,
@@ -98,20 +97,12 @@ async def unpack(js: JetStreamContext, data: bytes) -> FeatureRecord:
         raise FeatureTransportError(
             f"bucket: {message.bucket!r} is not backbone {message.backbone_id!r}'s feature bucket"
         )
-    buffer = io.BytesIO()
     try:
-        store = await js.object_store(message.bucket)
-        await read_object_into(store, message.object_name, buffer)
-    except (BucketNotFoundError, ObjectNotFoundError, NotFoundError, ChunksMissingError) as exc:
-        raise FeatureTransportError(
-            f"feature object {message.bucket}/{message.object_name} is gone"
-        ) from exc
-    stored = buffer.getvalue()
-    if len(stored) != message.size or hashlib.sha256(stored).hexdigest() != message.sha256:
-        raise FeatureTransportError(
-            f"feature object {message.object_name}: {len(stored)} bytes that do not match "
-            f"the reference's size {message.size} and digest"
+        stored = await read_referenced(
+            js, message.bucket, message.object_name, message.size, message.sha256
         )
+    except (ObjectGoneError, ReferenceMismatchError) as exc:
+        raise FeatureTransportError(f"feature {exc}") from exc
     try:
         record = decode(FEATURE_RECORD_DECODER, stored)
     except DecodeError as exc:
@@ -149,18 +140,18 @@ async def take_blob(js: JetStreamContext, ref: BlobRef, backbone: str) -> bytes:
             f"bucket: {ref.bucket}/{ref.object_name} is not a transient object of backbone "
             f"{backbone!r}'s feature bucket"
         )
-    buffer = io.BytesIO()
     try:
-        store = await js.object_store(ref.bucket)
-        await read_object_into(store, ref.object_name, buffer)
-    except (BucketNotFoundError, ObjectNotFoundError, NotFoundError, ChunksMissingError) as exc:
-        raise FeatureTransportError(f"object {ref.bucket}/{ref.object_name} is gone") from exc
-    with contextlib.suppress(NatsError, ObjectNotFoundError, NotFoundError):
-        await store.delete(ref.object_name)
-    data = buffer.getvalue()
-    if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
-        raise FeatureTransportError(
-            f"object {ref.object_name}: {len(data)} bytes that do not match the reference's "
-            f"size {ref.size} and digest"
-        )
+        data = await read_referenced(js, ref.bucket, ref.object_name, ref.size, ref.sha256)
+    except ObjectGoneError as exc:
+        raise FeatureTransportError(str(exc)) from exc
+    except ReferenceMismatchError as exc:
+        await _delete(js, ref)  # read once: nobody reads it again
+        raise FeatureTransportError(str(exc)) from exc
+    await _delete(js, ref)
     return data
+
+
+async def _delete(js: JetStreamContext, ref: BlobRef) -> None:
+    with contextlib.suppress(NatsError, ObjectNotFoundError, NotFoundError):
+        store = await js.object_store(ref.bucket)
+        await store.delete(ref.object_name)

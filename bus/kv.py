@@ -15,6 +15,7 @@ import asyncio
 import base64
 import binascii
 import hashlib
+import io
 import json
 from collections.abc import Awaitable, Callable
 from typing import BinaryIO, TypeVar
@@ -24,6 +25,7 @@ from nats.js import JetStreamContext
 from nats.js.api import ObjectInfo, RawStreamMsg
 from nats.js.errors import (
     BadObjectMetaError,
+    BucketNotFoundError,
     DigestMismatchError,
     KeyDeletedError,
     KeyNotFoundError,
@@ -167,6 +169,37 @@ async def read_object_into(store: ObjectStore, name: str, out: BinaryIO) -> Obje
     ):
         raise DigestMismatchError(description=f"{name}: chunks do not match its own digest")
     return info
+
+
+class ObjectGoneError(Exception):
+    """An object that is not there to read: its bucket, its metadata or its chunks gone."""
+
+
+class ReferenceMismatchError(Exception):
+    """An object whose bytes are not the size and digest its reference names."""
+
+
+async def read_referenced(
+    js: JetStreamContext, bucket: str, name: str, size: int, sha256: str
+) -> bytes:
+    """Object ``name`` of ``bucket``, which a message referenced with its ``size`` and hex
+    ``sha256``. Raises :class:`ObjectGoneError` for an object that is not there and
+    :class:`ReferenceMismatchError` for bytes that are not the referenced ones (what
+    :func:`read_object_into` raises for chunks that do not match the object's own metadata
+    passes through)."""
+    buffer = io.BytesIO()
+    try:
+        store = await js.object_store(bucket)
+        await read_object_into(store, name, buffer)
+    except (BucketNotFoundError, ObjectNotFoundError, NotFoundError, ChunksMissingError) as exc:
+        raise ObjectGoneError(f"object {bucket}/{name} is gone") from exc
+    data = buffer.getvalue()
+    if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
+        raise ReferenceMismatchError(
+            f"object {name}: {len(data)} bytes that do not match the reference's size {size} "
+            "and digest"
+        )
+    return data
 
 
 async def _next_chunk(

@@ -21,7 +21,6 @@ operator to read) goes after the bucket's max age
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import uuid
 
@@ -30,7 +29,6 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from nats.js.errors import (
     BadObjectMetaError,
-    BucketNotFoundError,
     DigestMismatchError,
     NotFoundError,
     ObjectNotFoundError,
@@ -38,7 +36,7 @@ from nats.js.errors import (
 
 from bus.codec import encode
 from bus.errors import PoisonError, RetryableError
-from bus.kv import ChunksMissingError, read_object_into
+from bus.kv import ObjectGoneError, ReferenceMismatchError, read_referenced
 from bus.publish import check_payload, headers_for, wire_size
 from schemas import subjects
 from schemas.limits import exceeds
@@ -128,26 +126,20 @@ async def fetch_train(js: JetStreamContext, ref: PayloadRef, max_bytes: int) -> 
     if ref.size > max_bytes:
         size = f"{ref.size} bytes"
         raise PoisonError(exceeds(f"referenced {ref.kind}", size, "max_message_bytes", max_bytes))
-    buffer = io.BytesIO()
     try:
-        store = await js.object_store(subjects.OBJ_PAYLOADS)
-        await read_object_into(store, ref.object_name, buffer)
-    except (BucketNotFoundError, ObjectNotFoundError, NotFoundError, ChunksMissingError) as exc:
+        return await read_referenced(
+            js, subjects.OBJ_PAYLOADS, ref.object_name, ref.size, ref.sha256
+        )
+    except ObjectGoneError as exc:
         raise PayloadGoneError(
-            f"payload object {subjects.OBJ_PAYLOADS}/{ref.object_name} is gone (kept until its "
-            "message is acknowledged, at most the bucket's max age)"
+            f"payload {exc} (kept until its message is acknowledged, at most the bucket's max age)"
         ) from exc
+    except ReferenceMismatchError as exc:
+        raise PoisonError(f"payload {exc}") from exc
     except (DigestMismatchError, BadObjectMetaError) as exc:
         raise PoisonError(f"payload object {ref.object_name} is damaged: {exc!r}") from exc
     except (NatsError, TimeoutError) as exc:
         raise RetryableError(f"reading payload object {ref.object_name}: {exc!r}") from exc
-    data = buffer.getvalue()
-    if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
-        raise PoisonError(
-            f"payload object {ref.object_name}: {len(data)} bytes that do not match the "
-            f"reference's size {ref.size} and digest"
-        )
-    return data
 
 
 async def discard(js: JetStreamContext, ref: PayloadRef) -> None:
