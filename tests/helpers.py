@@ -13,7 +13,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar, overload
 
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+
+from bus.codec import decode
 from bus.server import nats_server_binary
+from schemas import subjects
+from schemas.dead import DEAD_LETTER_DECODER, DeadLetter
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,3 +131,17 @@ async def joynexus(
         check=False,
         env=env,
     )
+
+
+async def dead_letters(js: JetStreamContext, stream: str, tenant: str) -> list[DeadLetter]:
+    """Every dead letter of ``tenant`` from ``stream`` so far."""
+    sub = await js.subscribe(subjects.dead(stream, tenant), ordered_consumer=True)
+    found = []
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=0.5)
+            found.append(decode(DEAD_LETTER_DECODER, msg.data))
+    except NatsError:  # no more records
+        return found
+    finally:
+        await sub.unsubscribe()

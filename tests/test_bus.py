@@ -17,7 +17,6 @@ from nats.js.api import RetentionPolicy, StreamConfig
 from opentelemetry import trace
 
 from bus import tracing
-from bus.codec import decode
 from bus.connect import connect
 from bus.consume import Consumer
 from bus.declare import BusLayout, DeclareConflict, declare
@@ -29,9 +28,8 @@ from bus.publish import Outgoing, publish, publish_all
 from bus.server import EmbeddedServer, ServerError
 from bus.watch import follow_kv
 from schemas import subjects
-from schemas.dead import DEAD_LETTER_DECODER, DeadLetter
 from schemas.events import Accepted
-from tests.helpers import eventually, uid
+from tests.helpers import dead_letters, eventually, uid
 
 
 async def test_declare_is_idempotent(fresh_server: EmbeddedServer) -> None:
@@ -121,19 +119,6 @@ async def _run_consumer(
     return asyncio.create_task(run()), consumer, durable.name
 
 
-async def _dead_letters(js: JetStreamContext, tenant: str) -> list[DeadLetter]:
-    sub = await js.subscribe(subjects.dead("TRAIN", tenant), ordered_consumer=True)
-    found = []
-    try:
-        while True:
-            msg = await sub.next_msg(timeout=0.5)
-            found.append(decode(DEAD_LETTER_DECODER, msg.data))
-    except NatsError:  # nats TimeoutError: no more records
-        return found
-    finally:
-        await sub.unsubscribe()
-
-
 async def test_poison_goes_to_dead_with_reason_and_consumer_continues(
     js: JetStreamContext,
 ) -> None:
@@ -154,7 +139,7 @@ async def test_poison_goes_to_dead_with_reason_and_consumer_continues(
     for payload in (b"good-1", b"bad", b"good-2"):
         await js.publish(subjects.train("tiny", tenant), payload)
     await eventually(lambda: len(handled) == 2, what="both good messages handled")
-    dead = await eventually(lambda: _dead_letters(js, tenant), what="dead letter")
+    dead = await eventually(lambda: dead_letters(js, "TRAIN", tenant), what="dead letter")
     assert dead[0].payload == b"bad" and dead[0].tenant == tenant
     assert dead[0].reason == "tensor shape (3,) does not match action_dim 7"
     assert told == [dead[0].reason]
@@ -180,7 +165,7 @@ async def test_retryable_error_is_redelivered_then_succeeds(js: JetStreamContext
     assert attempts == [1, 2, 3]
     stop.set()
     await task
-    assert await _dead_letters(js, tenant) == []
+    assert await dead_letters(js, "TRAIN", tenant) == []
 
 
 async def test_unexpected_errors_end_in_dead_after_max_deliver(js: JetStreamContext) -> None:
@@ -192,7 +177,9 @@ async def test_unexpected_errors_end_in_dead_after_max_deliver(js: JetStreamCont
     stop = asyncio.Event()
     task, _, _ = await _run_consumer(js, stop, tenant, handler, max_deliver=2)
     await js.publish(subjects.train("tiny", tenant), b"x")
-    dead = await eventually(lambda: _dead_letters(js, tenant), timeout=15, what="dead letter")
+    dead = await eventually(
+        lambda: dead_letters(js, "TRAIN", tenant), timeout=15, what="dead letter"
+    )
     assert dead[0].reason == "gave up after 2 deliveries: ZeroDivisionError: a bug of ours"
     stop.set()
     await task
@@ -281,7 +268,7 @@ async def test_interrupted_work_is_handed_back_at_once_and_not_dead_lettered(
     await eventually(lambda: len(deliveries) == 3, timeout=5, what="three deliveries")
     stop.set()
     await task
-    assert deliveries == [1, 2, 3] and await _dead_letters(js, tenant) == []
+    assert deliveries == [1, 2, 3] and await dead_letters(js, "TRAIN", tenant) == []
 
 
 async def test_stop_hands_back_the_messages_of_handlers_that_do_not_finish(
@@ -589,7 +576,7 @@ async def test_a_message_handed_back_on_its_last_delivery_is_dead_lettered_not_l
         assert msgs[0].metadata.num_delivered == delivery
         assert consumer.can_hand_back(msgs[0]) == (delivery < server_max)
         await consumer.hand_back(msgs)
-    dead = await eventually(lambda: _dead_letters(js, tenant), what="dead letter")
+    dead = await eventually(lambda: dead_letters(js, "TRAIN", tenant), what="dead letter")
     assert dead[0].num_delivered == server_max and "last delivery" in dead[0].reason
     info = await js.consumer_info("TRAIN", durable.name)
     assert info.num_pending == 0 and info.num_ack_pending == 0

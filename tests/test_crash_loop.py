@@ -18,19 +18,16 @@ from pathlib import Path
 
 import pytest
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from bus.codec import decode
 from bus.connect import connect
 from bus.crashes import CrashLedger
 from bus.server import EmbeddedServer, free_port
 from schemas import subjects
-from schemas.dead import DEAD_LETTER_DECODER, DeadLetter
 from tests.conftest import Procs
-from tests.helpers import ROOT, eventually, server_without_jetstream, service_env, uid
+from tests.helpers import ROOT, dead_letters, eventually, server_without_jetstream, service_env, uid
 
 MAX_CRASHES = 2
 CRASHED = 3  # the consumer's exit status when it dies on the poison
@@ -39,18 +36,6 @@ CRASHED = 3  # the consumer's exit status when it dies on the poison
 def _listening(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-async def _dead_letters(js: JetStreamContext, tenant: str) -> list[DeadLetter]:
-    sub = await js.subscribe(subjects.dead("TRAIN", tenant), ordered_consumer=True)
-    found = []
-    try:
-        while True:
-            found.append(decode(DEAD_LETTER_DECODER, (await sub.next_msg(timeout=0.5)).data))
-    except NatsError:  # no more records
-        return found
-    finally:
-        await sub.unsubscribe()
 
 
 def _start(
@@ -84,7 +69,7 @@ async def test_a_message_that_kills_its_handler_is_dead_lettered_though_delivery
         deadline = time.monotonic() + 30
         while proc.poll() is None and time.monotonic() < deadline:
             handled = out.read_text().split() if out.exists() else []
-            if len(handled) == 3 and await _dead_letters(js, tenant):
+            if len(handled) == 3 and await dead_letters(js, "TRAIN", tenant):
                 break
             await asyncio.sleep(0.05)  # polling a child process; it sends no event
         if proc.poll() is None:
@@ -100,7 +85,9 @@ async def test_a_message_that_kills_its_handler_is_dead_lettered_though_delivery
     # had counted 1 before the roll-back, so the third counted start is past MAX_CRASHES.
     assert crashes == 4, log.read_text()
     assert sorted(out.read_text().split()) == ["ok-0", "ok-1", "ok-2"]
-    dead = await eventually(lambda: _dead_letters(js, tenant), what="the poison's dead letter")
+    dead = await eventually(
+        lambda: dead_letters(js, "TRAIN", tenant), what="the poison's dead letter"
+    )
     assert [d.stream_seq for d in dead] == [poison.seq]
     assert dead[0].error_type == "CrashLoopError"
     # The server's count says 3, and 3 <= max_deliver: only the ledger saw this loop's end.
@@ -131,7 +118,7 @@ async def test_a_message_in_flight_beside_the_poison_is_handled_not_dead_lettere
         deadline = time.monotonic() + 30
         while proc.poll() is None and time.monotonic() < deadline:
             handled = out.read_text().split() if out.exists() else []
-            if handled and await _dead_letters(js, tenant):
+            if handled and await dead_letters(js, "TRAIN", tenant):
                 break
             await asyncio.sleep(0.05)  # polling a child process; it sends no event
         if proc.poll() is None:
@@ -139,7 +126,9 @@ async def test_a_message_in_flight_beside_the_poison_is_handled_not_dead_lettere
         assert proc.returncode == CRASHED, log.read_text()
         crashes += 1
     assert out.read_text().split() == ["slow-innocent"], log.read_text()
-    dead = await eventually(lambda: _dead_letters(js, tenant), what="the poison's dead letter")
+    dead = await eventually(
+        lambda: dead_letters(js, "TRAIN", tenant), what="the poison's dead letter"
+    )
     assert [d.stream_seq for d in dead] == [poison.seq], crashes
     assert procs.stop(proc) == 0
 

@@ -23,7 +23,6 @@ import pytest
 import pytest_asyncio
 import torch
 from nats.aio.client import Client as NATS
-from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
@@ -38,7 +37,7 @@ from bus.inference import (
 from bus.records import get_policy
 from bus.server import EmbeddedServer
 from schemas import subjects
-from schemas.dead import DEAD_LETTER_DECODER, DeadLetter
+from schemas.dead import DeadLetter
 from schemas.health import HEARTBEAT_DECODER
 from schemas.infer import ACT_REPLY_DECODER, ActReply, ActRequest
 from schemas.model import HeadConfig, Observation, OptimizerConfig
@@ -46,7 +45,7 @@ from schemas.tensor import Tensor
 from schemas.train import OpenSlot
 from services.trainer.commit import write_version
 from tests.conftest import Procs
-from tests.helpers import eventually, start_service, uid
+from tests.helpers import dead_letters, eventually, start_service, uid
 from vla.backbone import Backbone
 from vla.normalize import Normaliser
 from vla.slot import TenantSlot
@@ -120,19 +119,6 @@ def in_process(
 def _actions(reply: ActReply) -> np.ndarray:
     assert reply.actions is not None, reply.error
     return reply.actions.to_numpy()
-
-
-async def dead_letters(js: JetStreamContext, tenant: str) -> list[DeadLetter]:
-    sub = await js.subscribe(subjects.dead("INFER", tenant), ordered_consumer=True)
-    found = []
-    try:
-        while True:
-            msg = await sub.next_msg(timeout=0.5)
-            found.append(decode(DEAD_LETTER_DECODER, msg.data))
-    except NatsError:  # nats TimeoutError: no more records
-        return found
-    finally:
-        await sub.unsubscribe()
 
 
 @dataclass
@@ -384,7 +370,7 @@ async def test_bad_requests_get_an_error_reply_and_a_dead_letter_and_serving_goe
     await js.publish(subjects.infer("tiny", tenant), encode(unanswerable))
 
     async def all_dead() -> list[DeadLetter] | None:
-        letters = await dead_letters(js, tenant)
+        letters = await dead_letters(js, "INFER", tenant)
         return letters if len(letters) >= len(cases) + 2 else None
 
     dead: list[DeadLetter] = await eventually(all_dead, what="a dead letter per bad request")
@@ -430,7 +416,7 @@ async def test_a_request_whose_requester_stopped_waiting_is_dropped_unanswered(
     await eventually(counted, timeout=30, what="the late request counted as expired")
     with pytest.raises(NatsTimeoutError):
         await sub.next_msg(timeout=0.5)
-    assert await dead_letters(js, tenant) == []
+    assert await dead_letters(js, "INFER", tenant) == []
     await sub.unsubscribe()
 
 

@@ -21,12 +21,11 @@ from bus.inference import InferenceError, PolicyClient
 from bus.server import EmbeddedServer
 from schemas import subjects
 from schemas.model import HeadConfig
-from tests.helpers import uid
+from tests.helpers import dead_letters, uid
 from tests.test_inferencer import (
     OFT,
     Replica,
     commit_policy,
-    dead_letters,
     in_process,
     launch,
     make_obs,
@@ -99,9 +98,9 @@ async def test_unreadable_checkpoints_are_answered_and_others_served_meanwhile(
                 await task
             assert not lost.value.retryable
         assert loop.time() - sent < 45  # not the timeout
-    (letter,) = await dead_letters(js, corrupt)
+    (letter,) = await dead_letters(js, "INFER", corrupt)
     assert letter.num_delivered == 1  # a corrupt object is not read again and again
-    letters = await dead_letters(js, gone)
+    letters = await dead_letters(js, "INFER", gone)
     assert letters and all(letter.num_delivered == 1 for letter in letters)
 
 

@@ -24,8 +24,8 @@ from schemas import subjects
 from schemas.infer import ActReply
 from tests.conftest import Procs
 from tests.crashing_inferencer import CRASHED
-from tests.helpers import ROOT, eventually, service_env, uid
-from tests.test_inferencer import FLOW, commit_policy, dead_letters, make_obs
+from tests.helpers import ROOT, dead_letters, eventually, service_env, uid
+from tests.test_inferencer import FLOW, commit_policy, make_obs
 from vla.backbone import Backbone
 
 pytestmark = pytest.mark.timeout(300)
@@ -97,9 +97,11 @@ async def test_a_request_that_kills_the_inferencer_dies_alone_and_its_batch_mate
         # alone (counted a second time), then dead-lettered unhandled at the third count.
         assert crashes == 3, ran
         assert [batch for batch in ran if poison in batch][-1] == [poison], ran
-        dead = await eventually(lambda: dead_letters(js, poison), what="the poison's dead letter")
+        dead = await eventually(
+            lambda: dead_letters(js, "INFER", poison), what="the poison's dead letter"
+        )
         assert len(dead) == 1 and dead[0].error_type == "CrashLoopError", dead
-        assert await dead_letters(js, calm) == []
+        assert await dead_letters(js, "INFER", calm) == []
         assert procs.stop(proc) == 0, log.read_text()
     finally:
         await nc.close()

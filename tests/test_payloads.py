@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import ObjectInfo
 from nats.js.errors import NotFoundError
@@ -28,12 +27,11 @@ from bus.records import get_policy
 from bus.server import EmbeddedServer
 from clients.sdk import Client
 from schemas import subjects
-from schemas.dead import DEAD_LETTER_DECODER, DeadLetter
 from schemas.headers import MSG_ID
 from schemas.tensor import Tensor
 from schemas.train import TRAIN_DECODER, PayloadRef, RolloutBatch
 from tests.conftest import Procs
-from tests.helpers import eventually, uid
+from tests.helpers import dead_letters, eventually, uid
 from tests.sft_helpers import (
     OFT_2D,
     final_policy,
@@ -313,7 +311,7 @@ async def test_a_redelivered_reference_whose_object_went_with_its_ack_is_recogni
             await eventually(lambda: _settled(js, replay.seq), timeout=60, what="the copy consumed")
             record = await client.status(tenant, job.job_id)
             assert record is not None and record.status == "running"
-            assert await _dead_letters(js, tenant) == []
+            assert await dead_letters(js, "TRAIN", tenant) == []
             await job.cancel()
     finally:
         small.stop()
@@ -329,19 +327,6 @@ async def _settled(js: JetStreamContext, seq: int) -> bool:
     except NotFoundError:
         return True
     return False
-
-
-async def _dead_letters(js: JetStreamContext, tenant: str) -> list[DeadLetter]:
-    sub = await js.subscribe(subjects.dead("TRAIN", tenant), ordered_consumer=True)
-    found = []
-    try:
-        while True:
-            msg = await sub.next_msg(timeout=0.5)
-            found.append(decode(DEAD_LETTER_DECODER, msg.data))
-    except NatsError:  # nats TimeoutError: no more records
-        return found
-    finally:
-        await sub.unsubscribe()
 
 
 def test_the_payloads_bench_measures_inline_and_by_reference_side_by_side(tmp_path: Path) -> None:

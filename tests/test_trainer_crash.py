@@ -16,20 +16,18 @@ import time
 from pathlib import Path
 
 import pytest
-from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
-from bus.codec import decode
 from bus.connect import connect
 from bus.declare import declare
 from bus.server import EmbeddedServer
 from schemas import subjects
-from schemas.dead import DEAD_LETTER_DECODER, DeadLetter
+from schemas.dead import DeadLetter
 from schemas.events import ErrorEvent
 from schemas.model import OptimizerConfig
 from tests.conftest import Procs
 from tests.crashing_trainer import CRASHED
-from tests.helpers import ROOT, eventually, service_env, start_service, uid
+from tests.helpers import ROOT, dead_letters, eventually, service_env, start_service, uid
 from tests.test_trainer_defects import (
     done,
     episode,
@@ -43,18 +41,6 @@ from tests.test_trainer_defects import (
 pytestmark = pytest.mark.timeout(300)
 
 STEPS = 4
-
-
-async def train_dead_letters(js: JetStreamContext, tenant: str) -> list[DeadLetter]:
-    sub = await js.subscribe(subjects.dead("TRAIN", tenant), ordered_consumer=True)
-    found = []
-    try:
-        while True:
-            found.append(decode(DEAD_LETTER_DECODER, (await sub.next_msg(timeout=0.5)).data))
-    except NatsError:  # no more records
-        return found
-    finally:
-        await sub.unsubscribe()
 
 
 def _start(
@@ -92,13 +78,13 @@ async def _only_the_poison_failed(
     first delivery's, uncounted, then three counted) and not again, its job's batches all
     settled. The poison's dead letters, for the caller to check."""
     assert await done(js, calm, job, batches) is not None
-    assert await train_dead_letters(js, calm) == []
+    assert await dead_letters(js, "TRAIN", calm) == []
     assert crashes == 4, _text(rounds)
     await eventually(
         lambda: _all_settled(js, poison), timeout=30, what="the poison job's batches settled"
     )
     assert _text(rounds).split().count(poison) == 4, _text(rounds)
-    return await train_dead_letters(js, poison)
+    return await dead_letters(js, "TRAIN", poison)
 
 
 def _text(path: Path) -> str:
@@ -126,7 +112,7 @@ async def _run_until(
             proc = procs.add(_start(url, poison, rounds, log, mode))
             deadline = time.monotonic() + 90
             while proc.poll() is None and time.monotonic() < deadline:
-                if await done(js, calm, job, batches) and await train_dead_letters(js, poison):
+                if await done(js, calm, job, batches) and await dead_letters(js, "TRAIN", poison):
                     break
                 await asyncio.sleep(0.2)  # polling a child process; it sends no event
             if proc.poll() is None:
@@ -158,8 +144,8 @@ async def test_a_batch_that_kills_the_trainer_fails_its_own_job_and_the_others_f
         assert any(sorted(r) == both for r in ran), ("the scenario: a round of both", ran)
         record = await done(js, calm, job, STEPS)
         assert record is not None, (ran, log.read_text()[-3000:])
-        assert await train_dead_letters(js, calm) == []
-        dead = await train_dead_letters(js, poison)
+        assert await dead_letters(js, "TRAIN", calm) == []
+        dead = await dead_letters(js, "TRAIN", poison)
         assert [d.error_type for d in dead] == ["CrashLoopError"], dead
         # The first delivery's crash (uncounted), then three counted starts: twice beside the
         # calm tenant or alone, the last alone; the fourth count dead-letters it unstepped.
@@ -197,8 +183,8 @@ async def test_an_rl_update_that_kills_the_trainer_fails_its_own_job_and_the_oth
         both = sorted([poison, calm])
         assert any(sorted(r) == both for r in ran), ("the scenario: an update of both", ran)
         assert await done(js, calm, job, 1) is not None
-        assert await train_dead_letters(js, calm) == []
-        dead = await train_dead_letters(js, poison)
+        assert await dead_letters(js, "TRAIN", calm) == []
+        dead = await dead_letters(js, "TRAIN", poison)
         # Its episodes climbed together; the first past the limit ends the iteration (the
         # rest are consumed unapplied with the failed job).
         assert dead and all(d.error_type == "CrashLoopError" for d in dead), dead

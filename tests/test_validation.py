@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
 from bus.codec import decode, encode
@@ -26,7 +25,7 @@ from bus.publish import publish
 from bus.records import get_job
 from bus.server import EmbeddedServer
 from schemas import headers, subjects
-from schemas.dead import DEAD_LETTER_DECODER, DeadLetter
+from schemas.dead import DeadLetter
 from schemas.env import StreamDataset
 from schemas.events import Accepted, ErrorEvent, Rejected, StateChanged
 from schemas.infer import ACT_REPLY_DECODER, ActRequest
@@ -38,7 +37,7 @@ from schemas.tensor import Tensor
 from schemas.train import SFTBatch
 from services.envs.sims import REACH2D_ID
 from tests.conftest import Procs
-from tests.helpers import eventually, start_service, uid
+from tests.helpers import dead_letters, eventually, start_service, uid
 from tests.test_inferencer import OFT, commit_policy, launch, make_obs, wait_serving
 from tests.test_trainer_defects import (
     IMAGE,
@@ -52,20 +51,6 @@ from tests.test_trainer_defects import (
     sft_open,
 )
 from vla.backbone import Backbone
-
-
-async def dead_letters(js: JetStreamContext, stream: str, tenant: str) -> list[DeadLetter]:
-    """Every dead letter of ``tenant`` from ``stream`` so far."""
-    sub = await js.subscribe(subjects.dead(stream, tenant), ordered_consumer=True)
-    found = []
-    try:
-        while True:
-            msg = await sub.next_msg(timeout=0.5)
-            found.append(decode(DEAD_LETTER_DECODER, msg.data))
-    except NatsError:  # no more records
-        return found
-    finally:
-        await sub.unsubscribe()
 
 
 async def dead_with(js: JetStreamContext, stream: str, tenant: str, text: str) -> DeadLetter:
