@@ -34,7 +34,7 @@ INLINE_MAX_PAYLOAD = 8 << 20
 LIMIT = 64 << 20
 
 
-def episode(tenant: str, job_id: str, steps: int, index: int, views: int) -> RolloutBatch:
+def episode(tenant: str, job_id: str, steps: int, index: int = 0, views: int = 1) -> RolloutBatch:
     """An episode of ``steps`` 64 px frames of ``views`` views, random contents."""
     rng = np.random.default_rng(index)
     return RolloutBatch(

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import msgspec
-import numpy as np
 import pytest
 import torch
 from nats.aio.msg import Msg
@@ -17,6 +16,7 @@ from nats.js.api import ObjectInfo
 from nats.js.errors import NotFoundError
 
 from bench import payloads as payloads_bench
+from bench.payloads import episode
 from bus.codec import decode, encode
 from bus.consume import Consumer
 from bus.declare import declare
@@ -28,8 +28,7 @@ from bus.server import EmbeddedServer
 from clients.sdk import Client
 from schemas import subjects
 from schemas.headers import MSG_ID
-from schemas.tensor import Tensor
-from schemas.train import TRAIN_DECODER, PayloadRef, RolloutBatch
+from schemas.train import TRAIN_DECODER, PayloadRef
 from tests.conftest import Procs
 from tests.helpers import dead_letters, eventually, uid
 from tests.sft_helpers import (
@@ -44,27 +43,6 @@ from tests.sft_helpers import (
 from tests.test_rl import rl_spec, start_rl_stack
 
 LIMIT = 8 << 20
-
-
-def episode(tenant: str, job_id: str, steps: int, episode_index: int = 0) -> RolloutBatch:
-    """An episode of ``steps`` 64 px frames (12 KiB each) with seeded contents."""
-    rng = np.random.default_rng(steps + episode_index)
-    return RolloutBatch(
-        tenant=tenant,
-        job_id=job_id,
-        iteration=0,
-        episode=episode_index,
-        policy_version=1,
-        images=Tensor.from_numpy(rng.integers(0, 255, (steps, 1, 64, 64, 3), dtype=np.uint8)),
-        instruction="reach the target",
-        proprio=Tensor.from_numpy(rng.standard_normal((steps, 4)).astype(np.float32)),
-        actions=Tensor.from_numpy(rng.standard_normal((steps, 1, 2)).astype(np.float32)),
-        log_probs=Tensor.from_numpy(np.zeros(steps, np.float32)),
-        values=Tensor.from_numpy(np.zeros(steps, np.float32)),
-        rewards=Tensor.from_numpy(rng.standard_normal(steps).astype(np.float32)),
-        terminated=False,
-        truncated=True,
-    )
 
 
 async def listed(js: JetStreamContext) -> list[ObjectInfo]:
