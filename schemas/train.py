@@ -261,6 +261,11 @@ class PolicyRecord(msgspec.Struct, frozen=True):
     #: A low-level session's named states (:class:`SaveState`): name → checkpoint object
     #: (kept past the version retention).
     saved: dict[str, str] = msgspec.field(default_factory=dict)
+    #: Which session call saved each name of ``saved`` (name → call number): a copy of a
+    #: later call naming it, refused then, is not answered with its version when it is
+    #: delivered again. Records written before it have none (every name taken as saved by
+    #: whichever call asks).
+    saved_calls: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 POLICY_RECORD_DECODER = msgspec.msgpack.Decoder(PolicyRecord)

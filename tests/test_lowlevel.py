@@ -12,6 +12,7 @@ pipelined session loses and repeats no call.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import io
 import math
@@ -21,6 +22,8 @@ import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import numpy as np
 import pytest
@@ -34,6 +37,7 @@ from bus.connect import connect
 from bus.datasets import register_path
 from bus.declare import declare
 from bus.inference import observation
+from bus.publish import publish
 from bus.records import get_policy
 from bus.server import EmbeddedServer
 from clients.errors import RequestError
@@ -46,15 +50,17 @@ from clients.lowlevel import (
     TrainingClient,
     VLABatch,
 )
-from schemas import subjects
+from schemas import headers, subjects
 from schemas.events import EVENT_DECODER, CallResult, Progress
 from schemas.jobs import JobRecord
 from schemas.model import HeadConfig, OptimizerConfig
 from schemas.tenantctl import CallSession, ReadEvents
 from schemas.tensor import Tensor
-from schemas.train import ForwardBackward, OptimStep
+from schemas.train import ForwardBackward, OptimStep, SaveState
 from services.envs.datasets import record as record_dataset
 from services.envs.sims import REACH2D_ID
+from services.trainer.jobs import JobSlot
+from services.trainer.session import saved_by
 from tests.conftest import Procs
 from tests.helpers import eventually, start_service, uid
 from tests.sft_helpers import follow, sft_spec
@@ -282,6 +288,71 @@ async def test_pipelined_calls_apply_in_order_as_in_process_with_errors_states_a
         assert closed is not None and closed.status == "cancelled"
     finally:
         await service.close()
+
+
+@pytest.mark.timeout(180)
+async def test_a_save_state_delivered_again_gets_its_own_answer_again(
+    fresh_server: EmbeddedServer, bus: JetStreamContext, procs: Procs, tmp_path: Path
+) -> None:
+    """A ``save_state`` delivered again after it was applied (its ack lost, or published
+    again past the duplicate window) is answered again as it was: the call that saved a
+    name gets that version once more; a call that was refused because another call had
+    saved the name gets no success answer with the other call's version."""
+    start_roles(fresh_server.url, tmp_path, procs, "master", "trainer")
+    tenant = uid("ll")
+    service = await ServiceClient.connect(fresh_server.url, tenant=tenant)
+    try:
+        training = await service.create_training_client(head=HEAD, token_budget=TOKEN_BUDGET)
+        session = training.session_id
+        await training.forward_backward(make_batch(1))
+        await training.optim_step()
+        saved = await training.save_state("kept")
+        with pytest.raises(CallError, match="'kept' is saved already"):
+            await training.save_state("kept")
+        refused_call, saved_call = saved.call + 1, saved.call
+        # Answers are published with their call's message id: within the duplicate window a
+        # second answer is dropped by the stream. Delivered again past it:
+        events = (await bus.stream_info(subjects.STREAM_EVENTS)).config
+        await bus.update_stream(dataclasses.replace(events, duplicate_window=0.5))
+        await asyncio.sleep(1.0)  # the window, not an event: nothing to wait on
+        for number in (refused_call, saved_call):  # the refused one first, in stream order
+            await publish(
+                bus,
+                subjects.train("tiny", tenant),
+                SaveState(tenant, session, number, "kept"),
+                message_id=f"replayed-{uid('call')}",
+                headers={headers.JOB_ID: session},
+            )
+        await bus._nc.publish(subjects.train_wake("tiny"), b"")
+
+        # The refused call's copy waits for a commit past it (applied, not committed yet);
+        # the next save commits one. A forward after it is answered once both copies were
+        # settled (one tenant's calls are triaged in stream order).
+        later = await training.save_state("later")
+        assert math.isfinite((await training.forward(make_batch(2))).loss)
+        results = await call_results(service, session)
+        answers = [(r.call, r.version, bool(r.error)) for r in results if r.op == "save_state"]
+        assert answers == [
+            (saved_call, saved.version, False),
+            (refused_call, 0, True),
+            (saved_call, saved.version, False),  # answered again: its own version
+            (later.call, later.version, False),
+        ]
+        await training.close()
+    finally:
+        await service.close()
+
+
+def test_which_replayed_save_is_answered_with_the_saved_version() -> None:
+    """The call that saved a name is; another call of the name is not; with a record from
+    before the saving calls were kept, any call of a saved name is (as before)."""
+    kept = {"kept": "acme/s/v2-ab"}
+    job = cast(JobSlot, SimpleNamespace(saved=kept, saved_calls={"kept": 2}))
+    assert saved_by(job, SaveState("acme", "s", 2, "kept"))
+    assert not saved_by(job, SaveState("acme", "s", 3, "kept"))
+    assert not saved_by(job, SaveState("acme", "s", 2, "other"))
+    old = cast(JobSlot, SimpleNamespace(saved=kept, saved_calls={}))
+    assert saved_by(old, SaveState("acme", "s", 3, "kept"))
 
 
 async def drive(training: TrainingClient, plan: Plan) -> list[CallOutput]:

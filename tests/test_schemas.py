@@ -118,6 +118,17 @@ def test_records_written_before_sessions_still_decode_as_no_session() -> None:
     assert old_record == SAMPLES["policy_record"]
 
 
+def test_a_policy_record_written_before_saved_calls_names_no_saving_call() -> None:
+    """Rolling upgrade: a session's record from before ``saved_calls`` decodes with none (the
+    trainer then answers any replayed save of a saved name with its version, as it did)."""
+    old_record = decode(
+        DECODERS["policy_record"],
+        (GOLDEN / "policy_record_before_saved_calls.msgpack").read_bytes(),
+    )
+    assert isinstance(old_record, PolicyRecord) and old_record.saved_calls == {}
+    assert old_record == SAMPLES["policy_record"]
+
+
 def test_slots_written_before_proprio_statistics_and_vision_decode_as_before() -> None:
     """Rolling upgrade: an OpenSlot (alone or inside a policy record) without
     ``proprio_mean``/``proprio_std`` carries no statistics (the policy keeps raw proprio),

@@ -58,7 +58,8 @@ async def write_version(
     metrics: dict[str, float] | None = None,
     frozen: Frozen | None = None,
     saved: dict[str, str] | None = None,
-    save_as: str = "",
+    saved_calls: dict[str, int] | None = None,
+    save_as: tuple[str, int] | None = None,
 ) -> tuple[PolicyRecord, int]:
     """Publish the slot's next version: checkpoint object, then the KV entry (created when
     ``revision`` is None or 0, else updated only if still at ``revision``: a lost race raises
@@ -66,7 +67,8 @@ async def write_version(
 
     ``frozen``: the version already taken with :func:`freeze` (the trainer freezes at the
     round boundary, then writes while the next round trains the slot); else it is taken
-    here. ``saved``: a session's named states; ``save_as`` names this version among them."""
+    here. ``saved``: a session's named states (``saved_calls``: the call that saved each);
+    ``save_as``: the name and call that save this version among them."""
     if frozen is None:
         # Versions count from 1 (the initial weights): 0 means "none" / "latest" elsewhere.
         frozen = freeze(slot)
@@ -74,9 +76,9 @@ async def write_version(
     sha = ckpt.digest(data)
     name = ckpt.object_name(spec.tenant, spec.job_id, frozen.version, sha)
     await ckpt.put_checkpoint(store, name, data)
-    named = dict(saved or {})
-    if save_as:
-        named[save_as] = name
+    named, calls = dict(saved or {}), dict(saved_calls or {})
+    if save_as is not None:
+        named[save_as[0]], calls[save_as[0]] = name, save_as[1]
     record = PolicyRecord(
         spec.tenant,
         spec.job_id,
@@ -90,6 +92,7 @@ async def write_version(
         dict(metrics or {}),
         batches_done,
         named,
+        calls,
     )
     try:
         return record, await records.put_policy(policies, record, last=revision or 0)
@@ -464,7 +467,8 @@ class Committer:
                 metrics=at.metrics,
                 frozen=frozen,
                 saved=job.saved,
-                save_as=at.save_as[0] if at.save_as else "",
+                saved_calls=job.saved_calls,
+                save_as=at.save_as,
             )
 
         try:
@@ -479,7 +483,7 @@ class Committer:
             if landed is None or landed.version != frozen.version or landed.sha256 != ours:
                 raise  # another writer's version: never replaced
             record, job.kv_revision = await write(revision)
-        job.saved = dict(record.saved)
+        job.saved, job.saved_calls = dict(record.saved), dict(record.saved_calls)
         job.committed_seq, job.committed_step = record.stream_seq, record.step
         job.committed_batches = record.batches_done
         job.last_commit_at = time.monotonic()

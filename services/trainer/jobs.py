@@ -60,6 +60,8 @@ class JobSlot:
     rollouts: dict[int, tuple[Msg, RolloutBatch]] = field(default_factory=dict)
     #: A session's named states (name → checkpoint object), as its latest record has them.
     saved: dict[str, str] = field(default_factory=dict)
+    #: The call that saved each of ``saved`` (name → call), as the record has it.
+    saved_calls: dict[str, int] = field(default_factory=dict)
     #: A session's ``save_state`` (name, call) applied and not committed yet: the next
     #: commit keeps its version under this name and answers the call.
     save_as: tuple[str, int] | None = None

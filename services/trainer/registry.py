@@ -139,6 +139,7 @@ class JobRegistry:
             versions=deque([record.object_name]),
             metrics=dict(record.metrics),
             saved=dict(record.saved),
+            saved_calls=dict(record.saved_calls),
         )
         if owed:
             job.unannounced = PolicyPublished(

@@ -385,8 +385,10 @@ class Trainer:
                 await self.committer.publish_results(job)
                 return Verdict.CONSUMED
         if verdict is Verdict.CONSUMED:
-            if isinstance(call, SaveState) and call.name in job.saved:
-                # Committed, maybe unanswered (a crash right after): answer it again.
+            if isinstance(call, SaveState) and session.saved_by(job, call):
+                # Committed, maybe unanswered (a crash right after): answer it again. A copy
+                # of a call refused for a name another call saved was answered (its error
+                # went out before its commit) and gets nothing more.
                 job.results.append(session.saved_result(job, call))
                 await self.committer.publish_results(job)
             await self.consumed(msg, job)

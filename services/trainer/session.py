@@ -159,6 +159,12 @@ async def apply_now(
             return result(job, call, {"step": float(job.slot.step)}, version=ckpt.version_of(name))
 
 
+def saved_by(job: JobSlot, call: SaveState) -> bool:
+    """Whether ``call`` is the one that saved its name (a record written before the calls
+    were kept names none: then any call of the name is taken for it)."""
+    return call.name in job.saved and job.saved_calls.get(call.name, call.call) == call.call
+
+
 def saved_result(job: JobSlot, call: SaveState) -> CallResult:
     """The answer to a save already committed (a replayed call), from the session's record."""
     return result(job, call, version=ckpt.version_of(job.saved[call.name]))
