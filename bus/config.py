@@ -18,9 +18,12 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from bus.datacache import DEFAULT_MAX_BYTES, DatasetCache, default_cache_root
 
 ENV_PREFIX = "JOYNEXUS_"
 C = TypeVar("C", bound=BaseModel)
@@ -68,6 +71,26 @@ class BusConfig(BaseModel):
         description="Append this process's finished spans to this JSON-lines file "
         "(`joynexus trace` reads it; OTLP and console come from the OTEL_* variables).",
     )
+
+
+class DatasetsConfig(BusConfig):
+    """A role that reads tenants' pushed datasets (master, env worker): where it materialises
+    them and how much disk they may take (:mod:`bus.datacache`)."""
+
+    dataset_cache: str = Field(
+        "", description="Where pushed datasets are materialised (default: a temp dir)."
+    )
+    dataset_cache_max_bytes: int = Field(
+        DEFAULT_MAX_BYTES,
+        ge=0,
+        description="Disk the materialised datasets may take: past it, the least recently used "
+        "ones not used for an hour are removed (downloaded again when a job names them; "
+        "0: no bound).",
+    )
+
+    def dataset_cache_settings(self) -> DatasetCache:
+        root = Path(self.dataset_cache) if self.dataset_cache else default_cache_root()
+        return DatasetCache(root, self.dataset_cache_max_bytes)
 
 
 #: ``cost_table`` when no cost table splits grouped forwards (``vla.costmodel.OFF``).

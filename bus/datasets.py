@@ -46,6 +46,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from bus.codec import DecodeError, decode, encode
+from bus.datacache import MANIFEST, DatasetCache, touch
 from bus.kv import ChunksMissingError, kv_values, read_object_into
 from schemas import subjects
 from schemas.ids import InvalidIdError, validate_id
@@ -60,7 +61,6 @@ from schemas.tenants import (
     dataset_key,
 )
 
-MANIFEST = "MANIFEST"
 #: Files larger than this are refused by :func:`scan` (the tenant's bucket has its own cap).
 MAX_FILE_BYTES = 1 << 34
 
@@ -218,16 +218,6 @@ async def read_manifest(
     return manifest, hashlib.sha256(data).hexdigest()
 
 
-def cache_dir(cache_root: str | Path, tenant: str, dataset_id: str, digest: str) -> Path:
-    """Where a pushed dataset is materialised: one directory per manifest digest."""
-    return Path(cache_root) / tenant / dataset_id / digest[:16]
-
-
-def default_cache_root() -> Path:
-    """``<tmp>/joynexus-datasets-<uid>`` when a role's config names no cache directory."""
-    return Path(tempfile.gettempdir()) / f"joynexus-datasets-{os.getuid()}"
-
-
 async def download(
     js: JetStreamContext, bucket: str, name: str, out: BinaryIO, *, timeout: float = 30.0
 ) -> int:
@@ -275,13 +265,14 @@ async def materialise(
     js: JetStreamContext,
     tenant: str,
     dataset_id: str,
-    cache_root: str | Path,
+    cache: DatasetCache,
     *,
     expected_digest: str = "",
 ) -> tuple[Path, DatasetManifest, str]:
-    """Download a pushed dataset into ``cache_root`` (once per manifest digest), verifying
-    every file; return its directory, manifest and the manifest's digest. With
-    ``expected_digest`` (a DatasetRecord's), a manifest pushed since is refused."""
+    """Download a pushed dataset into ``cache`` (once per manifest digest), verifying every
+    file; return its directory, manifest and the manifest's digest. With
+    ``expected_digest`` (a DatasetRecord's), a manifest pushed since is refused. A download
+    is followed by the cache's eviction (:meth:`DatasetCache.evict`)."""
     await tenant_store(js, tenant, create=False)  # a clear error when it is missing
     manifest, digest = await read_manifest(js, subjects.tenant_bucket(tenant), dataset_id)
     if expected_digest and digest != expected_digest:
@@ -289,8 +280,8 @@ async def materialise(
             f"dataset {dataset_id!r} was pushed again since it was added (manifest "
             f"{digest[:16]}…, recorded {expected_digest[:16]}…): run dataset-add again"
         )
-    target = cache_dir(cache_root, tenant, dataset_id, digest)
-    if (target / MANIFEST).exists():
+    target = cache.entry(tenant, dataset_id, digest)
+    if await asyncio.to_thread(touch, target):
         return target, manifest, digest
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".partial-"))
@@ -307,6 +298,7 @@ async def materialise(
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    await asyncio.to_thread(cache.evict)
     return target, manifest, digest
 
 
@@ -380,10 +372,10 @@ async def register_path(
 
 
 async def resolve(
-    js: JetStreamContext, tenant: str, dataset_id: str, cache_root: str | Path
+    js: JetStreamContext, tenant: str, dataset_id: str, cache: DatasetCache
 ) -> tuple[Path, DatasetRecord]:
     """The local directory of ``dataset_id`` in ``tenant``'s namespace (a registered path, or
-    a pushed dataset materialised into ``cache_root``) and its record."""
+    a pushed dataset materialised into ``cache``) and its record."""
     try:
         validate_id(dataset_id, "dataset id")
     except InvalidIdError as exc:
@@ -394,6 +386,6 @@ async def resolve(
     if record.source == "registered":
         return Path(record.path), record
     directory, _, _ = await materialise(
-        js, tenant, dataset_id, cache_root, expected_digest=record.digest
+        js, tenant, dataset_id, cache, expected_digest=record.digest
     )
     return directory, record

@@ -15,6 +15,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from bus.connect import connect
+from bus.datacache import DatasetCache
 from bus.declare import declare
 from bus.server import EmbeddedServer
 from clients.sdk import Client
@@ -87,7 +88,7 @@ async def stack(fresh_server: EmbeddedServer, tmp_path: Path) -> AsyncIterator[t
     nc = await connect(fresh_server.url, name="pytest-master")
     js = nc.jetstream()
     await declare(js)
-    queries = await Queries.on_bus(js, tmp_path / "cache")
+    queries = await Queries.on_bus(js, DatasetCache(tmp_path / "cache"))
     await queries.subscribe(nc)
     client = await Client.connect(fresh_server.url)
     yield nc, client

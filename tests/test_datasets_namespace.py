@@ -22,10 +22,12 @@ from nats.js.errors import NotFoundError
 
 from bus.checkpoints import digest
 from bus.codec import encode
+from bus.datacache import DatasetCache
 from bus.datasets import (
     MANIFEST,
     download,
     encode_manifest,
+    materialise,
     prefix_of,
     register_path,
     scan,
@@ -225,6 +227,72 @@ async def test_pushed_dataset_trains_and_only_its_tenant_can_name_it_or_its_poli
         )
         with pytest.raises(JobFailed, match="is not a dataset id \\(paths are not accepted\\)"):
             await Job(client, bob, "raw-path").wait(60)
+
+
+def entry_bytes(entry: Path) -> int:
+    return sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+
+
+def used_ago(entry: Path, seconds: float) -> None:
+    """Set when ``entry`` was last used (its manifest's mtime) ``seconds`` back."""
+    then = time.time() - seconds
+    os.utime(entry / MANIFEST, (then, then))
+
+
+async def test_the_dataset_cache_keeps_to_its_budget_removing_the_least_recently_used_idle(
+    client: Client, reach: Path, tmp_path: Path
+) -> None:
+    """A materialised dataset pushed again, or no longer used, does not stay on disk for
+    good: past the cache's budget the least recently used entry idle for min_idle_s is
+    removed after a download; one used recently is kept; a removed one is downloaded again
+    when named; download directories left by a stopped process go after a day."""
+    tenant = uid("acme")
+    await client.push_dataset(tenant, reach, "reach")
+    size = entry_bytes(reach)
+    cache = DatasetCache(tmp_path / "host", max_bytes=int(size * 1.5), min_idle_s=600)
+    old, _, old_digest = await materialise(client.js, tenant, "reach", cache)
+
+    changed = tmp_path / "reach-v2"
+    shutil.copytree(reach, changed)
+    (changed / "extra").mkdir()
+    (changed / "extra" / "notes.txt").write_text("re-recorded\n")
+    await client.push_dataset(tenant, changed, "reach")  # the same id, new content
+    new, _, new_digest = await materialise(client.js, tenant, "reach", cache)
+    assert new_digest != old_digest and new != old
+    assert old.is_dir() and new.is_dir(), "over budget, but the old one was used just now"
+
+    used_ago(old, 7200)
+    await client.push_dataset(tenant, reach, "other")
+    other, _, _ = await materialise(client.js, tenant, "other", cache)
+    assert not old.exists(), "the least recently used, idle: removed after the download"
+    assert new.is_dir() and other.is_dir(), "used in the last min_idle_s: kept over budget"
+    assert entry_bytes(new) + entry_bytes(other) > cache.max_bytes
+
+    # A later materialise finds an entry and marks it used: it is kept, the idle one goes.
+    used_ago(new, 7200)
+    used_ago(other, 7200)
+    assert (await materialise(client.js, tenant, "reach", cache))[0] == new
+    assert cache.evict() == [other]
+    # A removed entry is downloaded again when named, byte for byte.
+    again, _, _ = await materialise(client.js, tenant, "other", cache)
+    assert again == other
+    for f in scan(reach):
+        assert (again / f.path).read_bytes() == (reach / f.path).read_bytes(), f.path
+
+    # A stopped download's directory goes after a day (one being written stays); with no
+    # budget (0) entries stay whatever their age.
+    stale, fresh = other.parent / ".partial-stale", other.parent / ".partial-fresh"
+    for partial in (stale, fresh):
+        (partial / "data").mkdir(parents=True)
+        (partial / "data" / "part.parquet").write_bytes(b"x" * 100)
+    day_ago = time.time() - 2 * 86400
+    for path in (stale, stale / "data", stale / "data" / "part.parquet"):
+        os.utime(path, (day_ago, day_ago))
+    used_ago(new, 7200)
+    used_ago(again, 7200)
+    unbounded = DatasetCache(cache.root, max_bytes=0, min_idle_s=600)
+    assert unbounded.evict() == [stale]
+    assert fresh.is_dir() and new.is_dir() and again.is_dir()
 
 
 async def test_a_push_past_the_tenants_storage_limit_is_refused_naming_the_file(

@@ -18,6 +18,7 @@ from gymnasium import spaces
 from nats.js import JetStreamContext
 
 from bus.codec import encode
+from bus.datacache import DatasetCache
 from bus.errors import PoisonError
 from schemas import subjects
 from schemas.env import EvalTask, RolloutTask
@@ -171,7 +172,7 @@ async def test_an_eval_on_a_dataset_refuses_non_finite_policy_actions(
         chunk_len=2,
         val_fraction=0.5,
     )
-    worker = EnvWorker(js, {"tiny": _Policy("nan")}, dataset_cache=tmp_path / "cache")  # type: ignore[dict-item]
+    worker = EnvWorker(js, {"tiny": _Policy("nan")}, dataset_cache=DatasetCache(tmp_path / "cache"))  # type: ignore[dict-item]
     with pytest.raises(PoisonError, match=r"policy trained v1 answered non-finite actions"):
         await _handle(worker, task)
 

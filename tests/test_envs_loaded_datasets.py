@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 from nats.js import JetStreamContext
 
+from bus.datacache import DatasetCache
 from services.envs.datasets import LoadedDatasets, record
 from services.envs.service import EnvWorker
 from services.envs.sims import REACH2D_ID, REACH_GRASP_ID
@@ -25,7 +26,7 @@ async def test_a_dataset_recorded_again_in_place_is_loaded_again(
     record(REACH2D_ID, 4, path, seed=0)
     tenant = uid("acme")
     dataset = await registered(js, tenant, path)
-    worker = EnvWorker(js, {}, dataset_cache=tmp_path / "cache")
+    worker = EnvWorker(js, {}, dataset_cache=DatasetCache(tmp_path / "cache"))
     first = await worker.dataset(tenant, dataset)
     assert await worker.dataset(tenant, dataset) is first  # unchanged: loaded once
     shutil.rmtree(path)

@@ -20,6 +20,7 @@ from nats.js import JetStreamContext
 import bus.publish as bus_publish
 from bus.codec import decode, encode
 from bus.connect import connect
+from bus.datacache import DatasetCache
 from bus.datasets import register_path
 from bus.declare import declare
 from bus.errors import PoisonError, RetryableError
@@ -394,7 +395,7 @@ async def test_head_dims_taken_from_the_dataset_are_held_to_the_operators_bounds
         await own_js.key_value(subjects.KV_JOBS),
         await own_js.key_value(subjects.KV_POLICIES),
         limits=InputLimits(max_proprio_dim=2),
-        datasets=Datasets(own_js, tmp_path / "cache"),
+        datasets=Datasets(own_js, DatasetCache(tmp_path / "cache")),
     )
     sft = {"kind": "sft", "tenant": tenant, "dataset": "reach", "steps": 2, "batch_size": 2}
     blind = parse_job_spec({**sft, "head": {"kind": "oft", "proprio_dim": 0}})
@@ -418,7 +419,7 @@ async def test_an_eval_on_a_dataset_checks_the_policys_head_and_the_held_out_spl
     await _reach_dataset(own_js, tenant, tmp_path / "reach", episodes=4)
     record(REACH2D_ID, 1, tmp_path / "one", seed=0)
     await register_path(own_js, tenant, "one", tmp_path / "one")
-    datasets = Datasets(own_js, tmp_path / "cache")
+    datasets = Datasets(own_js, DatasetCache(tmp_path / "cache"))
 
     def policy(action_dim: int, proprio_dim: int = 0) -> PolicyRecord:
         head = HeadConfig(kind="oft", action_dim=action_dim, proprio_dim=proprio_dim)

@@ -17,6 +17,7 @@ import pytest_asyncio
 from nats.aio.client import Client as NATS
 
 from bus.connect import connect
+from bus.datacache import DatasetCache
 from bus.declare import declare
 from bus.inference import observation
 from bus.server import EmbeddedServer
@@ -60,7 +61,7 @@ async def paced(fresh_server: EmbeddedServer, tmp_path: Path) -> AsyncIterator[Q
         nc.jetstream(),
         await nc.jetstream().key_value("jobs"),
         await nc.jetstream().key_value("policies"),
-        tmp_path / "cache",
+        DatasetCache(tmp_path / "cache"),
         pacer=Pacer(rate=20.0, burst=5.0),
     )
     await queries.subscribe(nc)

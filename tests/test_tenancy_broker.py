@@ -34,6 +34,7 @@ from bus import tenantadmin
 from bus.auth import load_registry, render
 from bus.codec import decode, encode
 from bus.connect import connect
+from bus.datacache import DatasetCache
 from bus.declare import declare
 from bus.identity import IdentityError, creds_path, load_creds
 from bus.inference import observation
@@ -199,7 +200,7 @@ async def snapshot(sec: Secured, job: str) -> dict[str, object]:
 async def master(secured: Secured, tmp_path: Path) -> AsyncIterator[Queries]:
     """The master's responders to tenants' requests, running as the service identity."""
     js = secured.service.jetstream()
-    queries = await Queries.on_bus(js, tmp_path / "cache")
+    queries = await Queries.on_bus(js, DatasetCache(tmp_path / "cache"))
     await queries.subscribe(secured.service)
     yield queries
     await queries.close()

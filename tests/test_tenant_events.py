@@ -18,6 +18,7 @@ from nats.js import JetStreamContext
 
 from bus.codec import decode, encode
 from bus.connect import connect
+from bus.datacache import DatasetCache
 from bus.declare import declare
 from bus.publish import publish_event
 from bus.records import put_job
@@ -269,7 +270,7 @@ async def test_an_answer_past_the_servers_max_payload_is_an_error_not_silence(
     tenant = uid("acme")
     for step in range(1, 4):
         await progress(js, tenant, "j", step)
-    queries = await Queries.on_bus(js, tmp_path)
+    queries = await Queries.on_bus(js, DatasetCache(tmp_path))
     await queries.subscribe(nc)
     queries._max_payload = 64  # as a server whose max_payload an operator set very low
     client = await Client.connect(fresh_server.url)

@@ -22,6 +22,7 @@ from bus.auth import load_registry, render
 from bus.checkpoints import digest
 from bus.codec import encode
 from bus.connect import connect
+from bus.datacache import DatasetCache
 from bus.declare import declare
 from bus.identity import creds_path
 from bus.records import put_job, put_policy
@@ -67,7 +68,7 @@ async def secured(tmp_path: Path) -> AsyncIterator[Secured]:
     js = service.jetstream()
     await declare(js)
     await tenantadmin.sync_bus(service, load_registry(home))
-    queries = await Queries.on_bus(js, tmp_path / "cache")
+    queries = await Queries.on_bus(js, DatasetCache(tmp_path / "cache"))
     await queries.subscribe(service)
     try:
         yield Secured(home, server, service)

@@ -19,6 +19,7 @@ from nats.js import JetStreamContext
 
 from bus.codec import decode, encode
 from bus.connect import connect
+from bus.datacache import DatasetCache
 from bus.declare import declare
 from bus.inference import InferenceError, PolicyClient
 from bus.publish import publish
@@ -500,7 +501,7 @@ async def test_dataset_limits_are_checked_before_any_frame_is_read(
     for frame_file in (tmp_path / "demos" / "data").rglob("*.parquet"):
         frame_file.write_bytes(b"not parquet")
     await register_path(js, tenant, "demos", tmp_path / "demos")
-    datasets = Datasets(js, tmp_path / "cache")
+    datasets = Datasets(js, DatasetCache(tmp_path / "cache"))
     with pytest.raises(PoisonError, match=f"exceeds max_dataset_frames {frames - 1}"):
         await datasets.open(tenant, "demos", InputLimits(max_dataset_frames=frames - 1))
     with pytest.raises(PoisonError, match="dataset 'demos'") as within:

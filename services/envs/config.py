@@ -12,13 +12,13 @@ from pathlib import Path
 
 from pydantic import Field
 
-from bus.config import BusConfig
+from bus.config import DatasetsConfig
 from schemas.limits import InputLimits
 
 log = logging.getLogger(__name__)
 
 
-class EnvsConfig(BusConfig):
+class EnvsConfig(DatasetsConfig):
     """Env worker settings."""
 
     concurrency: int = Field(8, ge=1, description="Tasks (streams, sessions) run at once.")
@@ -30,9 +30,6 @@ class EnvsConfig(BusConfig):
         "(running ones get in-progress acks every third of it).",
     )
     backbones: str = Field("tiny", description="Backbone ids whose inferencers to ask (a,b).")
-    dataset_cache: str = Field(
-        "", description="Where pushed datasets are materialised (default: a temp dir)."
-    )
     limit: InputLimits = Field(
         default_factory=InputLimits, description="Input bounds (--limit-*, JOYNEXUS_LIMIT_*)."
     )

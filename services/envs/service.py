@@ -19,7 +19,6 @@ import contextlib
 import logging
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -31,7 +30,8 @@ from nats.js import JetStreamContext
 from bus import tracing
 from bus.auth import reply_allowed
 from bus.codec import DecodeError, decode, encode
-from bus.datasets import DatasetStoreError, default_cache_root, resolve
+from bus.datacache import DatasetCache
+from bus.datasets import DatasetStoreError, resolve
 from bus.durable import ConsumerSpec
 from bus.errors import Interrupted, PoisonError, RetryableError
 from bus.inference import InferenceError, PolicyClient
@@ -81,11 +81,11 @@ class EnvWorker:
         policies: dict[str, PolicyClient],
         stop: asyncio.Event | None = None,
         limits: InputLimits | None = None,
-        dataset_cache: Path | None = None,
+        dataset_cache: DatasetCache | None = None,
     ) -> None:
         self.js = js
         #: Where tenants' pushed datasets are materialised (verified against their digests).
-        self.dataset_cache = dataset_cache or default_cache_root()
+        self.dataset_cache = dataset_cache or DatasetCache()
         self.limits = limits or InputLimits()
         #: The service's stop event: a long stream hands its task back when it is set.
         self.stop = stop or asyncio.Event()
@@ -453,7 +453,7 @@ async def run(config: EnvsConfig) -> None:
             policies,
             rt.stop,
             config.limit,
-            Path(config.dataset_cache) if config.dataset_cache else None,
+            config.dataset_cache_settings(),
         )
         rt.gauges = worker.gauges
         usage = UsageReporter(

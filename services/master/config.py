@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from bus.config import BusConfig
+from bus.config import DatasetsConfig
 from schemas.limits import InputLimits
 from services.master.envfit import DESCRIBE_TIMEOUT_S
 from services.master.pacing import DEFAULT_BURST, DEFAULT_RATE
 
 
-class MasterConfig(BusConfig):
+class MasterConfig(DatasetsConfig):
     """Master settings."""
 
     max_deliver: int = Field(5, ge=1, description="Deliveries before a job command is dead.")
@@ -22,9 +22,6 @@ class MasterConfig(BusConfig):
         DESCRIBE_TIMEOUT_S,
         gt=0,
         description="Wait for an env worker's description of a job's env (its first build).",
-    )
-    dataset_cache: str = Field(
-        "", description="Where pushed datasets are materialised (default: a temp dir)."
     )
     tenant_requests_per_s: float = Field(
         DEFAULT_RATE,

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from nats.js import JetStreamContext
 
-from bus.datasets import DatasetStoreError, default_cache_root, resolve
+from bus.datacache import DatasetCache
+from bus.datasets import DatasetStoreError, resolve
 from bus.errors import PoisonError, RetryableError
 from schemas.env import EnvTask, EvalTask, RolloutTask, StreamDataset
 from schemas.limits import InputLimits, exceeds
@@ -111,15 +112,15 @@ async def check_dataset_dir(
 @dataclass(frozen=True)
 class Datasets:
     """Resolves a spec's dataset id in its tenant's namespace (``datasets`` KV) to a local
-    directory: a registered path, or a pushed dataset materialised into ``cache_root``. A
+    directory: a registered path, or a pushed dataset materialised into ``cache``. A
     path, an unknown id or another tenant's id is refused, naming the namespace."""
 
     js: JetStreamContext
-    cache_root: Path = field(default_factory=default_cache_root)
+    cache: DatasetCache = field(default_factory=DatasetCache)
 
     async def path(self, tenant: str, dataset_id: str) -> Path:
         try:
-            directory, _ = await resolve(self.js, tenant, dataset_id, self.cache_root)
+            directory, _ = await resolve(self.js, tenant, dataset_id, self.cache)
         except DatasetStoreError as exc:
             error = RetryableError if exc.retryable else PoisonError
             raise error(f"dataset: {exc}") from exc

@@ -32,7 +32,6 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from pathlib import Path
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -47,6 +46,7 @@ from bus import tracing
 from bus.auth import query_reply_allowed, reply_allowed
 from bus.checkpoints import CheckpointError, committed_object, digest, get_checkpoint
 from bus.codec import DecodeError, decode, encode
+from bus.datacache import DatasetCache
 from bus.datasets import (
     DatasetStoreError,
     list_datasets,
@@ -130,7 +130,7 @@ class Queries:
         js: JetStreamContext,
         jobs: KeyValue,
         policies: KeyValue,
-        cache_root: Path,
+        cache: DatasetCache,
         *,
         limits: InputLimits | None = None,
         pacer: Pacer | None = None,
@@ -138,7 +138,7 @@ class Queries:
         self.js = js
         self.jobs = jobs
         self.policies = policies
-        self.cache_root = Path(cache_root)
+        self.cache = cache
         self.gate = TenantGate(js)
         self.tenant_jobs = TenantJobs(js)
         self.transfer = Transfer(js, self.gate)
@@ -155,10 +155,10 @@ class Queries:
         self._max_payload = 1 << 20
 
     @classmethod
-    async def on_bus(cls, js: JetStreamContext, cache_root: Path) -> Queries:
+    async def on_bus(cls, js: JetStreamContext, cache: DatasetCache) -> Queries:
         """Responders over the bus's ``jobs`` and ``policies`` KV (declared beforehand)."""
         jobs = await js.key_value(subjects.KV_JOBS)
-        return cls(js, jobs, await js.key_value(subjects.KV_POLICIES), cache_root)
+        return cls(js, jobs, await js.key_value(subjects.KV_POLICIES), cache)
 
     # -- dispatch ---------------------------------------------------------------------------
 
@@ -254,7 +254,7 @@ class Queries:
         if request.files is not None:
             await self.transfer.write_manifest(request)
         directory, manifest, manifest_digest = await materialise(
-            self.js, tenant, dataset, self.cache_root
+            self.js, tenant, dataset, self.cache
         )
         try:
             await asyncio.to_thread(check_dataset, directory)

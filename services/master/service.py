@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import msgspec
 from nats.aio.msg import Msg
@@ -20,7 +19,6 @@ from nats.js.kv import KeyValue
 
 from bus import tracing
 from bus.codec import DecodeError, decode, encode
-from bus.datasets import default_cache_root
 from bus.durable import ConsumerSpec
 from bus.errors import PoisonError, RetryableError
 from bus.publish import msg_id, publish, publish_event
@@ -432,7 +430,7 @@ async def run(config: MasterConfig) -> None:
 
     async def body(rt: Runtime) -> None:
         watch = BackboneWatch(rt.js, config.backbones.split(","), config.backbone_deadline_s)
-        datasets = Datasets(rt.js, Path(config.dataset_cache or default_cache_root()))
+        datasets = Datasets(rt.js, config.dataset_cache_settings())
         master = Master(
             rt.js,
             await rt.js.key_value(subjects.KV_JOBS),
@@ -447,7 +445,7 @@ async def run(config: MasterConfig) -> None:
             rt.js,
             master.jobs,
             master.policies,
-            datasets.cache_root,
+            datasets.cache,
             limits=config.limit,
             pacer=Pacer(config.tenant_requests_per_s, config.tenant_request_burst),
         )

@@ -1,0 +1,144 @@
+"""The local cache pushed datasets are materialised into (:func:`bus.datasets.materialise`),
+bounded on disk.
+
+One directory per (tenant, dataset id, manifest digest), ``<root>/<tenant>/<id>/<digest16>``,
+complete once its ``MANIFEST`` is written; the manifest file's mtime is when the entry was
+last used (downloaded, or found by a later materialise). A dataset pushed again gets a new
+entry beside the old one, and a process stopped mid-download leaves its ``.partial-*``
+directory: without eviction both stay for good. After each download the least recently
+used entries are removed while the cache holds more than its budget, except those used in
+the last ``min_idle_s`` (another process sharing the directory, e.g. the master and an env
+worker of one host, may be loading them), and download directories not written for a day.
+A loaded dataset is held in memory (:class:`vla.data.Dataset`): removing its directory
+costs a later job one download, never a running job its data.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: A pushed dataset's manifest: the object written last under ``datasets/<id>/`` in the
+#: tenant's bucket, and the file written last into a complete entry here (its mtime: when
+#: the entry was last used).
+MANIFEST = "MANIFEST"
+#: An entry used within this long is never removed (a process may be reading it).
+MIN_IDLE_S = 3600.0
+#: A download directory not written for this long belongs to a process that stopped.
+PARTIAL_MAX_AGE_S = 86400.0
+#: What the cache may hold on disk by default.
+DEFAULT_MAX_BYTES = 64 * 2**30
+
+_PARTIAL = ".partial-"
+_REMOVING = ".removing-"
+
+
+def default_cache_root() -> Path:
+    """``<tmp>/joynexus-datasets-<uid>`` when a role's config names no cache directory."""
+    return Path(tempfile.gettempdir()) / f"joynexus-datasets-{os.getuid()}"
+
+
+@dataclass(frozen=True)
+class DatasetCache:
+    """Where this host materialises pushed datasets, and how much disk they may take."""
+
+    root: Path = field(default_factory=default_cache_root)
+    #: Bytes the entries may take together (0: no bound). Entries in use may take more.
+    max_bytes: int = DEFAULT_MAX_BYTES
+    #: An entry used within this long is kept whatever the budget.
+    min_idle_s: float = MIN_IDLE_S
+
+    def entry(self, tenant: str, dataset_id: str, digest: str) -> Path:
+        """Where ``dataset_id`` of ``tenant`` with manifest ``digest`` is materialised."""
+        return self.root / tenant / dataset_id / digest[:16]
+
+    def evict(self, *, now: float | None = None) -> list[Path]:
+        """Remove download directories left by stopped processes, then the least recently
+        used entries idle for ``min_idle_s`` while the cache holds more than ``max_bytes``;
+        return the removed paths. Blocking (file system walks): run it in a thread."""
+        now = time.time() if now is None else now
+        removed = [p for p in _leftovers(self.root, now) if _remove(p)]
+        if self.max_bytes <= 0:
+            return removed
+        entries = sorted(_entries(self.root))  # least recently used first
+        total = sum(size for _, size, _ in entries)
+        for used, size, path in entries:
+            if total <= self.max_bytes:
+                break
+            if now - used < self.min_idle_s:
+                continue
+            if _remove(path):
+                log.info("dataset cache: removed %s (%d bytes, idle %.0fs)", path, size, now - used)
+                removed.append(path)
+                total -= size
+        if total > self.max_bytes:
+            log.warning(
+                "dataset cache %s holds %d bytes, over its %d: the rest was used in the last %.0fs",
+                self.root,
+                total,
+                self.max_bytes,
+                self.min_idle_s,
+            )
+        return removed
+
+
+def touch(entry: Path) -> bool:
+    """Mark a complete entry as used now; False when it is not there (never complete, or
+    removed meanwhile: materialise it again)."""
+    try:
+        os.utime(entry / MANIFEST)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _entries(root: Path) -> list[tuple[float, int, Path]]:
+    """Complete entries as (last used, bytes, path)."""
+    out = []
+    for manifest in root.glob(f"*/*/*/{MANIFEST}"):
+        entry = manifest.parent
+        if entry.name.startswith("."):
+            continue
+        try:
+            used = manifest.stat().st_mtime
+            size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+        except FileNotFoundError:  # removed meanwhile by another process
+            continue
+        out.append((used, size, entry))
+    return out
+
+
+def _leftovers(root: Path, now: float) -> list[Path]:
+    """Download directories not written for a day, and removals a crash interrupted."""
+    out = []
+    for path in root.glob("*/*/.*"):
+        if path.name.startswith(_REMOVING):
+            out.append(path)
+        elif path.name.startswith(_PARTIAL):
+            try:
+                written = max([path.stat().st_mtime, *(p.stat().st_mtime for p in path.rglob("*"))])
+            except FileNotFoundError:
+                continue
+            if now - written > PARTIAL_MAX_AGE_S:
+                out.append(path)
+    return out
+
+
+def _remove(path: Path) -> bool:
+    """Rename, then delete: a reader never sees an entry half-removed (without its manifest
+    it is downloaded again)."""
+    target = path.parent / f"{_REMOVING}{uuid.uuid4().hex[:12]}"
+    try:
+        os.rename(path, target)
+    except FileNotFoundError:
+        return False
+    shutil.rmtree(target, ignore_errors=True)
+    return True
