@@ -334,6 +334,15 @@ async def put_dataset(js: JetStreamContext, record: DatasetRecord) -> None:
     await kv.put(dataset_key(record.tenant, record.dataset), encode(record))
 
 
+async def delete_dataset(js: JetStreamContext, tenant: str, dataset_id: str) -> bool:
+    """Delete a dataset's record (service identities only); whether there was one."""
+    if await get_dataset(js, tenant, dataset_id) is None:
+        return False
+    kv = await datasets_kv(js)
+    await kv.delete(dataset_key(tenant, dataset_id))
+    return True
+
+
 async def list_datasets(js: JetStreamContext, tenant: str) -> list[DatasetRecord]:
     """The tenant's datasets, by id."""
     values = await kv_values(js, subjects.KV_DATASETS, f"{validate_id(tenant, 'tenant')}.")

@@ -84,7 +84,8 @@ def channels() -> list[Channel]:
             "components.schemas.JobSpecDocument; a bad spec is answered by a `rejected` event); "
             "`events` pages through a job's events by stream sequence; `dataset-plan`, "
             "`dataset-part` and `dataset-add` push a dataset in parts of at most "
-            f"{tenantctl.PART_BYTES} bytes; `export` then `export-read` download a policy.",
+            f"{tenantctl.PART_BYTES} bytes; `dataset-rm` removes one (refused while a job "
+            "that has not ended names it); `export` then `export-read` download a policy.",
             _tagged(tenantctl.TenantRequest),
             "send",
             {"tenant": TENANT, "op": {"enum": list(subjects.TENANT_CTL_OPS)}},

@@ -1,5 +1,5 @@
 """The tenant half of the ``joynexus`` command line: ``submit``, ``watch``, ``status``,
-``cancel``, ``export``, ``data push`` and ``data list``.
+``cancel``, ``export``, ``data push``, ``data list`` and ``data rm``.
 
 A command that names a tenant connects as that tenant: ``--creds`` / ``JOYNEXUS_CREDS`` if
 given, else, against a local stack with auth, ``<home>/creds/<tenant>.creds`` (else the
@@ -271,6 +271,24 @@ async def _data_list(args: argparse.Namespace) -> int:
         await client.close()
 
 
+async def _data_rm(args: argparse.Namespace) -> int:
+    client = await _client(args, args.tenant)
+    try:
+        try:
+            removed = await client.remove_dataset(args.tenant, args.id)
+        except (RequestError, InvalidIdError) as exc:
+            print(f"joynexus data rm: {exc}", file=sys.stderr)
+            return 1
+        record = "record and " if removed.recorded else ""
+        print(
+            f"dataset {removed.dataset} removed from tenant {args.tenant}'s namespace: "
+            f"{record}{removed.files} stored files, {removed.bytes} bytes"
+        )
+        return 0
+    finally:
+        await client.close()
+
+
 async def _export(args: argparse.Namespace) -> int:
     client = await _client(args, args.tenant)
     try:
@@ -286,7 +304,7 @@ async def _export(args: argparse.Namespace) -> int:
 
 
 def add_data_commands(dsub: Subcommands) -> None:
-    """``push`` and ``list`` on the ``data`` command group's subcommands ``dsub``."""
+    """``push``, ``list`` and ``rm`` on the ``data`` command group's subcommands ``dsub``."""
     push = add_command(
         dsub,
         "push",
@@ -305,6 +323,16 @@ def add_data_commands(dsub: Subcommands) -> None:
         help="the datasets in a tenant's namespace",
     )
     ls.add_argument("--tenant", required=True)
+    rm = add_command(
+        dsub,
+        "rm",
+        lambda a: asyncio.run(_data_rm(a)),
+        bus=True,
+        help="remove a dataset from a tenant's namespace (its stored files too); refused "
+        "while a job that has not ended names it",
+    )
+    rm.add_argument("id")
+    rm.add_argument("--tenant", required=True)
 
 
 def data_commands(sub: Subcommands) -> Subcommands:

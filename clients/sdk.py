@@ -63,6 +63,7 @@ from schemas.tenantctl import (
     CancelJob,
     CtlError,
     DatasetAdded,
+    DatasetRemoved,
     DatasetsReply,
     EventsPage,
     ExportBytes,
@@ -75,6 +76,7 @@ from schemas.tenantctl import (
     PolicyExported,
     ReadEvents,
     ReadExport,
+    RemoveDataset,
     SubmitJob,
     TenantReply,
     TenantRequest,
@@ -418,6 +420,17 @@ class Client:
         reply = await self.request(tenant, ListDatasets(tenant))
         assert isinstance(reply, DatasetsReply)
         return reply.records
+
+    async def remove_dataset(self, tenant: str, dataset_id: str) -> DatasetRemoved:
+        """Remove a dataset from the tenant's namespace: its record and its stored files
+        (the tenant's storage given back). Raises :class:`RequestError`: ``not_found`` when
+        there is no such dataset, ``invalid`` naming the jobs that have not ended and name
+        it."""
+        reply = await self.request(
+            tenant, RemoveDataset(tenant, dataset_id), timeout=DATASET_ADD_TIMEOUT_S
+        )
+        assert isinstance(reply, DatasetRemoved)
+        return reply
 
     async def push_dataset(
         self,

@@ -59,6 +59,7 @@ TENANT_CTL_OPS: tuple[str, ...] = (
     "jobs",
     "datasets",
     "dataset-add",
+    "dataset-rm",
     "export",
     "submit",
     "cancel",

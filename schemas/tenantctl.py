@@ -131,6 +131,16 @@ class AddDataset(msgspec.Struct, frozen=True, tag="dataset-add"):
     files: list[ManifestFile] | None = None
 
 
+class RemoveDataset(msgspec.Struct, frozen=True, tag="dataset-rm"):
+    """Remove a dataset from the tenant's namespace: its record and, for a pushed one, its
+    files in the tenant's bucket (what a push left without a ``dataset-add`` goes too).
+    Refused while a job of the tenant that has not ended names it. A registered dataset's
+    directory is the operator's: only its name leaves the namespace."""
+
+    tenant: str
+    dataset: str
+
+
 class ExportPolicy(msgspec.Struct, frozen=True, tag="export"):
     """Copy a committed policy version of one of the tenant's jobs into its bucket
     (``policies/<job>/v<version>``) for download. ``version`` 0 = the latest."""
@@ -192,6 +202,7 @@ TenantRequest = (
     | ListJobs
     | ListDatasets
     | AddDataset
+    | RemoveDataset
     | ExportPolicy
     | SubmitJob
     | CancelJob
@@ -231,6 +242,16 @@ class DatasetsReply(msgspec.Struct, frozen=True, tag="datasets"):
 
 class DatasetAdded(msgspec.Struct, frozen=True, tag="dataset-add"):
     record: DatasetRecord
+
+
+class DatasetRemoved(msgspec.Struct, frozen=True, tag="dataset-rm"):
+    """What a ``dataset-rm`` removed: the record (``recorded``: there was one) and ``files``
+    objects of ``bytes`` in all from the tenant's bucket (its storage given back)."""
+
+    dataset: str
+    recorded: bool
+    files: int
+    bytes: int
 
 
 class PolicyExported(msgspec.Struct, frozen=True, tag="export"):
@@ -311,6 +332,7 @@ TenantReply = (
     | JobsReply
     | DatasetsReply
     | DatasetAdded
+    | DatasetRemoved
     | PolicyExported
     | Queued
     | EventsPage

@@ -147,6 +147,14 @@ def test_up_then_submit_watch_and_status(tmp_path: Path) -> None:
         )
         out = run("--home", str(home), "submit", str(bad))
         assert out.returncode == 2 and "learning_rate: unknown field" in out.stderr
+        # The job has ended: its dataset can leave the namespace, its files with it.
+        removed = run("--home", str(home), "data", "rm", "ds", "--tenant", tenant)
+        assert removed.returncode == 0, removed.stdout + removed.stderr
+        assert f"dataset ds removed from tenant {tenant}'s namespace: record and" in removed.stdout
+        listed = run("--home", str(home), "data", "list", "--tenant", tenant)
+        assert listed.returncode == 0 and "ds " not in listed.stdout
+        again = run("--home", str(home), "data", "rm", "ds", "--tenant", tenant)
+        assert again.returncode == 1 and f"no dataset 'ds' of tenant {tenant}" in again.stderr
     finally:
         up.send_signal(signal.SIGINT)
         log, _ = up.communicate(timeout=60)  # also closes the pipe

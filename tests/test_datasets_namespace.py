@@ -39,7 +39,7 @@ from bus.server import EmbeddedServer
 from clients.push import Ask, push_dataset
 from clients.sdk import Client, Job, JobFailed, RequestError
 from schemas import headers, subjects
-from schemas.jobs import JobSubmit
+from schemas.jobs import JobRecord, JobStatus, JobSubmit, job_key
 from schemas.model import HeadConfig, OptimizerConfig
 from schemas.tenantctl import (
     PART_BYTES,
@@ -57,6 +57,7 @@ from schemas.tenants import DatasetManifest, ManifestFile
 from schemas.train import OpenSlot, PolicyRecord
 from services.envs.datasets import record
 from services.envs.sims import REACH2D_ID
+from services.master.transfer import uploads_prefix
 from tests.conftest import Procs
 from tests.helpers import uid
 from tests.sft_helpers import OFT_2D, final_policy, sft_spec, start_stack
@@ -293,6 +294,65 @@ async def test_the_dataset_cache_keeps_to_its_budget_removing_the_least_recently
     unbounded = DatasetCache(cache.root, max_bytes=0, min_idle_s=600)
     assert unbounded.evict() == [stale]
     assert fresh.is_dir() and new.is_dir() and again.is_dir()
+
+
+async def test_a_removed_dataset_leaves_the_namespace_with_its_files_unless_a_live_job_names_it(
+    client: Client, reach: Path, reach_big: Path
+) -> None:
+    tenant = uid("acme")
+    pushed = await client.push_dataset(tenant, reach, "reach")
+    # Jobs that have not ended name it: an SFT job, and a pipeline in one of its stages.
+    jobs = await client.js.key_value(subjects.KV_JOBS)
+    now = time.time()
+    users = {
+        "sft-1": {"kind": "sft", "tenant": tenant, "dataset": "reach"},
+        "pipe-1": {"kind": "pipeline", "stages": [{"kind": "eval", "dataset": "reach"}]},
+        "other": {"kind": "sft", "tenant": tenant, "dataset": "not-this-one"},
+    }
+
+    async def put_job(job_id: str, status: JobStatus) -> None:
+        spec = json.dumps(users[job_id]).encode()
+        record = JobRecord(tenant, job_id, "sft", status, spec, now, now)
+        await jobs.put(job_key(tenant, job_id), encode(record))
+
+    for job_id in users:
+        await put_job(job_id, "running" if job_id != "pipe-1" else "queued")
+    with pytest.raises(RequestError, match="not ended: pipe-1, sft-1; cancel them") as busy:
+        await client.remove_dataset(tenant, "reach")
+    assert busy.value.code == "invalid" and not busy.value.retryable
+    assert await client.datasets(tenant) == [pushed.record], "nothing removed"
+
+    await put_job("sft-1", "succeeded")
+    await put_job("pipe-1", "cancelled")
+    removed = await client.remove_dataset(tenant, "reach")
+    files = scan(reach)
+    assert removed.recorded and removed.files == len(files) + 1  # and the manifest
+    assert removed.bytes > sum(f.size for f in files)
+    assert await client.datasets(tenant) == []
+    assert await objects(client, tenant, prefix_of("reach")) == []
+    with pytest.raises(RequestError, match="no dataset 'reach' of tenant") as gone:
+        await client.remove_dataset(tenant, "reach")
+    assert gone.value.code == "not_found"
+    # Pushed again, every file is uploaded again and it is back.
+    again = await client.push_dataset(tenant, reach, "reach")
+    assert again.report.skipped == [] and again.record.files == pushed.record.files
+
+    # A push that stopped inside a file (never added) left a file and parts: they go.
+    with pytest.raises(Interrupt):
+        await push_dataset(asker(client, tenant, stop_after=3), tenant, reach_big, "big")
+    assert await objects(client, tenant, prefix_of("big")), "a file left by the push"
+    assert await objects(client, tenant, uploads_prefix("big")), "parts left by the push"
+    left = await client.remove_dataset(tenant, "big")
+    assert not left.recorded and left.files > 0
+    assert await objects(client, tenant, prefix_of("big")) == []
+    assert await objects(client, tenant, uploads_prefix("big")) == []
+
+    # A registered dataset: its name leaves the namespace, the operator's directory stays.
+    await register_path(client.js, tenant, "mine", reach)
+    mine = await client.remove_dataset(tenant, "mine")
+    assert (mine.recorded, mine.files) == (True, 0)
+    assert [r.dataset for r in await client.datasets(tenant)] == ["reach"]
+    assert scan(reach) == files
 
 
 async def test_a_push_past_the_tenants_storage_limit_is_refused_naming_the_file(

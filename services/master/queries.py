@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import Counter
@@ -49,6 +50,7 @@ from bus.codec import DecodeError, decode, encode
 from bus.datacache import DatasetCache
 from bus.datasets import (
     DatasetStoreError,
+    delete_dataset,
     list_datasets,
     materialise,
     policy_object,
@@ -61,7 +63,7 @@ from bus.placement import live_placements
 from bus.records import get_job, get_policy
 from schemas import subjects
 from schemas.ids import InvalidIdError, validate_id
-from schemas.jobs import JobRecord
+from schemas.jobs import TERMINAL_STATUSES, JobRecord
 from schemas.limits import InputLimits
 from schemas.tenantctl import (
     BACKBONES_QUERY_DECODER,
@@ -73,6 +75,7 @@ from schemas.tenantctl import (
     CancelJob,
     CtlError,
     DatasetAdded,
+    DatasetRemoved,
     DatasetsReply,
     ExportPolicy,
     GetJob,
@@ -86,6 +89,7 @@ from schemas.tenantctl import (
     Queued,
     ReadEvents,
     ReadExport,
+    RemoveDataset,
     RenewLease,
     SamplePolicy,
     SubmitJob,
@@ -105,7 +109,9 @@ log = logging.getLogger(__name__)
 #: Requests that move a dataset's or a policy's bytes, answered HEAVY_CONCURRENCY at a time;
 #: the others (records, submits, event pages) have LIGHT_CONCURRENCY slots of their own, so
 #: no pile of uploads holds up a submit.
-HEAVY_OPS = frozenset({"dataset-plan", "dataset-part", "dataset-add", "export", "export-read"})
+HEAVY_OPS = frozenset(
+    {"dataset-plan", "dataset-part", "dataset-add", "dataset-rm", "export", "export-read"}
+)
 HEAVY_CONCURRENCY = 4
 #: Requests that wait on another service for their answer (an act waits for an inferencer,
 #: up to its timeout) have slots of their own too: a tenant's slow acts never hold the
@@ -221,6 +227,8 @@ class Queries:
                 return DatasetsReply(await list_datasets(self.js, request.tenant))
             case AddDataset():
                 return await self.add_dataset(request)
+            case RemoveDataset():
+                return await self.remove_dataset(request)
             case ExportPolicy():
                 return await self.export(request)
             case SubmitJob() | CancelJob():
@@ -276,6 +284,35 @@ class Queries:
         await put_dataset(self.js, record)
         log.info("dataset %s/%s added (%d files)", tenant, dataset, record.files)
         return DatasetAdded(record)
+
+    async def remove_dataset(self, request: RemoveDataset) -> TenantReply:
+        """Take a dataset out of the tenant's namespace (record, then stored files), unless a
+        job of the tenant that has not ended names it."""
+        tenant, dataset = request.tenant, validate_id(request.dataset, "dataset id")
+        users = await self._live_jobs_naming(tenant, dataset)
+        if users:
+            return CtlError(
+                "invalid",
+                f"dataset {dataset!r} is named by job(s) that have not ended: "
+                f"{', '.join(users)}; cancel them or wait for them to end",
+            )
+        recorded = await delete_dataset(self.js, tenant, dataset)
+        files, size = await self.transfer.remove(tenant, dataset)
+        if not recorded and not files:
+            return CtlError("not_found", f"no dataset {dataset!r} of tenant {tenant}")
+        log.info("dataset %s/%s removed (%d objects, %d bytes)", tenant, dataset, files, size)
+        return DatasetRemoved(dataset, recorded, files, size)
+
+    async def _live_jobs_naming(self, tenant: str, dataset: str) -> list[str]:
+        prefix = f"{tenant}."
+        users = []
+        for key in await kv_keys(self.js, subjects.KV_JOBS, prefix):
+            record, _ = await get_job(self.jobs, tenant, key[len(prefix) :])
+            if record is None or record.status in TERMINAL_STATUSES:
+                continue
+            if dataset in _datasets_named(record.spec_json):
+                users.append(record.job_id)
+        return users
 
     async def jobs_page(self, request: ListJobs) -> TenantReply:
         """The tenant's records after job id ``request.after``, as many as fit half a
@@ -481,3 +518,24 @@ class Queries:
         if self._sweeper is not None:
             await asyncio.wait({self._sweeper}, timeout=timeout)
         await self.sessions.close()
+
+
+def _datasets_named(spec_json: bytes) -> set[str]:
+    """Every ``dataset`` a job spec names, its stages' included (a spec the master accepted
+    is JSON; one that is not names none)."""
+    try:
+        doc = json.loads(spec_json)
+    except ValueError:
+        return set()
+    named: set[str] = set()
+    todo = [doc]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            value = node.get("dataset")
+            if isinstance(value, str):
+                named.add(value)
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return named

@@ -235,6 +235,21 @@ class Transfer:
         log.info("push of %s/%s: %d of %d files needed", tenant, dataset, len(needed), len(files))
         return DatasetPlan(needed)
 
+    async def remove(self, tenant: str, dataset: str) -> tuple[int, int]:
+        """Delete the dataset's objects (its manifest first: nothing can materialise a
+        dataset half deleted) and the parts of an unfinished push; (objects, bytes)."""
+        try:
+            store = await tenant_store(self.js, tenant, create=False)
+        except DatasetStoreError:
+            return 0, 0  # no bucket: nothing was ever pushed
+        prefix = prefix_of(dataset)
+        objects = await _objects(store, prefix)
+        objects.update(await _objects(store, uploads_prefix(dataset)))
+        if prefix + MANIFEST in objects:
+            await _delete(store, prefix + MANIFEST)
+        await _bounded(_delete(store, name) for name in objects if name != prefix + MANIFEST)
+        return len(objects), sum(int(info.size or 0) for info in objects.values())
+
     async def _manifest_lists(self, tenant: str, dataset: str, files: list[ManifestFile]) -> bool:
         """Whether the dataset's manifest lists exactly ``files`` (False: none, or another)."""
         try:
