@@ -5,22 +5,28 @@ One directory per (tenant, dataset id, manifest digest), ``<root>/<tenant>/<id>/
 complete once its ``MANIFEST`` is written; the manifest file's mtime is when the entry was
 last used (downloaded, or found by a later materialise). A dataset pushed again gets a new
 entry beside the old one, and a process stopped mid-download leaves its ``.partial-*``
-directory: without eviction both stay for good. After each download the least recently
-used entries are removed while the cache holds more than its budget, except those used in
-the last ``min_idle_s`` (another process sharing the directory, e.g. the master and an env
-worker of one host, may be loading them), and download directories not written for a day.
-A loaded dataset is held in memory (:class:`vla.data.Dataset`): removing its directory
-costs a later job one download, never a running job its data.
+directory: without eviction both stay for good. Before each download the least recently
+used entries are removed while the cache and the download would hold more than its budget,
+except those used in the last ``min_idle_s`` (another process sharing the directory, e.g.
+the master and an env worker of one host, may be loading them), and download directories
+not written for a day. Processes sharing a root take its lock file (``flock``): shared to
+mark an entry used, exclusive to choose and move what goes, so an entry a process has
+just found is never removed under it. A loaded dataset is held in memory
+(:class:`vla.data.Dataset`): removing its directory costs a later job one download, never a
+running job its data.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +45,7 @@ DEFAULT_MAX_BYTES = 64 * 2**30
 
 _PARTIAL = ".partial-"
 _REMOVING = ".removing-"
+_LOCK = ".lock"
 
 
 def default_cache_root() -> Path:
@@ -60,44 +67,66 @@ class DatasetCache:
         """Where ``dataset_id`` of ``tenant`` with manifest ``digest`` is materialised."""
         return self.root / tenant / dataset_id / digest[:16]
 
-    def evict(self, *, now: float | None = None) -> list[Path]:
+    def use(self, entry: Path) -> bool:
+        """Mark a complete entry as used now; False when it is not there (never complete,
+        or removed: materialise it again). Under the cache's shared lock, so an eviction
+        running in another process either saw this use or removed the entry before it."""
+        with self._locked(exclusive=False):
+            try:
+                os.utime(entry / MANIFEST)
+            except FileNotFoundError:
+                return False
+            return True
+
+    def evict(self, *, room: int = 0, now: float | None = None) -> list[Path]:
         """Remove download directories left by stopped processes, then the least recently
-        used entries idle for ``min_idle_s`` while the cache holds more than ``max_bytes``;
-        return the removed paths. Blocking (file system walks): run it in a thread."""
+        used entries idle for ``min_idle_s`` while the cache holds more than ``max_bytes``
+        less ``room`` (a download about to start); return the removed paths. Blocking
+        (file system walks, the cache's lock): run it in a thread."""
         now = time.time() if now is None else now
-        removed = [p for p in _leftovers(self.root, now) if _remove(p)]
-        if self.max_bytes <= 0:
-            return removed
-        entries = sorted(_entries(self.root))  # least recently used first
-        total = sum(size for _, size, _ in entries)
-        for used, size, path in entries:
-            if total <= self.max_bytes:
-                break
-            if now - used < self.min_idle_s:
-                continue
-            if _remove(path):
-                log.info("dataset cache: removed %s (%d bytes, idle %.0fs)", path, size, now - used)
-                removed.append(path)
+        doomed: list[Path] = []
+        with self._locked(exclusive=True):
+            leftovers = _leftovers(self.root, now)
+            entries = sorted(_entries(self.root)) if self.max_bytes > 0 else []
+            total = sum(size for _, size, _ in entries)
+            budget = max(0, self.max_bytes - room)
+            for used, size, path in entries:  # least recently used first
+                if total <= budget:
+                    break
+                if now - used < self.min_idle_s:
+                    continue
+                log.info(
+                    "dataset cache: removing %s (%d bytes, idle %.0fs)", path, size, now - used
+                )
+                doomed.append(path)
                 total -= size
-        if total > self.max_bytes:
+            # Renamed under the lock (a use after it finds them gone), deleted after it.
+            moved = [_rename(p) for p in leftovers + doomed]
+        for gone in moved:
+            if gone is not None:
+                shutil.rmtree(gone, ignore_errors=True)
+        if self.max_bytes > 0 and total > budget:
             log.warning(
-                "dataset cache %s holds %d bytes, over its %d: the rest was used in the last %.0fs",
+                "dataset cache %s holds %d bytes, over its %d (%d to come): the rest was used "
+                "in the last %.0fs",
                 self.root,
                 total,
                 self.max_bytes,
+                room,
                 self.min_idle_s,
             )
-        return removed
+        return [p for p, m in zip(leftovers + doomed, moved, strict=True) if m is not None]
 
-
-def touch(entry: Path) -> bool:
-    """Mark a complete entry as used now; False when it is not there (never complete, or
-    removed meanwhile: materialise it again)."""
-    try:
-        os.utime(entry / MANIFEST)
-    except FileNotFoundError:
-        return False
-    return True
+    @contextlib.contextmanager
+    def _locked(self, *, exclusive: bool) -> Iterator[None]:
+        """The cache's lock, taken by every process materialising into this root."""
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with open(self.root / _LOCK, "a+b") as f:
+            fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _entries(root: Path) -> list[tuple[float, int, Path]]:
@@ -132,13 +161,12 @@ def _leftovers(root: Path, now: float) -> list[Path]:
     return out
 
 
-def _remove(path: Path) -> bool:
-    """Rename, then delete: a reader never sees an entry half-removed (without its manifest
-    it is downloaded again)."""
+def _rename(path: Path) -> Path | None:
+    """Move ``path`` out of the way (a reader never sees an entry half deleted: without its
+    manifest it is downloaded again); where it went, or None if it was gone."""
     target = path.parent / f"{_REMOVING}{uuid.uuid4().hex[:12]}"
     try:
         os.rename(path, target)
     except FileNotFoundError:
-        return False
-    shutil.rmtree(target, ignore_errors=True)
-    return True
+        return None
+    return target

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import logging
 import os
 import shutil
 import tempfile
@@ -46,7 +47,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from bus.codec import DecodeError, decode, encode
-from bus.datacache import MANIFEST, DatasetCache, touch
+from bus.datacache import MANIFEST, DatasetCache
 from bus.kv import ChunksMissingError, kv_values, read_object_into
 from schemas import subjects
 from schemas.ids import InvalidIdError, validate_id
@@ -60,6 +61,8 @@ from schemas.tenants import (
     ManifestFile,
     dataset_key,
 )
+
+log = logging.getLogger(__name__)
 
 #: Files larger than this are refused by :func:`scan` (the tenant's bucket has its own cap).
 MAX_FILE_BYTES = 1 << 34
@@ -272,7 +275,7 @@ async def materialise(
     """Download a pushed dataset into ``cache`` (once per manifest digest), verifying every
     file; return its directory, manifest and the manifest's digest. With
     ``expected_digest`` (a DatasetRecord's), a manifest pushed since is refused. A download
-    is followed by the cache's eviction (:meth:`DatasetCache.evict`)."""
+    first makes room in the cache (:meth:`DatasetCache.evict`)."""
     await tenant_store(js, tenant, create=False)  # a clear error when it is missing
     manifest, digest = await read_manifest(js, subjects.tenant_bucket(tenant), dataset_id)
     if expected_digest and digest != expected_digest:
@@ -281,8 +284,12 @@ async def materialise(
             f"{digest[:16]}…, recorded {expected_digest[:16]}…): run dataset-add again"
         )
     target = cache.entry(tenant, dataset_id, digest)
-    if await asyncio.to_thread(touch, target):
+    if await asyncio.to_thread(cache.use, target):
         return target, manifest, digest
+    try:
+        await asyncio.to_thread(cache.evict, room=manifest.total_bytes)
+    except OSError as exc:  # the download may still fit: it says so if not
+        log.warning("dataset cache %s: eviction failed: %s", cache.root, exc)
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".partial-"))
     try:
@@ -298,7 +305,6 @@ async def materialise(
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    await asyncio.to_thread(cache.evict)
     return target, manifest, digest
 
 

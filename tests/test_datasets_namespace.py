@@ -6,11 +6,13 @@ own tenant's policies; an exported policy is the checkpoint's bytes, read back i
 from __future__ import annotations
 
 import base64
+import fcntl
 import hashlib
 import io
 import json
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -296,6 +298,33 @@ async def test_the_dataset_cache_keeps_to_its_budget_removing_the_least_recently
     assert fresh.is_dir() and new.is_dir() and again.is_dir()
 
 
+def test_an_eviction_under_way_holds_back_a_use_of_the_cache_until_it_is_done(
+    tmp_path: Path,
+) -> None:
+    """Processes sharing a cache root take its lock: an eviction choosing and moving what
+    goes holds it exclusively (here another open file of the lock stands for another
+    process's eviction), so a use waits, and then finds the entry or finds it gone; never
+    an entry removed after it was found."""
+    cache = DatasetCache(tmp_path / "host", max_bytes=1, min_idle_s=600)
+    entry = cache.entry("acme", "reach", "ab" * 32)
+    entry.mkdir(parents=True)
+    (entry / MANIFEST).write_bytes(b"{}")
+    used_ago(entry, 7200)
+    found: list[bool] = []
+    with open(cache.root / ".lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        user = threading.Thread(target=lambda: found.append(cache.use(entry)))
+        user.start()
+        user.join(timeout=0.5)
+        assert user.is_alive() and not found, "a use went on during an eviction"
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    user.join(timeout=10)
+    assert found == [True]
+    assert cache.evict() == [], "used just now: kept though over budget"
+    used_ago(entry, 7200)
+    assert cache.evict() == [entry] and cache.use(entry) is False
+
+
 async def test_a_removed_dataset_leaves_the_namespace_with_its_files_unless_a_live_job_names_it(
     client: Client, reach: Path, reach_big: Path
 ) -> None:
@@ -308,6 +337,8 @@ async def test_a_removed_dataset_leaves_the_namespace_with_its_files_unless_a_li
         "sft-1": {"kind": "sft", "tenant": tenant, "dataset": "reach"},
         "pipe-1": {"kind": "pipeline", "stages": [{"kind": "eval", "dataset": "reach"}]},
         "other": {"kind": "sft", "tenant": tenant, "dataset": "not-this-one"},
+        # An env's keyword argument of that name is no dataset of the namespace.
+        "rl-1": {"kind": "rl", "env": "JoyNexus/Reach2D-v0", "env_kwargs": {"dataset": "reach"}},
     }
 
     async def put_job(job_id: str, status: JobStatus) -> None:
