@@ -282,7 +282,7 @@ async def _data_rm(args: argparse.Namespace) -> int:
         record = "record and " if removed.recorded else ""
         print(
             f"dataset {removed.dataset} removed from tenant {args.tenant}'s namespace: "
-            f"{record}{removed.files} stored files, {removed.bytes} bytes"
+            f"{record}{removed.files} stored objects, {removed.bytes} bytes"
         )
         return 0
     finally:

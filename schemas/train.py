@@ -263,8 +263,8 @@ class PolicyRecord(msgspec.Struct, frozen=True):
     saved: dict[str, str] = msgspec.field(default_factory=dict)
     #: Which session call saved each name of ``saved`` (name → call number): a copy of a
     #: later call naming it, refused then, is not answered with its version when it is
-    #: delivered again. Records written before it have none (every name taken as saved by
-    #: whichever call asks).
+    #: delivered again. Records written before it (or rewritten by an older trainer) have
+    #: none: every name is then taken as saved by whichever call asks.
     saved_calls: dict[str, int] = msgspec.field(default_factory=dict)
 
 

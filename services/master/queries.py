@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import time
+import weakref
 from collections import Counter
 
 from nats.aio.client import Client as NATS
@@ -123,6 +124,8 @@ LIGHT_CONCURRENCY = 16
 POOLS = {"heavy": HEAVY_CONCURRENCY, "waiting": WAITING_CONCURRENCY, "light": LIGHT_CONCURRENCY}
 #: The part of each kind's slots one tenant may hold at once: the rest stay for the others.
 TENANT_SHARE = 0.5
+#: Job records a dataset-rm reads at once (looking for jobs that name the dataset).
+JOB_READS = 32
 #: A tenant's requests running or waiting at once; past it, more are refused at once
 #: (retryable), without keeping their payloads.
 MAX_IN_FLIGHT_PER_TENANT = 16
@@ -158,6 +161,9 @@ class Queries:
         #: Each tenant's share of each pool, made on its first request of that kind.
         self._shares: dict[tuple[str, str], asyncio.Semaphore] = {}
         self._in_flight: Counter[str] = Counter()
+        self._dataset_locks: weakref.WeakValueDictionary[tuple[str, str], asyncio.Lock] = (
+            weakref.WeakValueDictionary()
+        )
         self._max_payload = 1 << 20
 
     @classmethod
@@ -226,9 +232,11 @@ class Queries:
             case ListDatasets():
                 return DatasetsReply(await list_datasets(self.js, request.tenant))
             case AddDataset():
-                return await self.add_dataset(request)
+                async with self._dataset_lock(request.tenant, request.dataset):
+                    return await self.add_dataset(request)
             case RemoveDataset():
-                return await self.remove_dataset(request)
+                async with self._dataset_lock(request.tenant, request.dataset):
+                    return await self.remove_dataset(request)
             case ExportPolicy():
                 return await self.export(request)
             case SubmitJob() | CancelJob():
@@ -285,9 +293,19 @@ class Queries:
         log.info("dataset %s/%s added (%d files)", tenant, dataset, record.files)
         return DatasetAdded(record)
 
+    def _dataset_lock(self, tenant: str, dataset: str) -> asyncio.Lock:
+        """One add or remove of a dataset at a time (in this master): a remove must not
+        delete the objects an add has just checked and is recording."""
+        lock = self._dataset_locks.get((tenant, dataset))
+        if lock is None:
+            lock = self._dataset_locks[(tenant, dataset)] = asyncio.Lock()
+        return lock
+
     async def remove_dataset(self, request: RemoveDataset) -> TenantReply:
         """Take a dataset out of the tenant's namespace (record, then stored files), unless a
-        job of the tenant that has not ended names it."""
+        job of the tenant that has not ended names it. The check reads the job records: a
+        job accepted while the removal runs (or submitted and not yet taken from ``JOBS``)
+        is not seen, and fails when it reads the dataset, naming it."""
         tenant, dataset = request.tenant, validate_id(request.dataset, "dataset id")
         users = await self._live_jobs_naming(tenant, dataset)
         if users:
@@ -304,15 +322,22 @@ class Queries:
         return DatasetRemoved(dataset, recorded, files, size)
 
     async def _live_jobs_naming(self, tenant: str, dataset: str) -> list[str]:
+        """The tenant's jobs that have not ended and name ``dataset`` (records read a batch
+        at a time: a tenant's records are kept for ever)."""
         prefix = f"{tenant}."
+        keys = await kv_keys(self.js, subjects.KV_JOBS, prefix)
         users = []
-        for key in await kv_keys(self.js, subjects.KV_JOBS, prefix):
-            record, _ = await get_job(self.jobs, tenant, key[len(prefix) :])
-            if record is None or record.status in TERMINAL_STATUSES:
-                continue
-            if dataset in _datasets_named(record.spec_json):
-                users.append(record.job_id)
-        return users
+        for start in range(0, len(keys), JOB_READS):
+            batch = keys[start : start + JOB_READS]
+            found = await asyncio.gather(
+                *(get_job(self.jobs, tenant, key[len(prefix) :]) for key in batch)
+            )
+            for record, _ in found:
+                if record is None or record.status in TERMINAL_STATUSES:
+                    continue
+                if dataset in _datasets_named(record.spec_json):
+                    users.append(record.job_id)
+        return sorted(users)
 
     async def jobs_page(self, request: ListJobs) -> TenantReply:
         """The tenant's records after job id ``request.after``, as many as fit half a
@@ -521,21 +546,17 @@ class Queries:
 
 
 def _datasets_named(spec_json: bytes) -> set[str]:
-    """Every ``dataset`` a job spec names, its stages' included (a spec the master accepted
-    is JSON; one that is not names none)."""
+    """The datasets a job spec names: its own ``dataset`` and its stages' (a pipeline's).
+    Only those fields: an env's keyword arguments may hold any key. A spec that is not
+    JSON names none."""
     try:
         doc = json.loads(spec_json)
     except ValueError:
         return set()
-    named: set[str] = set()
-    todo = [doc]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, dict):
-            value = node.get("dataset")
-            if isinstance(value, str):
-                named.add(value)
-            todo.extend(node.values())
-        elif isinstance(node, list):
-            todo.extend(node)
-    return named
+    if not isinstance(doc, dict):
+        return set()
+    stages = doc.get("stages")
+    specs = [doc, *(stages if isinstance(stages, list) else [])]
+    return {
+        s["dataset"] for s in specs if isinstance(s, dict) and isinstance(s.get("dataset"), str)
+    }

@@ -203,6 +203,8 @@ SAMPLES: dict[str, object] = {
         at=1767225600.0,
         metrics={"return": 0.5, "loss": 0.25},
         batches_done=64,
+        saved={"after-3": "acme/rl-0001/v000003-" + "ef" * 8},
+        saved_calls={"after-3": 41},
     ),
     "act_request": ActRequest(
         "acme",
