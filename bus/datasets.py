@@ -341,11 +341,12 @@ async def put_dataset(js: JetStreamContext, record: DatasetRecord) -> None:
 
 
 async def delete_dataset(js: JetStreamContext, tenant: str, dataset_id: str) -> bool:
-    """Delete a dataset's record (service identities only); whether there was one."""
+    """Delete a dataset's record and its history (service identities only); whether there
+    was one."""
     if await get_dataset(js, tenant, dataset_id) is None:
         return False
     kv = await datasets_kv(js)
-    await kv.delete(dataset_key(tenant, dataset_id))
+    await kv.purge(dataset_key(tenant, dataset_id))
     return True
 
 

@@ -117,6 +117,13 @@ async def put_job(kv: KeyValue, record: JobRecord, *, last: int) -> int:
     return await _put(kv, job_key(record.tenant, record.job_id), record, last)
 
 
+async def job_removed(kv: KeyValue, tenant: str, job_id: str) -> bool:
+    """Whether the job's record was removed (``job-rm`` purges it, leaving the key's purge
+    marker): its id is not given to a new job."""
+    history = await kv_history(kv, job_key(tenant, job_id))
+    return bool(history) and history[-1].operation == "PURGE"
+
+
 def job_of(entry: KeyValue.Entry) -> JobRecord | None:
     """The record a ``jobs`` watch entry carries; None for a deletion or purge."""
     return _of_entry(entry, JOB_RECORD_DECODER)

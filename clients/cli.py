@@ -1,5 +1,5 @@
 """The tenant half of the ``joynexus`` command line: ``submit``, ``watch``, ``status``,
-``cancel``, ``export``, ``data push``, ``data list`` and ``data rm``.
+``cancel``, ``rm``, ``export``, ``data push``, ``data list`` and ``data rm``.
 
 A command that names a tenant connects as that tenant: ``--creds`` / ``JOYNEXUS_CREDS`` if
 given, else, against a local stack with auth, ``<home>/creds/<tenant>.creds`` (else the
@@ -271,6 +271,23 @@ async def _data_list(args: argparse.Namespace) -> int:
         await client.close()
 
 
+async def _rm(args: argparse.Namespace) -> int:
+    client = await _client(args, args.tenant)
+    try:
+        try:
+            removed = await client.remove_job(args.tenant, args.job)
+        except (RequestError, InvalidIdError) as exc:
+            print(f"joynexus rm: {exc}", file=sys.stderr)
+            return 1
+        print(
+            f"removed {args.tenant}/{', '.join(removed.jobs) or args.job}: "
+            f"{removed.objects} stored objects ({removed.bytes} bytes), {removed.events} events"
+        )
+        return 0
+    finally:
+        await client.close()
+
+
 async def _data_rm(args: argparse.Namespace) -> int:
     client = await _client(args, args.tenant)
     try:
@@ -419,6 +436,17 @@ def build_parser(
     c.add_argument("tenant")
     c.add_argument("job")
     c.add_argument("--reason", default="")
+
+    rm = add_command(
+        sub,
+        "rm",
+        lambda a: asyncio.run(_rm(a)),
+        bus=True,
+        help="remove a job that has ended, with its policy versions, exported copies and "
+        "events (a pipeline's stages too); its id is not used again",
+    )
+    rm.add_argument("tenant")
+    rm.add_argument("job")
 
     e = add_command(
         sub,

@@ -69,6 +69,7 @@ from schemas.tenantctl import (
     ExportBytes,
     ExportPolicy,
     GetJob,
+    JobRemoved,
     JobReply,
     JobsReply,
     ListDatasets,
@@ -77,6 +78,7 @@ from schemas.tenantctl import (
     ReadEvents,
     ReadExport,
     RemoveDataset,
+    RemoveJob,
     SubmitJob,
     TenantReply,
     TenantRequest,
@@ -95,6 +97,8 @@ __all__ = [
     "tenant_of_creds",
 ]
 
+#: A removal reads every job record of the tenant and deletes objects: it may take a while.
+REMOVE_TIMEOUT_S = 120.0
 #: How long a request waits for the master's answer (a dataset-add downloads and checks).
 REQUEST_TIMEOUT_S = 10.0
 #: How long a client waits for its broker at connect before it says it cannot reach it.
@@ -296,6 +300,15 @@ class Client:
         """Cancel one of the tenant's jobs (queued by the master; idempotent)."""
         await self.request(tenant, CancelJob(tenant, job_id, reason))
 
+    async def remove_job(self, tenant: str, job_id: str) -> JobRemoved:
+        """Remove one of the tenant's jobs that has ended, with its policy versions, their
+        exported copies, its events and its record (a pipeline's stages too). Raises
+        :class:`RequestError`: ``not_found`` when there is no such job, ``invalid`` naming
+        the jobs while it (or a job that starts from it or evaluates it) has not ended."""
+        reply = await self.request(tenant, RemoveJob(tenant, job_id), timeout=REMOVE_TIMEOUT_S)
+        assert isinstance(reply, JobRemoved)
+        return reply
+
     async def read_events(
         self, request: ReadEvents, timeout: float = REQUEST_TIMEOUT_S
     ) -> EventsPage:
@@ -427,7 +440,7 @@ class Client:
         there is no such dataset, ``invalid`` naming the jobs that have not ended and name
         it."""
         reply = await self.request(
-            tenant, RemoveDataset(tenant, dataset_id), timeout=DATASET_ADD_TIMEOUT_S
+            tenant, RemoveDataset(tenant, dataset_id), timeout=REMOVE_TIMEOUT_S
         )
         assert isinstance(reply, DatasetRemoved)
         return reply

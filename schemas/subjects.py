@@ -57,6 +57,7 @@ ENV_DESCRIBE_QUEUE = "envs"
 TENANT_CTL_OPS: tuple[str, ...] = (
     "job",
     "jobs",
+    "job-rm",
     "datasets",
     "dataset-add",
     "dataset-rm",

@@ -141,6 +141,18 @@ class RemoveDataset(msgspec.Struct, frozen=True, tag="dataset-rm"):
     dataset: str
 
 
+class RemoveJob(msgspec.Struct, frozen=True, tag="job-rm"):
+    """Remove one of the tenant's jobs that has ended, with everything kept of it: its
+    policy versions (checkpoints, a session's saved states), their exported copies in the
+    tenant's bucket, its events and its record; a pipeline's stages too. Refused while it
+    (or a stage) has not ended, or while a job that has not ended starts from it
+    (``init_from``) or evaluates it (``policy_job``). Its id is not given to a new job (a
+    submit under it is refused): a service may still hold the removed job's state."""
+
+    tenant: str
+    job_id: str
+
+
 class ExportPolicy(msgspec.Struct, frozen=True, tag="export"):
     """Copy a committed policy version of one of the tenant's jobs into its bucket
     (``policies/<job>/v<version>``) for download. ``version`` 0 = the latest."""
@@ -203,6 +215,7 @@ TenantRequest = (
     | ListDatasets
     | AddDataset
     | RemoveDataset
+    | RemoveJob
     | ExportPolicy
     | SubmitJob
     | CancelJob
@@ -252,6 +265,17 @@ class DatasetRemoved(msgspec.Struct, frozen=True, tag="dataset-rm"):
     recorded: bool
     files: int
     bytes: int
+
+
+class JobRemoved(msgspec.Struct, frozen=True, tag="job-rm"):
+    """What a ``job-rm`` removed: the records of ``jobs`` (the job, then its stages),
+    ``objects`` checkpoints and exported copies of ``bytes`` in all, and ``events``."""
+
+    job_id: str
+    jobs: list[str]
+    objects: int
+    bytes: int
+    events: int
 
 
 class PolicyExported(msgspec.Struct, frozen=True, tag="export"):
@@ -333,6 +357,7 @@ TenantReply = (
     | DatasetsReply
     | DatasetAdded
     | DatasetRemoved
+    | JobRemoved
     | PolicyExported
     | Queued
     | EventsPage

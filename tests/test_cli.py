@@ -155,6 +155,14 @@ def test_up_then_submit_watch_and_status(tmp_path: Path) -> None:
         assert listed.returncode == 0 and "ds " not in listed.stdout
         again = run("--home", str(home), "data", "rm", "ds", "--tenant", tenant)
         assert again.returncode == 1 and f"no dataset 'ds' of tenant {tenant}" in again.stderr
+        # So can the job, with its versions and events; its id is not used again.
+        gone = run("--home", str(home), "rm", tenant, job_id)
+        assert gone.returncode == 0, gone.stdout + gone.stderr
+        assert f"removed {tenant}/{job_id}: " in gone.stdout and " events" in gone.stdout
+        status = run("--home", str(home), "status", "--tenant", tenant)
+        assert status.returncode == 0 and job_id not in status.stdout
+        again = run("--home", str(home), "rm", tenant, job_id)
+        assert again.returncode == 1 and f"no job '{job_id}' of tenant {tenant}" in again.stderr
     finally:
         up.send_signal(signal.SIGINT)
         log, _ = up.communicate(timeout=60)  # also closes the pipe

@@ -36,6 +36,7 @@ from bus.datasets import (
     sha256_file,
     tenant_store,
 )
+from bus.kv import list_objects
 from bus.records import get_policy, put_policy
 from bus.server import EmbeddedServer
 from clients.push import Ask, push_dataset
@@ -51,6 +52,7 @@ from schemas.tenantctl import (
     PartStored,
     PlanDataset,
     PutDatasetPart,
+    ReadEvents,
     ReadExport,
     TenantReply,
     TenantRequest,
@@ -230,6 +232,22 @@ async def test_pushed_dataset_trains_and_only_its_tenant_can_name_it_or_its_poli
         )
         with pytest.raises(JobFailed, match="is not a dataset id \\(paths are not accepted\\)"):
             await Job(client, bob, "raw-path").wait(60)
+
+        # Alice removes her job: its versions, their exported copy, its events and its
+        # record go; bob cannot remove it.
+        with pytest.raises(RequestError, match=f"no job '{job.job_id}' of tenant {bob}"):
+            await client.remove_job(bob, job.job_id)
+        checkpoints = await js.object_store(subjects.OBJ_CHECKPOINTS)
+        versions = await list_objects(checkpoints, f"{alice}/{job.job_id}/")
+        assert len(versions) >= 2, "versions kept (checkpoint_every 3, keep 3)"
+        removed = await client.remove_job(alice, job.job_id)
+        assert removed.jobs == [job.job_id] and removed.objects == len(versions) + 1
+        assert removed.events >= 4  # accepted, running, progress..., succeeded
+        assert await list_objects(checkpoints, f"{alice}/{job.job_id}/") == []
+        assert await client.status(alice, job.job_id) is None
+        assert (await client.read_events(ReadEvents(alice, job.job_id, 0))).events == []
+        policies = await js.key_value(subjects.KV_POLICIES)
+        assert (await get_policy(policies, alice, job.job_id))[0] is None
 
 
 def entry_bytes(entry: Path) -> int:
@@ -491,6 +509,60 @@ async def _committed_policy(client: Client, tenant: str, job: str, weights: byte
     slot = OpenSlot(tenant, job, head, OptimizerConfig(), seed=0, total_steps=1)
     policy = PolicyRecord(tenant, job, 1, 1, name, digest(weights), 1, slot, time.time())
     await put_policy(await client.js.key_value(subjects.KV_POLICIES), policy, last=0)
+
+
+async def test_a_removed_pipeline_takes_its_stages_versions_and_events_and_its_id_is_not_reused(
+    client: Client, tmp_path: Path
+) -> None:
+    tenant, other = uid("acme"), uid("other")
+    jobs = await client.js.key_value(subjects.KV_JOBS)
+    now = time.time()
+
+    async def put_job(
+        job_id: str, status: JobStatus, spec: dict[str, object], parent: str = ""
+    ) -> None:
+        record = JobRecord(tenant, job_id, "sft", status, json.dumps(spec).encode(), now, now)
+        record = msgspec.structs.replace(record, parent=parent)
+        await jobs.put(job_key(tenant, job_id), encode(record))
+
+    await put_job("pipe", "running", {"kind": "pipeline", "stages": []})
+    await put_job("pipe-s0", "succeeded", {"kind": "sft", "dataset": "d"}, parent="pipe")
+    await put_job("pipe-s1", "running", {"kind": "eval", "policy_job": "pipe-s0"}, parent="pipe")
+    await _committed_policy(client, tenant, "pipe-s0", os.urandom(1000))
+    await client.export_policy(tenant, "pipe-s0", out_dir=tmp_path)  # a copy in the bucket
+    await client.js.publish(subjects.event(tenant, "pipe-s0", "progress"), b"\x80")
+
+    with pytest.raises(RequestError, match=r"job\(s\) pipe, pipe-s1 have not ended") as live:
+        await client.remove_job(tenant, "pipe")
+    assert live.value.code == "invalid"
+    await put_job("pipe", "failed", {"kind": "pipeline", "stages": []})
+    await put_job("pipe-s1", "failed", {"kind": "eval", "policy_job": "pipe-s0"}, parent="pipe")
+    # A job that has not ended and starts from a stage keeps the pipeline.
+    await put_job("next", "queued", {"kind": "sft", "dataset": "d", "init_from": "pipe-s0"})
+    with pytest.raises(RequestError, match=r"needed by job\(s\) that have not ended: next"):
+        await client.remove_job(tenant, "pipe")
+    await put_job("next", "cancelled", {"kind": "sft", "dataset": "d", "init_from": "pipe-s0"})
+
+    with pytest.raises(RequestError, match=f"no job 'pipe' of tenant {other}") as foreign:
+        await client.remove_job(other, "pipe")  # another tenant's namespace: not there
+    assert foreign.value.code == "not_found"
+    removed = await client.remove_job(tenant, "pipe")
+    assert removed.jobs == ["pipe", "pipe-s0", "pipe-s1"]
+    assert removed.objects == 2 and removed.bytes == 2000  # the checkpoint and its export
+    assert removed.events == 1
+    assert [r.job_id for r in await client.jobs(tenant)] == ["next"]
+    assert (await get_policy(await client.js.key_value(subjects.KV_POLICIES), tenant, "pipe-s0"))[
+        0
+    ] is None
+    checkpoints = await client.js.object_store(subjects.OBJ_CHECKPOINTS)
+    assert await list_objects(checkpoints, f"{tenant}/pipe") == []
+    assert await objects(client, tenant, "policies/") == []
+    with pytest.raises(RequestError, match="no job 'pipe' of tenant") as gone:
+        await client.remove_job(tenant, "pipe")
+    assert gone.value.code == "not_found"
+    # The id is not given to a new job.
+    with pytest.raises(RequestError, match=r"'pipe-s0' was a job of tenant .* that was removed"):
+        await client.submit(sft_spec(tenant, "d", OFT_2D, 2), job_id="pipe-s0")
 
 
 async def test_an_export_is_read_back_in_parts_and_matches_the_checkpoint(

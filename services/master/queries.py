@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-import weakref
 from collections import Counter
 
 from nats.aio.client import Client as NATS
@@ -51,7 +49,6 @@ from bus.codec import DecodeError, decode, encode
 from bus.datacache import DatasetCache
 from bus.datasets import (
     DatasetStoreError,
-    delete_dataset,
     list_datasets,
     materialise,
     policy_object,
@@ -64,7 +61,7 @@ from bus.placement import live_placements
 from bus.records import get_job, get_policy
 from schemas import subjects
 from schemas.ids import InvalidIdError, validate_id
-from schemas.jobs import TERMINAL_STATUSES, JobRecord
+from schemas.jobs import JobRecord
 from schemas.limits import InputLimits
 from schemas.tenantctl import (
     BACKBONES_QUERY_DECODER,
@@ -76,7 +73,6 @@ from schemas.tenantctl import (
     CancelJob,
     CtlError,
     DatasetAdded,
-    DatasetRemoved,
     DatasetsReply,
     ExportPolicy,
     GetJob,
@@ -91,6 +87,7 @@ from schemas.tenantctl import (
     ReadEvents,
     ReadExport,
     RemoveDataset,
+    RemoveJob,
     RenewLease,
     SamplePolicy,
     SubmitJob,
@@ -100,6 +97,7 @@ from schemas.tenantctl import (
 from schemas.tenants import DatasetRecord
 from services.master.limits import TenantGate
 from services.master.pacing import DEFAULT_BURST, DEFAULT_RATE, Pacer
+from services.master.removal import Removal
 from services.master.sessions import Sessions
 from services.master.tenantjobs import TenantJobs
 from services.master.transfer import Transfer
@@ -111,7 +109,7 @@ log = logging.getLogger(__name__)
 #: the others (records, submits, event pages) have LIGHT_CONCURRENCY slots of their own, so
 #: no pile of uploads holds up a submit.
 HEAVY_OPS = frozenset(
-    {"dataset-plan", "dataset-part", "dataset-add", "dataset-rm", "export", "export-read"}
+    {"dataset-plan", "dataset-part", "dataset-add", "dataset-rm", "job-rm", "export", "export-read"}
 )
 HEAVY_CONCURRENCY = 4
 #: Requests that wait on another service for their answer (an act waits for an inferencer,
@@ -124,8 +122,6 @@ LIGHT_CONCURRENCY = 16
 POOLS = {"heavy": HEAVY_CONCURRENCY, "waiting": WAITING_CONCURRENCY, "light": LIGHT_CONCURRENCY}
 #: The part of each kind's slots one tenant may hold at once: the rest stay for the others.
 TENANT_SHARE = 0.5
-#: Job records a dataset-rm reads at once (looking for jobs that name the dataset).
-JOB_READS = 32
 #: A tenant's requests running or waiting at once; past it, more are refused at once
 #: (retryable), without keeping their payloads.
 MAX_IN_FLIGHT_PER_TENANT = 16
@@ -151,6 +147,7 @@ class Queries:
         self.gate = TenantGate(js)
         self.tenant_jobs = TenantJobs(js)
         self.transfer = Transfer(js, self.gate)
+        self.removal = Removal(js, jobs, policies, self.transfer)
         self.sessions = Sessions(js, jobs, self.tenant_jobs, limits)
         self.pacer = pacer or Pacer(DEFAULT_RATE, DEFAULT_BURST)
         self._stop = asyncio.Event()
@@ -161,9 +158,6 @@ class Queries:
         #: Each tenant's share of each pool, made on its first request of that kind.
         self._shares: dict[tuple[str, str], asyncio.Semaphore] = {}
         self._in_flight: Counter[str] = Counter()
-        self._dataset_locks: weakref.WeakValueDictionary[tuple[str, str], asyncio.Lock] = (
-            weakref.WeakValueDictionary()
-        )
         self._max_payload = 1 << 20
 
     @classmethod
@@ -232,11 +226,14 @@ class Queries:
             case ListDatasets():
                 return DatasetsReply(await list_datasets(self.js, request.tenant))
             case AddDataset():
-                async with self._dataset_lock(request.tenant, request.dataset):
+                async with self.removal.lock(request.tenant, "dataset", request.dataset):
                     return await self.add_dataset(request)
             case RemoveDataset():
-                async with self._dataset_lock(request.tenant, request.dataset):
-                    return await self.remove_dataset(request)
+                async with self.removal.lock(request.tenant, "dataset", request.dataset):
+                    return await self.removal.dataset(request)
+            case RemoveJob():
+                async with self.removal.lock(request.tenant, "job", request.job_id):
+                    return await self.removal.job(request)
             case ExportPolicy():
                 return await self.export(request)
             case SubmitJob() | CancelJob():
@@ -292,52 +289,6 @@ class Queries:
         await put_dataset(self.js, record)
         log.info("dataset %s/%s added (%d files)", tenant, dataset, record.files)
         return DatasetAdded(record)
-
-    def _dataset_lock(self, tenant: str, dataset: str) -> asyncio.Lock:
-        """One add or remove of a dataset at a time (in this master): a remove must not
-        delete the objects an add has just checked and is recording."""
-        lock = self._dataset_locks.get((tenant, dataset))
-        if lock is None:
-            lock = self._dataset_locks[(tenant, dataset)] = asyncio.Lock()
-        return lock
-
-    async def remove_dataset(self, request: RemoveDataset) -> TenantReply:
-        """Take a dataset out of the tenant's namespace (record, then stored files), unless a
-        job of the tenant that has not ended names it. The check reads the job records: a
-        job accepted while the removal runs (or submitted and not yet taken from ``JOBS``)
-        is not seen, and fails when it reads the dataset, naming it."""
-        tenant, dataset = request.tenant, validate_id(request.dataset, "dataset id")
-        users = await self._live_jobs_naming(tenant, dataset)
-        if users:
-            return CtlError(
-                "invalid",
-                f"dataset {dataset!r} is named by job(s) that have not ended: "
-                f"{', '.join(users)}; cancel them or wait for them to end",
-            )
-        recorded = await delete_dataset(self.js, tenant, dataset)
-        files, size = await self.transfer.remove(tenant, dataset)
-        if not recorded and not files:
-            return CtlError("not_found", f"no dataset {dataset!r} of tenant {tenant}")
-        log.info("dataset %s/%s removed (%d objects, %d bytes)", tenant, dataset, files, size)
-        return DatasetRemoved(dataset, recorded, files, size)
-
-    async def _live_jobs_naming(self, tenant: str, dataset: str) -> list[str]:
-        """The tenant's jobs that have not ended and name ``dataset`` (records read a batch
-        at a time: a tenant's records are kept for ever)."""
-        prefix = f"{tenant}."
-        keys = await kv_keys(self.js, subjects.KV_JOBS, prefix)
-        users = []
-        for start in range(0, len(keys), JOB_READS):
-            batch = keys[start : start + JOB_READS]
-            found = await asyncio.gather(
-                *(get_job(self.jobs, tenant, key[len(prefix) :]) for key in batch)
-            )
-            for record, _ in found:
-                if record is None or record.status in TERMINAL_STATUSES:
-                    continue
-                if dataset in _datasets_named(record.spec_json):
-                    users.append(record.job_id)
-        return sorted(users)
 
     async def jobs_page(self, request: ListJobs) -> TenantReply:
         """The tenant's records after job id ``request.after``, as many as fit half a
@@ -543,20 +494,3 @@ class Queries:
         if self._sweeper is not None:
             await asyncio.wait({self._sweeper}, timeout=timeout)
         await self.sessions.close()
-
-
-def _datasets_named(spec_json: bytes) -> set[str]:
-    """The datasets a job spec names: its own ``dataset`` and its stages' (a pipeline's).
-    Only those fields: an env's keyword arguments may hold any key. A spec that is not
-    JSON names none."""
-    try:
-        doc = json.loads(spec_json)
-    except ValueError:
-        return set()
-    if not isinstance(doc, dict):
-        return set()
-    stages = doc.get("stages")
-    specs = [doc, *(stages if isinstance(stages, list) else [])]
-    return {
-        s["dataset"] for s in specs if isinstance(s, dict) and isinstance(s.get("dataset"), str)
-    }

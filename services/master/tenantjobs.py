@@ -18,7 +18,7 @@ from nats.js.errors import NotFoundError
 
 from bus.codec import DecodeError, decode
 from bus.publish import msg_id, publish
-from bus.records import get_job
+from bus.records import get_job, job_removed
 from schemas import headers, subjects
 from schemas.events import EVENT_DECODER, Rejected
 from schemas.ids import validate_id
@@ -58,7 +58,14 @@ class TenantJobs:
         same submit, answered as queued)."""
         tenant, job_id = request.tenant, validate_id(request.job_id, "job id")
         if isinstance(request, SubmitJob):
-            existing, _ = await get_job(await self.js.key_value(subjects.KV_JOBS), tenant, job_id)
+            jobs = await self.js.key_value(subjects.KV_JOBS)
+            existing, _ = await get_job(jobs, tenant, job_id)
+            if existing is None and await job_removed(jobs, tenant, job_id):
+                return CtlError(
+                    "invalid",
+                    f"job id {job_id!r} was a job of tenant {tenant} that was removed: "
+                    "submit under a new id",
+                )
             if existing is not None and existing.spec_json != request.spec_json:
                 # Refused here, to its sender: refused on JOBS, it would be answered on the
                 # job's own event subject, where the live job's followers would read it.

@@ -38,6 +38,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Iterable
+from dataclasses import dataclass
 from typing import IO, BinaryIO
 
 from nats.js import JetStreamContext
@@ -144,6 +145,25 @@ def _same(info: ObjectInfo | None, entry: ManifestFile) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class Removed:
+    """How many objects (and bytes in all) a removal deleted."""
+
+    objects: int
+    bytes: int
+
+
+async def delete_under(store: ObjectStore, prefixes: list[str], *, first: str = "") -> Removed:
+    """Delete ``store``'s objects under ``prefixes``, ``first`` (if there) before the rest."""
+    objects: dict[str, ObjectInfo] = {}
+    for prefix in prefixes:
+        objects.update(await _objects(store, prefix))
+    if first in objects:
+        await _delete(store, first)
+    await _bounded(_delete(store, name) for name in objects if name != first)
+    return Removed(len(objects), sum(int(info.size or 0) for info in objects.values()))
+
+
 async def _bounded(calls: Iterable[Awaitable[None]]) -> None:
     """Await ``calls`` with at most :data:`PARALLEL` in flight; the first error is raised."""
     slots = asyncio.Semaphore(PARALLEL)
@@ -235,20 +255,14 @@ class Transfer:
         log.info("push of %s/%s: %d of %d files needed", tenant, dataset, len(needed), len(files))
         return DatasetPlan(needed)
 
-    async def remove(self, tenant: str, dataset: str) -> tuple[int, int]:
-        """Delete the dataset's objects (its manifest first: nothing can materialise a
-        dataset half deleted) and the parts of an unfinished push; (objects, bytes)."""
+    async def remove(self, tenant: str, prefixes: list[str], *, first: str = "") -> Removed:
+        """Delete the objects of the tenant's bucket under ``prefixes``, ``first`` before
+        the others (a dataset's manifest: nothing can materialise a dataset half deleted)."""
         try:
             store = await tenant_store(self.js, tenant, create=False)
         except DatasetStoreError:
-            return 0, 0  # no bucket: nothing was ever pushed
-        prefix = prefix_of(dataset)
-        objects = await _objects(store, prefix)
-        objects.update(await _objects(store, uploads_prefix(dataset)))
-        if prefix + MANIFEST in objects:
-            await _delete(store, prefix + MANIFEST)
-        await _bounded(_delete(store, name) for name in objects if name != prefix + MANIFEST)
-        return len(objects), sum(int(info.size or 0) for info in objects.values())
+            return Removed(0, 0)  # no bucket: nothing was ever stored
+        return await delete_under(store, prefixes, first=first)
 
     async def _manifest_lists(self, tenant: str, dataset: str, files: list[ManifestFile]) -> bool:
         """Whether the dataset's manifest lists exactly ``files`` (False: none, or another)."""

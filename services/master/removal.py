@@ -1,0 +1,199 @@
+"""What a tenant may remove, with what is stored of it: a dataset of its namespace
+(``dataset-rm``) and a job that has ended (``job-rm``). Each is refused, naming the jobs,
+while a job of the tenant that has not ended needs it; the checks read the job records, so
+a job accepted while a removal runs is not seen (it fails when it reads what is gone,
+naming it).
+
+A removal deletes the record last where a retry needs it to find the rest: a dataset's
+record goes first (no new job can name it) and its manifest before its files (nothing can
+materialise it half deleted); a job's checkpoints, exported copies, events and policy record
+go before its job record, so a removal cut short is finished by asking again. A removed
+job's record is purged, leaving the key's purge marker: its id is never given to a new job
+(a trainer or inferencer may still hold the old job's state under it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import weakref
+
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from bus.datasets import MANIFEST, delete_dataset, prefix_of
+from bus.kv import kv_keys
+from bus.records import get_job, get_policy
+from schemas import subjects
+from schemas.ids import validate_id
+from schemas.jobs import TERMINAL_STATUSES, JobRecord, job_key
+from schemas.tenantctl import (
+    CtlError,
+    DatasetRemoved,
+    JobRemoved,
+    RemoveDataset,
+    RemoveJob,
+    TenantReply,
+)
+from services.master.transfer import Removed, Transfer, delete_under, uploads_prefix
+
+log = logging.getLogger(__name__)
+
+#: Job records read at once (a tenant's records are kept until it removes them).
+JOB_READS = 32
+
+
+class Removal:
+    """The master's answers to ``dataset-rm`` and ``job-rm``; one removal (or dataset add)
+    of a thing at a time in this master (:meth:`lock`)."""
+
+    def __init__(
+        self, js: JetStreamContext, jobs: KeyValue, policies: KeyValue, transfer: Transfer
+    ) -> None:
+        self.js = js
+        self.jobs = jobs
+        self.policies = policies
+        self.transfer = transfer
+        self._locks: weakref.WeakValueDictionary[tuple[str, ...], asyncio.Lock] = (
+            weakref.WeakValueDictionary()
+        )
+
+    def lock(self, *key: str) -> asyncio.Lock:
+        """The lock of one thing (``tenant, "dataset", id``...): a remove must not delete
+        the objects an add has just checked and is recording."""
+        lock = self._locks.get(key)
+        if lock is None:
+            lock = self._locks[key] = asyncio.Lock()
+        return lock
+
+    # -- datasets ---------------------------------------------------------------------------
+
+    async def dataset(self, request: RemoveDataset) -> TenantReply:
+        """Take a dataset out of the tenant's namespace (record, then stored objects and the
+        parts of an unfinished push), unless a job that has not ended names it."""
+        tenant, dataset = request.tenant, validate_id(request.dataset, "dataset id")
+        users = sorted(
+            r.job_id for r in await self.live_jobs(tenant) if dataset in datasets_named(r)
+        )
+        if users:
+            return CtlError(
+                "invalid",
+                f"dataset {dataset!r} is named by job(s) that have not ended: "
+                f"{', '.join(users)}; cancel them or wait for them to end",
+            )
+        recorded = await delete_dataset(self.js, tenant, dataset)
+        prefix = prefix_of(dataset)
+        removed = await self.transfer.remove(
+            tenant, [prefix, uploads_prefix(dataset)], first=prefix + MANIFEST
+        )
+        if not recorded and not removed.objects:
+            return CtlError("not_found", f"no dataset {dataset!r} of tenant {tenant}")
+        log.info("dataset %s/%s removed (%s)", tenant, dataset, removed)
+        return DatasetRemoved(dataset, recorded, removed.objects, removed.bytes)
+
+    # -- jobs -------------------------------------------------------------------------------
+
+    async def job(self, request: RemoveJob) -> TenantReply:
+        """Remove a job that has ended (and its stages) with its checkpoints, exported
+        copies, events and records, unless a job that has not ended starts from it or
+        evaluates it."""
+        tenant, job_id = request.tenant, validate_id(request.job_id, "job id")
+        records = await self.records(tenant)
+        stages = sorted(r.job_id for r in records if r.parent == job_id)
+        doomed = [job_id, *stages]
+        by_id = {r.job_id: r for r in records}
+        running = [j for j in doomed if j in by_id and by_id[j].status not in TERMINAL_STATUSES]
+        if running:
+            return CtlError(
+                "invalid",
+                f"job(s) {', '.join(running)} have not ended: cancel them "
+                "(`joynexus cancel`) or wait for them to end",
+            )
+        users = sorted(
+            r.job_id
+            for r in records
+            if r.status not in TERMINAL_STATUSES
+            and r.job_id not in doomed
+            and jobs_named(r) & set(doomed)
+        )
+        if users:
+            return CtlError(
+                "invalid",
+                f"job {job_id!r} is needed by job(s) that have not ended: {', '.join(users)} "
+                "(they start from its policy or evaluate it); cancel them or wait for them "
+                "to end",
+            )
+        checkpoints = await self.js.object_store(subjects.OBJ_CHECKPOINTS)
+        stored = await delete_under(checkpoints, [f"{tenant}/{j}/" for j in doomed])
+        exported = await self.transfer.remove(tenant, [f"policies/{j}/" for j in doomed])
+        events = 0
+        for j in doomed:
+            events += await self._purge_events(tenant, j)
+            if (await get_policy(self.policies, tenant, j))[0] is not None:
+                await self.policies.purge(job_key(tenant, j))
+        removed = [j for j in (*stages, job_id) if j in by_id]
+        for j in removed:  # the job's own record last: asking again finishes the rest
+            await self.jobs.purge(job_key(tenant, j))
+        objects = Removed(stored.objects + exported.objects, stored.bytes + exported.bytes)
+        if not removed and not objects.objects and not events:
+            return CtlError("not_found", f"no job {job_id!r} of tenant {tenant}")
+        log.info("job %s/%s removed: %s, %d events, %s", tenant, job_id, removed, events, objects)
+        recorded = [j for j in doomed if j in by_id]
+        return JobRemoved(job_id, recorded, objects.objects, objects.bytes, events)
+
+    async def _purge_events(self, tenant: str, job_id: str) -> int:
+        """Purge the job's events; how many there were."""
+        subject = subjects.events_of_job(tenant, job_id)
+        info = await self.js.stream_info(subjects.STREAM_EVENTS, subjects_filter=subject)
+        count = sum((info.state.subjects or {}).values())
+        if count:
+            await self.js.purge_stream(subjects.STREAM_EVENTS, subject=subject)
+        return count
+
+    # -- the tenant's jobs ------------------------------------------------------------------
+
+    async def records(self, tenant: str) -> list[JobRecord]:
+        """Every job record of the tenant, read :data:`JOB_READS` at a time."""
+        prefix = f"{tenant}."
+        keys = await kv_keys(self.js, subjects.KV_JOBS, prefix)
+        out: list[JobRecord] = []
+        for start in range(0, len(keys), JOB_READS):
+            batch = keys[start : start + JOB_READS]
+            found = await asyncio.gather(
+                *(get_job(self.jobs, tenant, key[len(prefix) :]) for key in batch)
+            )
+            out += [record for record, _ in found if record is not None]
+        return out
+
+    async def live_jobs(self, tenant: str) -> list[JobRecord]:
+        """The tenant's jobs that have not ended."""
+        return [r for r in await self.records(tenant) if r.status not in TERMINAL_STATUSES]
+
+
+def _specs(record: JobRecord) -> list[dict[str, object]]:
+    """A job's spec and its stages' (a pipeline's); none for a spec that is not JSON."""
+    try:
+        doc = json.loads(record.spec_json)
+    except ValueError:
+        return []
+    if not isinstance(doc, dict):
+        return []
+    stages = doc.get("stages")
+    return [doc, *(s for s in (stages if isinstance(stages, list) else []) if isinstance(s, dict))]
+
+
+def datasets_named(record: JobRecord) -> set[str]:
+    """The datasets a job names: its spec's ``dataset`` and its stages' (only those fields:
+    an env's keyword arguments may hold any key)."""
+    return {v for s in _specs(record) if isinstance(v := s.get("dataset"), str)}
+
+
+def jobs_named(record: JobRecord) -> set[str]:
+    """The jobs a job needs: its ``init_from`` and an eval's ``policy_job``, its stages'."""
+    return {
+        v
+        for s in _specs(record)
+        for v in (s.get("init_from"), s.get("policy_job"))
+        if isinstance(v, str)
+    }
