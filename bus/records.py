@@ -61,8 +61,8 @@ async def _put(kv: KeyValue, key: str, record: msgspec.Struct, last: int) -> int
     if last < 0:
         raise ValueError(f"last must be a revision >= 0, got {last}")
     try:
-        if last == 0:
-            return await kv.create(key, encode(record))
+        # last=0 is "no entry on this key yet": refused over a delete or purge marker too,
+        # where nats.py's create would write over it (a removed job's id stays removed).
         return await kv.update(key, encode(record), last=last)
     except KeyWrongLastSequenceError as exc:
         raise RevisionConflict(key, last) from exc
@@ -84,8 +84,9 @@ async def get_policy(kv: KeyValue, tenant: str, job_id: str) -> tuple[PolicyReco
 
 
 async def put_policy(kv: KeyValue, record: PolicyRecord, *, last: int) -> int:
-    """Commit ``record`` if the job's entry is still at revision ``last`` (0: no entry yet);
-    returns the new revision. Raises :class:`RevisionConflict` otherwise."""
+    """Commit ``record`` if the job's entry is still at revision ``last`` (0: no entry yet,
+    not even a removed job's purge marker); returns the new revision. Raises
+    :class:`RevisionConflict` otherwise."""
     return await _put(kv, job_key(record.tenant, record.job_id), record, last)
 
 

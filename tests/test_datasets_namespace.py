@@ -22,6 +22,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from bus import records
 from bus.checkpoints import digest
 from bus.codec import encode
 from bus.datacache import DatasetCache
@@ -37,7 +38,7 @@ from bus.datasets import (
     tenant_store,
 )
 from bus.kv import list_objects
-from bus.records import get_policy, put_policy
+from bus.records import RevisionConflict, get_policy, put_policy
 from bus.server import EmbeddedServer
 from clients.push import Ask, push_dataset
 from clients.sdk import Client, Job, JobFailed, RequestError
@@ -60,10 +61,11 @@ from schemas.tenantctl import (
 from schemas.tenants import DatasetManifest, ManifestFile
 from schemas.train import OpenSlot, PolicyRecord
 from services.envs.datasets import record
+from services.envs.jobstate import job_ended
 from services.envs.sims import REACH2D_ID
 from services.master.transfer import uploads_prefix
 from tests.conftest import Procs
-from tests.helpers import uid
+from tests.helpers import dead_letters, eventually, uid
 from tests.sft_helpers import OFT_2D, final_policy, sft_spec, start_stack
 
 
@@ -248,6 +250,32 @@ async def test_pushed_dataset_trains_and_only_its_tenant_can_name_it_or_its_poli
         assert (await client.read_events(ReadEvents(alice, job.job_id, 0))).events == []
         policies = await js.key_value(subjects.KV_POLICIES)
         assert (await get_policy(policies, alice, job.job_id))[0] is None
+
+        # Its id stays removed on every path: a submit that reaches the master's JOBS
+        # consumer (replayed, or an operator's) is refused naming it, and an OpenSlot left
+        # on TRAIN opens no slot and commits nothing.
+        replay = JobSubmit(
+            alice, job.job_id, json.dumps(sft_spec(alice, "reach", OFT_2D, 2)).encode(), 0.0
+        )
+        await js.publish(
+            subjects.job(alice, "submit"), encode(replay), headers={headers.JOB_ID: job.job_id}
+        )
+        with pytest.raises(JobFailed, match="was removed: submit under a new id"):
+            await Job(client, alice, job.job_id).wait(60)
+        await js.publish(
+            subjects.train("tiny", alice), encode(rec.slot), headers={headers.JOB_ID: job.job_id}
+        )
+        await js._nc.publish(subjects.train_wake("tiny"), b"")
+        durable = subjects.trainer_durable("tiny", alice)
+
+        async def settled() -> bool:
+            info = await js.consumer_info(subjects.STREAM_TRAIN, durable)
+            return info.num_pending == 0 and info.num_ack_pending == 0
+
+        await eventually(settled, timeout=30, what="the left OpenSlot settled")
+        assert (await get_policy(policies, alice, job.job_id))[0] is None
+        assert await list_objects(checkpoints, f"{alice}/{job.job_id}/") == []
+        assert await dead_letters(js, subjects.STREAM_TRAIN, alice) == []
 
 
 def entry_bytes(entry: Path) -> int:
@@ -535,6 +563,9 @@ async def test_a_removed_pipeline_takes_its_stages_versions_and_events_and_its_i
     with pytest.raises(RequestError, match=r"job\(s\) pipe, pipe-s1 have not ended") as live:
         await client.remove_job(tenant, "pipe")
     assert live.value.code == "invalid"
+    # A stage that ended, of a pipeline that has not: its next stage starts from it.
+    with pytest.raises(RequestError, match="stage of pipeline 'pipe', which has not ended"):
+        await client.remove_job(tenant, "pipe-s0")
     await put_job("pipe", "failed", {"kind": "pipeline", "stages": []})
     await put_job("pipe-s1", "failed", {"kind": "eval", "policy_job": "pipe-s0"}, parent="pipe")
     # A job that has not ended and starts from a stage keeps the pipeline.
@@ -560,9 +591,19 @@ async def test_a_removed_pipeline_takes_its_stages_versions_and_events_and_its_i
     with pytest.raises(RequestError, match="no job 'pipe' of tenant") as gone:
         await client.remove_job(tenant, "pipe")
     assert gone.value.code == "not_found"
-    # The id is not given to a new job.
+    # The id is not given to a new job: not by a submit, not by any other writer of its
+    # record (the master's own JOBS path, a pipeline's stage); not cancelled either.
     with pytest.raises(RequestError, match=r"'pipe-s0' was a job of tenant .* that was removed"):
         await client.submit(sft_spec(tenant, "d", OFT_2D, 2), job_id="pipe-s0")
+    fresh = JobRecord(tenant, "pipe-s0", "sft", "accepted", b"{}", now, now)
+    with pytest.raises(RevisionConflict):
+        await records.put_job(jobs, fresh, last=0)
+    with pytest.raises(RequestError, match=r"'pipe' of tenant .* was removed") as cancel:
+        await client.cancel(tenant, "pipe")
+    assert cancel.value.code == "not_found"
+    # An env worker's task of the removed job is a task of a job that ended.
+    assert await job_ended(client.js, tenant, "pipe-s0")
+    assert not await job_ended(client.js, tenant, "never-submitted")
 
 
 async def test_an_export_is_read_back_in_parts_and_matches_the_checkpoint(

@@ -102,3 +102,43 @@ async def test_latest_is_served_by_the_newest_version_when_the_one_known_was_pru
         stop.set()
         await cache.close(5)
         await nc.close()
+
+
+async def test_a_removed_jobs_resident_versions_are_no_longer_served(
+    fresh_server: EmbeddedServer,
+) -> None:
+    """A job removed by its tenant (``job-rm`` purges its policy record and deletes its
+    checkpoints) is dropped from memory: a version pinned before is not served from it."""
+    from bus.kv import list_objects
+    from schemas import subjects
+    from schemas.jobs import job_key
+
+    nc = await connect(fresh_server.url)
+    js = nc.jetstream()
+    await declare(js)
+    hidden = Backbone.load("tiny").hidden_size
+    tenant = uid("removed")
+    await commit_policy(js, tenant, "gone", OFT, hidden)
+    stop = asyncio.Event()
+    cache = PolicyCache(js, "cpu", 3, stop)
+    await cache.open()
+    ready = asyncio.Event()
+    follow = asyncio.create_task(cache.follow(ready))
+    try:
+        await asyncio.wait_for(ready.wait(), 20)
+        assert (await cache.resolve(tenant, "gone", 1)).version == 1
+        assert (tenant, "gone") in cache._resident
+        store = await js.object_store(subjects.OBJ_CHECKPOINTS)
+        for info in await list_objects(store, f"{tenant}/gone/"):
+            await store.delete(info.name)
+        await (await js.key_value(subjects.KV_POLICIES)).purge(job_key(tenant, "gone"))
+        await eventually(
+            lambda: (tenant, "gone") not in cache._resident, timeout=20, what="dropped"
+        )
+        with pytest.raises(PoisonError):
+            await cache.resolve(tenant, "gone", 1)
+    finally:
+        stop.set()
+        await asyncio.wait_for(follow, 20)
+        await cache.close(5)
+        await nc.close()

@@ -11,7 +11,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from bus.errors import RetryableError
-from bus.records import get_job, get_policy
+from bus.records import get_job, get_policy, job_removed
 from schemas import subjects
 from schemas.env import RolloutTask, StreamDataset
 from schemas.jobs import TERMINAL_STATUSES
@@ -50,9 +50,13 @@ async def iteration_done(js: JetStreamContext, task: RolloutTask) -> bool:
 
 
 async def job_ended(js: JetStreamContext, tenant: str, job_id: str) -> bool:
-    """Whether the job's record says it ended (done, failed or cancelled)."""
-    record, _ = await get_job(await js.key_value(subjects.KV_JOBS), tenant, job_id)
-    return record is not None and record.status in TERMINAL_STATUSES
+    """Whether the job's record says it ended (done, failed or cancelled), or its tenant
+    removed it (it had ended)."""
+    jobs = await js.key_value(subjects.KV_JOBS)
+    record, _ = await get_job(jobs, tenant, job_id)
+    if record is None:
+        return await job_removed(jobs, tenant, job_id)
+    return record.status in TERMINAL_STATUSES
 
 
 async def unconsumed(js: JetStreamContext, backbone: str, tenant: str) -> int:

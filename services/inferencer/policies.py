@@ -182,8 +182,9 @@ class PolicyCache:
         except DecodeError as exc:
             log.warning("ignoring undecodable policies entry %s: %s", entry.key, exc)
             return
-        if record is None:
-            self.records.pop(job, None)  # nothing committed any more: stop serving it
+        if record is None:  # nothing committed any more (a removed job): stop serving it
+            self.records.pop(job, None)
+            self._resident.pop(job, None)
             return
         # Only jobs asked for here are followed: at start the watch replays every job ever
         # committed (records are kept), and most will never be asked for again.

@@ -235,7 +235,9 @@ class Queries:
                 async with self.removal.lock(request.tenant, "job", request.job_id):
                     return await self.removal.job(request)
             case ExportPolicy():
-                return await self.export(request)
+                # Not copied into the bucket after a removal of the job cleared it.
+                async with self.removal.lock(request.tenant, "job", request.job_id):
+                    return await self.export(request)
             case SubmitJob() | CancelJob():
                 reply = await self.tenant_jobs.command(request)
                 if isinstance(request, SubmitJob) and isinstance(reply, Queued):

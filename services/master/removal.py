@@ -103,6 +103,14 @@ class Removal:
         stages = sorted(r.job_id for r in records if r.parent == job_id)
         doomed = [job_id, *stages]
         by_id = {r.job_id: r for r in records}
+        pipeline = by_id[job_id].parent if job_id in by_id else ""
+        if pipeline and pipeline in by_id and by_id[pipeline].status not in TERMINAL_STATUSES:
+            # Its next stage starts from it, and names it only once it starts.
+            return CtlError(
+                "invalid",
+                f"job {job_id!r} is a stage of pipeline {pipeline!r}, which has not ended: "
+                "cancel the pipeline or wait for it to end",
+            )
         running = [j for j in doomed if j in by_id and by_id[j].status not in TERMINAL_STATUSES]
         if running:
             return CtlError(

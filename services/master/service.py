@@ -23,7 +23,7 @@ from bus.durable import ConsumerSpec
 from bus.errors import PoisonError, RetryableError
 from bus.publish import msg_id, publish, publish_event
 from bus.queues import publish_queues
-from bus.records import RevisionConflict, get_job, list_jobs, put_job
+from bus.records import RevisionConflict, get_job, job_removed, list_jobs, put_job
 from bus.service import Runtime, serve
 from bus.sweep import sweep_every
 from schemas import headers, subjects
@@ -196,6 +196,12 @@ class Master:
             parent=parent,
         )
         found = await self.record(spec.tenant, job_id)
+        if found is None and await job_removed(self.jobs, spec.tenant, job_id):
+            # A submit replayed from JOBS, or a pipeline's stage, under a removed job's id.
+            raise PoisonError(
+                f"job id {job_id!r} was a job of tenant {spec.tenant} that was removed: "
+                "submit under a new id"
+            )
         if found is None:
             await put_job(self.jobs, record, last=0)
             log.info("accepted %s job %s/%s", spec.kind, spec.tenant, job_id)

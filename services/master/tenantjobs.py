@@ -79,6 +79,9 @@ class TenantJobs:
                 tenant, job_id, request.spec_json, time.time()
             )
         else:
+            jobs = await self.js.key_value(subjects.KV_JOBS)
+            if await job_removed(jobs, tenant, job_id):
+                return CtlError("not_found", f"job {job_id!r} of tenant {tenant} was removed")
             verb = "cancel"
             command = JobCancel(tenant, job_id, request.reason)
         ack = await publish(

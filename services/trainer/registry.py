@@ -117,6 +117,8 @@ class JobRegistry:
                 return WAIT
             if status in TERMINAL_STATUSES:
                 return None
+            if await records.job_removed(self.jobs_kv, tenant, job_id):
+                return None  # removed by its tenant (it had ended): nothing to apply
             raise JobError(f"no slot is open for job {job_id!r} of tenant {tenant!r}", job_id)
         async with self._counted(key, restoring):
             try:
@@ -171,13 +173,14 @@ class JobRegistry:
         opening: contextlib.AbstractAsyncContextManager[object] | None = None,
     ) -> JobSlot | None:
         """Create the job's slot (inside ``opening``, when given, as :meth:`job_for`'s
-        ``restoring``); None if it exists already (a replayed OpenSlot) or its opening was
-        dead-lettered before."""
+        ``restoring``); None if it exists already (a replayed OpenSlot), its opening was
+        dead-lettered before, or the job was removed (an OpenSlot left behind)."""
         key = f"{spec.tenant}/{spec.job_id}"
         if (
             key in self.jobs
             or key in self.dead_lettered
             or (await records.get_policy(self.policies, spec.tenant, spec.job_id))[0]
+            or await records.job_removed(self.jobs_kv, spec.tenant, spec.job_id)
         ):
             return None
         async with self._counted(key, opening):
