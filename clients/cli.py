@@ -23,9 +23,9 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 from nats.errors import Error as NatsError
@@ -57,6 +57,9 @@ if TYPE_CHECKING:  # argparse's only name for what add_subparsers() returns
 def home_of(args: argparse.Namespace) -> Path:
     """The local stack's home: ``--home``, else ``JOYNEXUS_HOME``, else the default."""
     return Path(args.home or os.environ.get("JOYNEXUS_HOME") or DEFAULT_HOME)
+
+
+R = TypeVar("R")
 
 
 async def _client(args: argparse.Namespace, tenant: str | None = None) -> Client:
@@ -271,53 +274,59 @@ async def _data_list(args: argparse.Namespace) -> int:
         await client.close()
 
 
-async def _rm(args: argparse.Namespace) -> int:
+async def _tenant_call(
+    args: argparse.Namespace,
+    command: str,
+    call: Callable[[Client], Awaitable[R]],
+    report: Callable[[R], str],
+) -> int:
+    """Run one request of ``args.tenant`` and print what it did (exit 0), or why the master
+    or the SDK refused it (exit 1)."""
     client = await _client(args, args.tenant)
     try:
         try:
-            removed = await client.remove_job(args.tenant, args.job)
+            result = await call(client)
         except (RequestError, InvalidIdError) as exc:
-            print(f"joynexus rm: {exc}", file=sys.stderr)
+            print(f"joynexus {command}: {exc}", file=sys.stderr)
             return 1
-        print(
-            f"removed {args.tenant}/{', '.join(removed.jobs) or args.job}: "
-            f"{removed.objects} stored objects ({removed.bytes} bytes), {removed.events} events"
-        )
+        print(report(result))
         return 0
     finally:
         await client.close()
+
+
+async def _rm(args: argparse.Namespace) -> int:
+    return await _tenant_call(
+        args,
+        "rm",
+        lambda client: client.remove_job(args.tenant, args.job),
+        lambda removed: (
+            f"removed {args.tenant}/{', '.join(removed.jobs) or args.job}: "
+            f"{removed.objects} stored objects ({removed.bytes} bytes), {removed.events} events"
+        ),
+    )
 
 
 async def _data_rm(args: argparse.Namespace) -> int:
-    client = await _client(args, args.tenant)
-    try:
-        try:
-            removed = await client.remove_dataset(args.tenant, args.id)
-        except (RequestError, InvalidIdError) as exc:
-            print(f"joynexus data rm: {exc}", file=sys.stderr)
-            return 1
-        record = "record and " if removed.recorded else ""
-        print(
+    return await _tenant_call(
+        args,
+        "data rm",
+        lambda client: client.remove_dataset(args.tenant, args.id),
+        lambda removed: (
             f"dataset {removed.dataset} removed from tenant {args.tenant}'s namespace: "
-            f"{record}{removed.files} stored objects, {removed.bytes} bytes"
-        )
-        return 0
-    finally:
-        await client.close()
+            f"{'record and ' if removed.recorded else ''}{removed.files} stored objects, "
+            f"{removed.bytes} bytes"
+        ),
+    )
 
 
 async def _export(args: argparse.Namespace) -> int:
-    client = await _client(args, args.tenant)
-    try:
-        try:
-            path = await client.export_policy(args.tenant, args.job, args.version, args.out)
-        except RequestError as exc:
-            print(f"joynexus export: {exc}", file=sys.stderr)
-            return 1
-        print(f"exported {args.tenant}/{args.job} to {path}")
-        return 0
-    finally:
-        await client.close()
+    return await _tenant_call(
+        args,
+        "export",
+        lambda client: client.export_policy(args.tenant, args.job, args.version, args.out),
+        lambda path: f"exported {args.tenant}/{args.job} to {path}",
+    )
 
 
 def add_data_commands(dsub: Subcommands) -> None:
