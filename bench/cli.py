@@ -173,6 +173,12 @@ def _bench_payloads(args: argparse.Namespace) -> int:
     return int(payloads.main(args.bench_args) or 0)
 
 
+def _bench_removal(args: argparse.Namespace) -> int:
+    from bench import removal
+
+    return int(removal.main(args.bench_args) or 0)
+
+
 def _bench_learn(args: argparse.Namespace) -> int:
     from bench import learn
 
@@ -196,6 +202,10 @@ BENCHES: dict[str, tuple[Command, str]] = {
     "payloads": (
         _bench_payloads,
         "a TRAIN episode inline vs by reference through the object store, per episode",
+    ),
+    "removal": (
+        _bench_removal,
+        "a tenant's job-rm and dataset-rm against how many job records it has",
     ),
     "lowlevel": (
         _bench_lowlevel,

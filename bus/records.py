@@ -3,8 +3,9 @@
 Both buckets key a record by ``<tenant>.<job>`` (:func:`schemas.jobs.job_key`). A read
 returns ``(record, revision)``; revision 0 and ``None`` mean there is no record (never
 written, deleted or purged). A write names the revision its decision was based on:
-``last=0`` creates the record and fails if one exists, ``last=r`` replaces revision ``r`` and
-fails if anyone wrote since. Either failure raises :class:`RevisionConflict` (retryable):
+``last=0`` creates the record and fails if one exists or was purged (a job its tenant
+removed: :func:`job_removed`), ``last=r`` replaces revision ``r`` and fails if anyone wrote
+since. Either failure raises :class:`RevisionConflict` (retryable):
 read again and decide again. A value that does not decode raises
 :class:`bus.codec.DecodeError`; bus failures are nats.py's errors, unchanged.
 
@@ -61,11 +62,25 @@ async def _put(kv: KeyValue, key: str, record: msgspec.Struct, last: int) -> int
     if last < 0:
         raise ValueError(f"last must be a revision >= 0, got {last}")
     try:
-        # last=0 is "no entry on this key yet": refused over a delete or purge marker too,
-        # where nats.py's create would write over it (a removed job's id stays removed).
         return await kv.update(key, encode(record), last=last)
     except KeyWrongLastSequenceError as exc:
+        if last == 0:
+            # Not nats.py's create, which writes over a purge marker too: a deleted record
+            # may be written again, a purged one (a removed job) may not.
+            marker = await _marker(kv, key)
+            if marker is not None and marker[0] == "DEL":
+                return await _put(kv, key, record, marker[1])
         raise RevisionConflict(key, last) from exc
+
+
+async def _marker(kv: KeyValue, key: str) -> tuple[str, int] | None:
+    """The key's delete or purge marker (operation, revision), or None."""
+    try:
+        await kv.get(key)
+    except KeyNotFoundError as exc:  # nats.py reports a marker's entry and operation here
+        if exc.op in ("DEL", "PURGE") and exc.entry is not None:
+            return str(exc.op), int(exc.entry.revision or 0)
+    return None
 
 
 def _of_entry(entry: KeyValue.Entry, decoder: msgspec.msgpack.Decoder[R]) -> R | None:
@@ -121,8 +136,8 @@ async def put_job(kv: KeyValue, record: JobRecord, *, last: int) -> int:
 async def job_removed(kv: KeyValue, tenant: str, job_id: str) -> bool:
     """Whether the job's record was removed (``job-rm`` purges it, leaving the key's purge
     marker): its id is not given to a new job."""
-    history = await kv_history(kv, job_key(tenant, job_id))
-    return bool(history) and history[-1].operation == "PURGE"
+    marker = await _marker(kv, job_key(tenant, job_id))
+    return marker is not None and marker[0] == "PURGE"
 
 
 def job_of(entry: KeyValue.Entry) -> JobRecord | None:

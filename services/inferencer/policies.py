@@ -151,6 +151,9 @@ class PolicyCache:
         self._loading: dict[VersionKey, asyncio.Task[ServedPolicy]] = {}
         #: KV read-throughs in progress, shared by concurrent requests for one job.
         self._reading: dict[JobKey, asyncio.Task[PolicyRecord | None]] = {}
+        #: Jobs this cache knew whose record went (removed by their tenant): a load that
+        #: was in flight then does not make them resident again.
+        self._removed: set[JobKey] = set()
         self._kv: KeyValue
         self._store: ObjectStore
         self.loads = 0
@@ -183,6 +186,9 @@ class PolicyCache:
             log.warning("ignoring undecodable policies entry %s: %s", entry.key, exc)
             return
         if record is None:  # nothing committed any more (a removed job): stop serving it
+            loading = any((t, j) == job for t, j, _ in self._loading)
+            if job in self.records or job in self._resident or loading:
+                self._removed.add(job)
             self.records.pop(job, None)
             self._resident.pop(job, None)
             return
@@ -201,6 +207,7 @@ class PolicyCache:
     def _note(self, record: PolicyRecord) -> bool:
         """Record ``record`` if it is newer than what we know; True if it was."""
         job = (record.tenant, record.job_id)
+        self._removed.discard(job)
         known = self.records.get(job)
         if known is not None and known.version >= record.version:
             return False
@@ -404,9 +411,9 @@ class PolicyCache:
         """Make ``served`` resident, dropping the least recently used older versions, and the
         least recently served jobs past ``max_resident_jobs`` (a dropped job's next request
         loads it again). A preload does not count as serving its job, and is dropped if its
-        job was dropped meanwhile."""
+        job was dropped meanwhile; a load of a job removed meanwhile is not kept."""
         job = (served.tenant, served.job_id)
-        if preload and job not in self._resident:
+        if (preload and job not in self._resident) or job in self._removed:
             return
         versions = self._resident.setdefault(job, OrderedDict())
         if not preload:

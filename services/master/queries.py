@@ -232,11 +232,11 @@ class Queries:
                 async with self.removal.lock(request.tenant, "dataset", request.dataset):
                     return await self.removal.dataset(request)
             case RemoveJob():
-                async with self.removal.lock(request.tenant, "job", request.job_id):
+                async with await self.removal.job_lock(request.tenant, request.job_id):
                     return await self.removal.job(request)
             case ExportPolicy():
                 # Not copied into the bucket after a removal of the job cleared it.
-                async with self.removal.lock(request.tenant, "job", request.job_id):
+                async with await self.removal.job_lock(request.tenant, request.job_id):
                     return await self.export(request)
             case SubmitJob() | CancelJob():
                 reply = await self.tenant_jobs.command(request)

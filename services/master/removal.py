@@ -67,6 +67,12 @@ class Removal:
             lock = self._locks[key] = asyncio.Lock()
         return lock
 
+    async def job_lock(self, tenant: str, job_id: str) -> asyncio.Lock:
+        """The lock of a job's removal: its pipeline's, for a stage (a pipeline's removal
+        takes its stages' versions and exported copies too)."""
+        record, _ = await get_job(self.jobs, tenant, validate_id(job_id, "job id"))
+        return self.lock(tenant, "job", record.parent if record and record.parent else job_id)
+
     # -- datasets ---------------------------------------------------------------------------
 
     async def dataset(self, request: RemoveDataset) -> TenantReply:
