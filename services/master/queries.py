@@ -294,8 +294,8 @@ class Queries:
 
     async def jobs_page(self, request: ListJobs) -> TenantReply:
         """The tenant's records after job id ``request.after``, as many as fit half a
-        message (job records are kept for ever: all of them would outgrow one); each page
-        reads only its own records."""
+        message (job records are kept until their tenant removes them: all of them could
+        outgrow one); each page reads only its own records."""
         if request.after:
             validate_id(request.after, "after")
         prefix = f"{request.tenant}."
