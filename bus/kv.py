@@ -17,7 +17,8 @@ import binascii
 import hashlib
 import io
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import BinaryIO, TypeVar
 
 from nats.errors import Error as NatsError
@@ -252,3 +253,46 @@ async def _bounded(call: Callable[[A], Awaitable[T]], args: list[A], limit: int)
     async with asyncio.TaskGroup() as group:
         tasks = [group.create_task(one(a)) for a in args]
     return [t.result() for t in tasks]
+
+
+#: Object deletes in flight at once (:func:`delete_objects`).
+PARALLEL_DELETES = 16
+
+
+async def objects_under(store: ObjectStore, prefix: str) -> dict[str, ObjectInfo]:
+    """``store``'s live objects under ``prefix`` by name (only theirs are read)."""
+    return {info.name: info for info in await list_objects(store, prefix) if info.name}
+
+
+async def delete_objects(store: ObjectStore, names: Iterable[str]) -> None:
+    """Delete ``names`` from ``store``, :data:`PARALLEL_DELETES` at a time; one already gone
+    is not an error, the first other error is raised."""
+    slots = asyncio.Semaphore(PARALLEL_DELETES)
+
+    async def one(name: str) -> None:
+        async with slots:
+            try:
+                await store.delete(name)
+            except (ObjectNotFoundError, NotFoundError):
+                pass
+
+    await asyncio.gather(*(one(name) for name in names))
+
+
+@dataclass(frozen=True)
+class Removed:
+    """How many objects (and bytes in all) a removal deleted."""
+
+    objects: int
+    bytes: int
+
+
+async def delete_under(store: ObjectStore, prefixes: list[str], *, first: str = "") -> Removed:
+    """Delete ``store``'s objects under ``prefixes``, ``first`` (if there) before the rest."""
+    objects: dict[str, ObjectInfo] = {}
+    for prefix in prefixes:
+        objects.update(await objects_under(store, prefix))
+    if first in objects:
+        await delete_objects(store, [first])
+    await delete_objects(store, [name for name in objects if name != first])
+    return Removed(len(objects), sum(int(info.size or 0) for info in objects.values()))

@@ -147,7 +147,7 @@ class Queries:
         self.gate = TenantGate(js)
         self.tenant_jobs = TenantJobs(js)
         self.transfer = Transfer(js, self.gate)
-        self.removal = Removal(js, jobs, policies, self.transfer)
+        self.removal = Removal(js, jobs, policies)
         self.sessions = Sessions(js, jobs, self.tenant_jobs, limits)
         self.pacer = pacer or Pacer(DEFAULT_RATE, DEFAULT_BURST)
         self._stop = asyncio.Event()

@@ -22,8 +22,8 @@ import weakref
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from bus.datasets import MANIFEST, delete_dataset, prefix_of
-from bus.kv import kv_keys
+from bus.datasets import MANIFEST, DatasetStoreError, delete_dataset, prefix_of, tenant_store
+from bus.kv import Removed, delete_under, kv_keys
 from bus.records import get_job, get_policy
 from schemas import subjects
 from schemas.ids import validate_id
@@ -36,7 +36,7 @@ from schemas.tenantctl import (
     RemoveJob,
     TenantReply,
 )
-from services.master.transfer import Removed, Transfer, delete_under, uploads_prefix
+from services.master.transfer import uploads_prefix
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +48,10 @@ class Removal:
     """The master's answers to ``dataset-rm`` and ``job-rm``; one removal (or dataset add)
     of a thing at a time in this master (:meth:`lock`)."""
 
-    def __init__(
-        self, js: JetStreamContext, jobs: KeyValue, policies: KeyValue, transfer: Transfer
-    ) -> None:
+    def __init__(self, js: JetStreamContext, jobs: KeyValue, policies: KeyValue) -> None:
         self.js = js
         self.jobs = jobs
         self.policies = policies
-        self.transfer = transfer
         self._locks: weakref.WeakValueDictionary[tuple[str, ...], asyncio.Lock] = (
             weakref.WeakValueDictionary()
         )
@@ -90,7 +87,7 @@ class Removal:
             )
         recorded = await delete_dataset(self.js, tenant, dataset)
         prefix = prefix_of(dataset)
-        removed = await self.transfer.remove(
+        removed = await self._remove_from_bucket(
             tenant, [prefix, uploads_prefix(dataset)], first=prefix + MANIFEST
         )
         if not recorded and not removed.objects:
@@ -140,7 +137,7 @@ class Removal:
             )
         checkpoints = await self.js.object_store(subjects.OBJ_CHECKPOINTS)
         stored = await delete_under(checkpoints, [f"{tenant}/{j}/" for j in doomed])
-        exported = await self.transfer.remove(tenant, [f"policies/{j}/" for j in doomed])
+        exported = await self._remove_from_bucket(tenant, [f"policies/{j}/" for j in doomed])
         events = 0
         for j in doomed:
             events += await self._purge_events(tenant, j)
@@ -155,6 +152,17 @@ class Removal:
         log.info("job %s/%s removed: %s, %d events, %s", tenant, job_id, removed, events, objects)
         recorded = [j for j in doomed if j in by_id]
         return JobRemoved(job_id, recorded, objects.objects, objects.bytes, events)
+
+    async def _remove_from_bucket(
+        self, tenant: str, prefixes: list[str], *, first: str = ""
+    ) -> Removed:
+        """Delete the objects of the tenant's bucket under ``prefixes``, ``first`` before
+        the others (a dataset's manifest: nothing can materialise a dataset half deleted)."""
+        try:
+            store = await tenant_store(self.js, tenant, create=False)
+        except DatasetStoreError:
+            return Removed(0, 0)  # no bucket: nothing was ever stored
+        return await delete_under(store, prefixes, first=first)
 
     async def _purge_events(self, tenant: str, job_id: str) -> int:
         """Purge the job's events; how many there were."""

@@ -37,8 +37,7 @@ import tempfile
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Awaitable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import IO, BinaryIO
 
 from nats.js import JetStreamContext
@@ -58,7 +57,7 @@ from bus.datasets import (
     read_manifest,
     tenant_store,
 )
-from bus.kv import list_objects, object_sha256
+from bus.kv import delete_objects, delete_under, object_sha256, objects_under
 from schemas import subjects
 from schemas.ids import validate_id
 from schemas.tenantctl import (
@@ -145,49 +144,6 @@ def _same(info: ObjectInfo | None, entry: ManifestFile) -> bool:
     )
 
 
-@dataclass(frozen=True)
-class Removed:
-    """How many objects (and bytes in all) a removal deleted."""
-
-    objects: int
-    bytes: int
-
-
-async def delete_under(store: ObjectStore, prefixes: list[str], *, first: str = "") -> Removed:
-    """Delete ``store``'s objects under ``prefixes``, ``first`` (if there) before the rest."""
-    objects: dict[str, ObjectInfo] = {}
-    for prefix in prefixes:
-        objects.update(await _objects(store, prefix))
-    if first in objects:
-        await _delete(store, first)
-    await _bounded(_delete(store, name) for name in objects if name != first)
-    return Removed(len(objects), sum(int(info.size or 0) for info in objects.values()))
-
-
-async def _bounded(calls: Iterable[Awaitable[None]]) -> None:
-    """Await ``calls`` with at most :data:`PARALLEL` in flight; the first error is raised."""
-    slots = asyncio.Semaphore(PARALLEL)
-
-    async def one(call: Awaitable[None]) -> None:
-        async with slots:
-            await call
-
-    await asyncio.gather(*(one(call) for call in calls))
-
-
-async def _objects(store: ObjectStore, prefix: str) -> dict[str, ObjectInfo]:
-    """The bucket's live objects under ``prefix`` by name (only theirs are read, not every
-    dataset's of the tenant)."""
-    return {info.name: info for info in await list_objects(store, prefix) if info.name}
-
-
-async def _delete(store: ObjectStore, name: str) -> None:
-    try:
-        await store.delete(name)
-    except (ObjectNotFoundError, NotFoundError):
-        pass
-
-
 class _Cached:
     """One exported object, in an unlinked temporary file: checkpoints reach hundreds of
     megabytes, so the cache holds them on disk (the page cache keeps recent ones in memory)
@@ -238,12 +194,11 @@ class Transfer:
         files = checked_files(request.files)
         store = await self.store(tenant)
         prefix = prefix_of(dataset)
-        objects = await _objects(store, prefix)
+        objects = await objects_under(store, prefix)
         needed = [f.path for f in files if not _same(objects.get(prefix + f.path), f)]
         # A push resumes file by file, so parts of an interrupted one are never used again;
         # they would only hold the tenant's storage.
-        stale = list(await _objects(store, uploads_prefix(dataset)))
-        await _bounded(_delete(store, name) for name in stale)
+        await delete_under(store, [uploads_prefix(dataset)])
         if not needed and await self._manifest_lists(tenant, dataset, files):
             # The same files pushed again: the dataset stays complete under its manifest. A
             # new manifest would be a new digest, and one more full copy of the dataset on
@@ -251,18 +206,9 @@ class Transfer:
             log.info("push of %s/%s: unchanged", tenant, dataset)
             return DatasetPlan([])
         # From here on the dataset is incomplete until dataset-add.
-        await _delete(store, prefix + MANIFEST)
+        await delete_objects(store, [prefix + MANIFEST])
         log.info("push of %s/%s: %d of %d files needed", tenant, dataset, len(needed), len(files))
         return DatasetPlan(needed)
-
-    async def remove(self, tenant: str, prefixes: list[str], *, first: str = "") -> Removed:
-        """Delete the objects of the tenant's bucket under ``prefixes``, ``first`` before
-        the others (a dataset's manifest: nothing can materialise a dataset half deleted)."""
-        try:
-            store = await tenant_store(self.js, tenant, create=False)
-        except DatasetStoreError:
-            return Removed(0, 0)  # no bucket: nothing was ever stored
-        return await delete_under(store, prefixes, first=first)
 
     async def _manifest_lists(self, tenant: str, dataset: str, files: list[ManifestFile]) -> bool:
         """Whether the dataset's manifest lists exactly ``files`` (False: none, or another)."""
@@ -342,7 +288,7 @@ class Transfer:
             got = (await asyncio.to_thread(hashlib.file_digest, joined, "sha256")).hexdigest()
             # The parts go before the file is stored: they count against the tenant's
             # storage limit, and a file that fails now is sent again whole anyway.
-            await _bounded(_delete(store, name) for name in names)
+            await delete_objects(store, names)
             if size != entry.size or got != entry.sha256:
                 raise DatasetStoreError(
                     f"{entry.path}: sha256 {got[:16]}… ({size} bytes) does not match the "
@@ -404,7 +350,7 @@ class Transfer:
         files = checked_files(request.files)
         store = await self.store(request.tenant)
         prefix = prefix_of(dataset)
-        objects = await _objects(store, prefix)
+        objects = await objects_under(store, prefix)
         for entry in files:
             info = objects.get(prefix + entry.path)
             if info is None:
