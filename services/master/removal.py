@@ -143,14 +143,13 @@ class Removal:
             events += await self._purge_events(tenant, j)
             if (await get_policy(self.policies, tenant, j))[0] is not None:
                 await self.policies.purge(job_key(tenant, j))
-        removed = [j for j in (*stages, job_id) if j in by_id]
-        for j in removed:  # the job's own record last: asking again finishes the rest
+        recorded = [j for j in doomed if j in by_id]
+        for j in reversed(recorded):  # the job's own record last: asking again finishes
             await self.jobs.purge(job_key(tenant, j))
         objects = Removed(stored.objects + exported.objects, stored.bytes + exported.bytes)
-        if not removed and not objects.objects and not events:
+        if not recorded and not objects.objects and not events:
             return CtlError("not_found", f"no job {job_id!r} of tenant {tenant}")
-        log.info("job %s/%s removed: %s, %d events, %s", tenant, job_id, removed, events, objects)
-        recorded = [j for j in doomed if j in by_id]
+        log.info("job %s/%s removed: %s, %d events, %s", tenant, job_id, recorded, events, objects)
         return JobRemoved(job_id, recorded, objects.objects, objects.bytes, events)
 
     async def _remove_from_bucket(
