@@ -11,9 +11,11 @@ except those used in the last ``min_idle_s`` (another process sharing the direct
 the master and an env worker of one host, may be loading them), and download directories
 not written for a day. Processes sharing a root take its lock file (``flock``): shared to
 mark an entry used, exclusive to choose and move what goes, so an entry a process has
-just found is never removed under it. A loaded dataset is held in memory
-(:class:`vla.data.Dataset`): removing its directory costs a later job one download, never a
-running job its data.
+just found is never removed under it. An entry found with a file missing or of another
+size than its manifest says (a cleaner of the temp directory ages files one by one) is
+downloaded again instead of failing every job that names it. A loaded dataset is held in
+memory (:class:`vla.data.Dataset`): removing its directory costs a later job one download,
+never a running job its data.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,16 +69,48 @@ class DatasetCache:
         """Where ``dataset_id`` of ``tenant`` with manifest ``digest`` is materialised."""
         return self.root / tenant / dataset_id / digest[:16]
 
-    def use(self, entry: Path) -> bool:
+    def use(self, entry: Path, sizes: Mapping[str, int]) -> bool:
         """Mark a complete entry as used now; False when it is not there (never complete,
         or removed: materialise it again). Under the cache's shared lock, so an eviction
-        running in another process either saw this use or removed the entry before it."""
+        running in another process either saw this use or removed the entry before it.
+
+        ``sizes`` (each file's relative path → bytes, from the manifest): an entry missing
+        one, or holding one of another size, was cut into by something else (a cleaner of
+        the temp directory ages files one by one) and is removed, to be materialised again,
+        instead of failing every job that loads it."""
         with self._locked(exclusive=False):
             try:
                 os.utime(entry / MANIFEST)
             except FileNotFoundError:
                 return False
+            if not _damaged(entry, sizes):
+                return True
+        log.warning(
+            "dataset cache: %s lost files since it was written; downloading it again", entry
+        )
+        with self._locked(exclusive=True):  # another process may have replaced it meanwhile
+            if not (entry / MANIFEST).exists() or _damaged(entry, sizes):
+                self._discard(entry)
+                return False
             return True
+
+    def replace(self, entry: Path, complete: Path) -> None:
+        """Put the directory ``complete`` (a finished download, its manifest written last)
+        at ``entry``, unless another process put the same entry there first; an entry
+        without its manifest there (its files cut into) is replaced."""
+        try:
+            os.rename(complete, entry)
+        except OSError:  # not empty: another process's download, or a damaged entry
+            with self._locked(exclusive=True):
+                if (entry / MANIFEST).exists():
+                    return
+                self._discard(entry)
+                os.rename(complete, entry)
+
+    def _discard(self, entry: Path) -> None:
+        moved = _rename(entry)
+        if moved is not None:
+            shutil.rmtree(moved, ignore_errors=True)
 
     def evict(self, *, room: int = 0, now: float | None = None) -> list[Path]:
         """Remove download directories left by stopped processes, then the least recently
@@ -127,6 +161,17 @@ class DatasetCache:
                 yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _damaged(entry: Path, sizes: Mapping[str, int]) -> bool:
+    """Whether a file of ``sizes`` is missing from ``entry`` or has another size."""
+    for path, size in sizes.items():
+        try:
+            if (entry / path).stat().st_size != size:
+                return True
+        except FileNotFoundError:
+            return True
+    return False
 
 
 def _entries(root: Path) -> list[tuple[float, int, Path]]:

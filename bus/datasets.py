@@ -24,7 +24,6 @@ import asyncio
 import hashlib
 import io
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -284,7 +283,8 @@ async def materialise(
             f"{digest[:16]}…, recorded {expected_digest[:16]}…): run dataset-add again"
         )
     target = cache.entry(tenant, dataset_id, digest)
-    if await asyncio.to_thread(cache.use, target):
+    sizes = {entry.path: entry.size for entry in manifest.files}
+    if await asyncio.to_thread(cache.use, target, sizes):
         return target, manifest, digest
     try:
         await asyncio.to_thread(cache.evict, room=manifest.total_bytes)
@@ -298,11 +298,7 @@ async def materialise(
             bucket = subjects.tenant_bucket(tenant)
             await _download(js, bucket, prefix + entry.path, entry, tmp / entry.path)
         (tmp / MANIFEST).write_bytes(encode_manifest(manifest))
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process materialised the same digest meanwhile
-            if not (target / MANIFEST).exists():
-                raise
+        await asyncio.to_thread(cache.replace, target, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target, manifest, digest

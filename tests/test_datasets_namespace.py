@@ -325,8 +325,21 @@ async def test_the_dataset_cache_keeps_to_its_budget_removing_the_least_recently
     # A removed entry is downloaded again when named, byte for byte.
     again, _, _ = await materialise(client.js, tenant, "other", cache)
     assert again == other
-    for f in scan(reach):
+    files = scan(reach)
+    for f in files:
         assert (again / f.path).read_bytes() == (reach / f.path).read_bytes(), f.path
+    # So is one whose files something else cut into (a temp-dir cleaner ages them one by
+    # one): a file gone, a file truncated, its manifest gone.
+    for cut in ("unlink", "truncate", "manifest"):
+        victim = again / (MANIFEST if cut == "manifest" else files[-1].path)
+        if cut == "truncate":
+            victim.write_bytes(victim.read_bytes()[:10])
+        else:
+            victim.unlink()
+        mended, _, _ = await materialise(client.js, tenant, "other", cache)
+        assert mended == again, cut
+        for f in files:
+            assert (mended / f.path).read_bytes() == (reach / f.path).read_bytes(), (cut, f.path)
 
     # A stopped download's directory goes after a day (one being written stays); with no
     # budget (0) entries stay whatever their age.
@@ -359,7 +372,7 @@ def test_an_eviction_under_way_holds_back_a_use_of_the_cache_until_it_is_done(
     found: list[bool] = []
     with open(cache.root / ".lock", "a+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        user = threading.Thread(target=lambda: found.append(cache.use(entry)))
+        user = threading.Thread(target=lambda: found.append(cache.use(entry, {})))
         user.start()
         user.join(timeout=0.5)
         assert user.is_alive() and not found, "a use went on during an eviction"
@@ -368,7 +381,7 @@ def test_an_eviction_under_way_holds_back_a_use_of_the_cache_until_it_is_done(
     assert found == [True]
     assert cache.evict() == [], "used just now: kept though over budget"
     used_ago(entry, 7200)
-    assert cache.evict() == [entry] and cache.use(entry) is False
+    assert cache.evict() == [entry] and cache.use(entry, {}) is False
 
 
 async def test_a_removed_dataset_leaves_the_namespace_with_its_files_unless_a_live_job_names_it(
