@@ -1,6 +1,7 @@
-"""A tenant's dataset push, through the master (a tenant's identity has no JetStream):
-the files are scanned and hashed here, the master is asked which it still needs, and each
-needed file goes in parts of :data:`~schemas.tenantctl.PART_BYTES`. The master's side is
+"""A tenant's dataset push and policy download, through the master (a tenant's identity has
+no JetStream): for a push the files are scanned and hashed here, the master is asked which it
+still needs, and each needed file goes in parts of :data:`~schemas.tenantctl.PART_BYTES`; an
+exported policy comes back in parts of the same size (:func:`download_export`). The master's side is
 :mod:`services.master.transfer`; the layout and checks both sides share are in
 :mod:`bus.datasets`."""
 
@@ -13,15 +14,19 @@ from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 from bus.codec import encode
-from bus.datasets import DatasetStoreError, part_count, scan
+from bus.datasets import DatasetStoreError, part_count, scan, sha256_file
+from clients.errors import RequestError
 from schemas.ids import validate_id
 from schemas.tenantctl import (
     PART_BYTES,
     CtlError,
     DatasetPlan,
+    ExportBytes,
     PartStored,
     PlanDataset,
+    PolicyExported,
     PutDatasetPart,
+    ReadExport,
     TenantReply,
     TenantRequest,
 )
@@ -168,3 +173,46 @@ async def _push_file(
             code="unavailable",
             retryable=True,
         )
+
+
+async def download_export(
+    ask: Ask, tenant: str, job_id: str, exported: PolicyExported, out_dir: Path
+) -> Path:
+    """Read an exported policy (``exported``: the master's answer to an ``export``) in parts
+    into ``out_dir`` as ``<job>-v<version>.ckpt``, checked against its SHA-256; returns the
+    file. Nothing half written is left: the parts go into a ``.partial`` file first."""
+    await asyncio.to_thread(out_dir.mkdir, parents=True, exist_ok=True)
+    target = out_dir / f"{job_id}-v{exported.version}.ckpt"
+    partial = target.with_suffix(".partial")
+    try:
+        with partial.open("wb") as f:
+            offset = 0
+            while offset < exported.size:
+                # The first read makes the master fetch the whole checkpoint: 60 s.
+                read = ReadExport(tenant, exported.object_name, offset, PART_BYTES)
+                piece = await ask(read, 60.0)
+                if isinstance(piece, CtlError):
+                    raise RequestError(piece.message, code=piece.code, retryable=piece.retryable)
+                assert isinstance(piece, ExportBytes)
+                if piece.size != exported.size or piece.offset != offset or not piece.data:
+                    raise RequestError(
+                        f"exported policy {exported.object_name} changed while it was read "
+                        f"({piece.size} bytes at offset {piece.offset}, expected "
+                        f"{exported.size} bytes); export it again",
+                        code="unavailable",
+                        retryable=True,
+                    )
+                await asyncio.to_thread(f.write, piece.data)
+                offset += len(piece.data)
+        got = await asyncio.to_thread(sha256_file, partial)
+        if got != exported.sha256:
+            raise RequestError(
+                f"exported policy {exported.object_name}: sha256 {got} is not {exported.sha256}",
+                code="invalid",
+                retryable=True,
+            )
+        await asyncio.to_thread(partial.replace, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)  # no half-written policy next to the real ones
+        raise
+    return target

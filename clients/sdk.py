@@ -39,7 +39,6 @@ from pydantic import BaseModel
 from bus import tracing
 from bus.codec import DecodeError, decode, encode
 from bus.connect import connect
-from bus.datasets import sha256_file
 from bus.envinfo import request_description
 from bus.identity import is_joynexus_creds, load_creds
 from bus.local import read_stack_info
@@ -47,7 +46,7 @@ from bus.publish import wire_size
 from bus.records import list_jobs
 from clients.errors import RequestError
 from clients.jobs import Job, JobFailed, JobResult
-from clients.push import PushReport, push_dataset
+from clients.push import PushReport, download_export, push_dataset
 from schemas import subjects
 from schemas.envdesc import EnvDescription
 from schemas.ids import validate_id
@@ -56,7 +55,6 @@ from schemas.placement import PlacementRecord
 from schemas.specs import JobSpec, JobSpecError, parse_job_spec
 from schemas.tenantctl import (
     BACKBONES_REPLY_DECODER,
-    PART_BYTES,
     TENANT_REPLY_DECODER,
     AddDataset,
     Backbones,
@@ -66,7 +64,6 @@ from schemas.tenantctl import (
     DatasetRemoved,
     DatasetsReply,
     EventsPage,
-    ExportBytes,
     ExportPolicy,
     GetJob,
     JobRemoved,
@@ -76,7 +73,6 @@ from schemas.tenantctl import (
     ListJobs,
     PolicyExported,
     ReadEvents,
-    ReadExport,
     RemoveDataset,
     RemoveJob,
     SubmitJob,
@@ -481,40 +477,11 @@ class Client:
         JetStream to read the bucket itself)."""
         reply = await self.request(tenant, ExportPolicy(tenant, job_id, version), timeout=60.0)
         assert isinstance(reply, PolicyExported)
-        out = Path(out_dir)
-        await asyncio.to_thread(out.mkdir, parents=True, exist_ok=True)
-        target = out / f"{job_id}-v{reply.version}.ckpt"
-        partial = target.with_suffix(".partial")
-        try:
-            with partial.open("wb") as f:
-                offset = 0
-                while offset < reply.size:
-                    # The first read makes the master fetch the whole checkpoint: 60 s.
-                    read = ReadExport(tenant, reply.object_name, offset, PART_BYTES)
-                    piece = await self.request(tenant, read, timeout=60.0)
-                    assert isinstance(piece, ExportBytes)
-                    if piece.size != reply.size or piece.offset != offset or not piece.data:
-                        raise RequestError(
-                            f"exported policy {reply.object_name} changed while it was read "
-                            f"({piece.size} bytes at offset {piece.offset}, expected "
-                            f"{reply.size} bytes); export it again",
-                            code="unavailable",
-                            retryable=True,
-                        )
-                    await asyncio.to_thread(f.write, piece.data)
-                    offset += len(piece.data)
-            got = await asyncio.to_thread(sha256_file, partial)
-            if got != reply.sha256:
-                raise RequestError(
-                    f"exported policy {reply.object_name}: sha256 {got} is not {reply.sha256}",
-                    code="invalid",
-                    retryable=True,
-                )
-            await asyncio.to_thread(partial.replace, target)
-        except BaseException:
-            partial.unlink(missing_ok=True)  # no half-written policy next to the real ones
-            raise
-        return target
+
+        async def ask(request: TenantRequest, timeout: float) -> TenantReply:
+            return await self.request(tenant, request, timeout=timeout)
+
+        return await download_export(ask, tenant, job_id, reply, Path(out_dir))
 
 
 @dataclass
