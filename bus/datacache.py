@@ -89,10 +89,11 @@ class DatasetCache:
             "dataset cache: %s lost files since it was written; downloading it again", entry
         )
         with self._locked(exclusive=True):  # another process may have replaced it meanwhile
-            if not (entry / MANIFEST).exists() or _damaged(entry, sizes):
-                self._discard(entry)
-                return False
-            return True
+            if (entry / MANIFEST).exists() and not _damaged(entry, sizes):
+                return True
+            moved = _rename(entry)
+        _delete(moved)
+        return False
 
     def replace(self, entry: Path, complete: Path) -> None:
         """Put the directory ``complete`` (a finished download, its manifest written last)
@@ -104,13 +105,9 @@ class DatasetCache:
             with self._locked(exclusive=True):
                 if (entry / MANIFEST).exists():
                     return
-                self._discard(entry)
+                moved = _rename(entry)
                 os.rename(complete, entry)
-
-    def _discard(self, entry: Path) -> None:
-        moved = _rename(entry)
-        if moved is not None:
-            shutil.rmtree(moved, ignore_errors=True)
+            _delete(moved)
 
     def evict(self, *, room: int = 0, now: float | None = None) -> list[Path]:
         """Remove download directories left by stopped processes, then the least recently
@@ -137,8 +134,7 @@ class DatasetCache:
             # Renamed under the lock (a use after it finds them gone), deleted after it.
             moved = [_rename(p) for p in leftovers + doomed]
         for gone in moved:
-            if gone is not None:
-                shutil.rmtree(gone, ignore_errors=True)
+            _delete(gone)
         if self.max_bytes > 0 and total > budget:
             log.warning(
                 "dataset cache %s holds %d bytes, over its %d (%d to come): the rest was used "
@@ -204,6 +200,12 @@ def _leftovers(root: Path, now: float) -> list[Path]:
             if now - written > PARTIAL_MAX_AGE_S:
                 out.append(path)
     return out
+
+
+def _delete(moved: Path | None) -> None:
+    """Delete what :func:`_rename` moved out of the way (outside the lock: it may be big)."""
+    if moved is not None:
+        shutil.rmtree(moved, ignore_errors=True)
 
 
 def _rename(path: Path) -> Path | None:
