@@ -57,8 +57,8 @@ class TenantJobs:
         id of a recorded job with another spec is refused at once (the same spec again is the
         same submit, answered as queued)."""
         tenant, job_id = request.tenant, validate_id(request.job_id, "job id")
+        jobs = await self.js.key_value(subjects.KV_JOBS)
         if isinstance(request, SubmitJob):
-            jobs = await self.js.key_value(subjects.KV_JOBS)
             existing, _ = await get_job(jobs, tenant, job_id)
             if existing is None and await job_removed(jobs, tenant, job_id):
                 return CtlError(
@@ -79,7 +79,6 @@ class TenantJobs:
                 tenant, job_id, request.spec_json, time.time()
             )
         else:
-            jobs = await self.js.key_value(subjects.KV_JOBS)
             if await job_removed(jobs, tenant, job_id):
                 return CtlError("not_found", f"job {job_id!r} of tenant {tenant} was removed")
             verb = "cancel"
