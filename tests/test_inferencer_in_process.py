@@ -4,7 +4,10 @@ made to fail.
 * One job's slow policy load holds up only that job's requests. An admission waiting on its
   policy's checkpoint read (a cold start, an evicted job, a slow object store: up to
   ``--checkpoint-read-s``) took a place in the pull room; enough of one job's requests filled
-  it, and no other tenant's request was pulled until the load ended.
+  it, and no other tenant's request was pulled until the load ended. Then the places beyond
+  the room filled the same way under a flood: one job may now hold only its share of them,
+  and its further requests come back later (answered "ask again", retryable, at their last
+  delivery).
 * An answer that fails before it settles its request (an encode error, a bug) leaves the
   request to the runtime's decision (redelivered), not held and kept alive for good."""
 
@@ -23,8 +26,9 @@ import bus.service
 from bus import checkpoints as ckpt
 from bus.connect import connect
 from bus.declare import declare
-from bus.inference import PolicyClient
+from bus.inference import InferenceError, PolicyClient
 from bus.server import EmbeddedServer
+from schemas.infer import ActReply
 from services.inferencer.config import InferencerConfig
 from services.inferencer.service import run
 from tests.helpers import uid
@@ -61,10 +65,12 @@ async def test_a_slow_policy_load_does_not_stop_the_pulls_for_other_jobs(
         return await real_read(store, name, sha256, *args)
 
     monkeypatch.setattr(ckpt, "get_checkpoint", held_read)
-    # target_batch 2: a pull room of 4 requests, which 8 of the slow job's fill twice over.
+    # target_batch 2: a pull room of 4 requests, and 16 places beyond it for admissions that
+    # wait on a load. 30 of the slow job's would fill both.
     config = InferencerConfig(
         url=fresh_server.url, instance=uid("inf"), backbone_id=bid, target_batch=2
     )
+    flood = 30
     service = asyncio.create_task(run(config))
     try:
         async with await PolicyClient.create(nc, bid, js) as client:
@@ -72,16 +78,29 @@ async def test_a_slow_policy_load_does_not_stop_the_pulls_for_other_jobs(
             assert first.error == "", first.error
             held = [
                 asyncio.create_task(client.act(slow, "job", [make_obs(FLOW, i)], timeout=60))
-                for i in range(8)
+                for i in range(flood)
             ]
             await asyncio.wait_for(reading.wait(), 30)
             # Its load is held: the other tenant's request is pulled and served meanwhile.
-            served = await client.act(quick, "job", [make_obs(FLOW, 9)], timeout=5)
+            served = await client.act(quick, "job", [make_obs(FLOW, 99)], timeout=5)
             assert served.error == "" and served.actions is not None, served.error
-            assert not any(task.done() for task in held)
+            # The slow job's requests past its share are told to ask again, still held.
+            done, _ = await asyncio.wait(held, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+            assert done, "no request of the flood was answered while its load was held"
+            busy = next(iter(done)).exception()
+            assert isinstance(busy, InferenceError) and busy.retryable, busy
+            assert "is loading" in str(busy) and "ask again" in str(busy), busy
             release.set()
-            for reply in await asyncio.gather(*held):
+            results = await asyncio.gather(*held, return_exceptions=True)
+            answered = [r for r in results if isinstance(r, ActReply)]
+            refused = [r for r in results if not isinstance(r, ActReply)]
+            for reply in answered:
                 assert reply.error == "" and reply.actions is not None, reply.error
+            for error in refused:
+                assert isinstance(error, InferenceError) and error.retryable, error
+                assert "ask again" in str(error), error
+            # The share of one job (the pull room's 4 places) waited and was served.
+            assert len(answered) >= 4 and refused, (len(answered), len(refused))
     finally:
         release.set()
         os.kill(os.getpid(), signal.SIGTERM)  # serve()'s handler: its loop is this one

@@ -17,7 +17,11 @@ A request that can never be served (malformed, unknown job, version not stored, 
 proprio shapes that do not fit the policy) is dead-lettered by the runtime, whose ``on_dead``
 hook answers it with ``error`` set and reports it on the job's ``EVENTS``; a request that
 failed for a retryable reason gets no reply until its last delivery. The service goes on
-serving everyone else.
+serving everyone else. A request whose policy is loading waits for the load without taking a
+place in the pull room; one job may have :data:`LOAD_WAITERS_PER_JOB_PER_PLACE` waiters per
+place, all jobs :data:`LOAD_WAITERS_PER_PLACE`, and a request past either bound is retried
+after :data:`LOAD_BUSY_DELAY_S` (answered "ask again", retryable, at its last delivery), so
+one job's flood at a slow load leaves the room to the others.
 
 Stop (the runtime's stop event, never a cancel): the model load gives up at once; the fetch
 loop, the scheduler and the policies watch return; the batch in progress is answered if its
@@ -40,7 +44,7 @@ from opentelemetry import trace
 from bus import tracing
 from bus.durable import ConsumerSpec, Durable
 from bus.encoding import FeatureClient
-from bus.errors import Interrupted
+from bus.errors import Interrupted, RetryableError
 from bus.fate import HOLD, Fate, Hold
 from bus.metering import BusyMeter, LinearFit
 from bus.placement import placed
@@ -84,6 +88,13 @@ LOAD_GRACE_S = 0.5
 #: per place in it: a job whose policy loads slowly holds these, not the room other jobs'
 #: requests are pulled through.
 LOAD_WAITERS_PER_PLACE = 4
+#: Of those, one job's may take this many per place: a job flooding requests at a policy
+#: that loads slowly must not take every waiting place (then nothing more would be pulled,
+#: and the other jobs' requests would wait for its load too).
+LOAD_WAITERS_PER_JOB_PER_PLACE = 1
+#: A request turned away because its policy's load has all the waiters it may have comes
+#: back this much later (and is answered "busy, ask again" at its last delivery).
+LOAD_BUSY_DELAY_S = 1.0
 
 
 class Inferencer:
@@ -135,7 +146,12 @@ class Inferencer:
         self.max_pending = 2 * config.target_batch
         #: Admissions under way in all, and those of them waiting on their policy.
         self.max_admitting = self.max_pending * (1 + LOAD_WAITERS_PER_PLACE)
+        #: Of those, how many may wait on policy loads, and how many of one job's.
+        self.max_waiting = self.max_pending * LOAD_WAITERS_PER_PLACE
+        self.max_waiting_per_job = self.max_pending * LOAD_WAITERS_PER_JOB_PER_PLACE
         self.resolving = 0
+        #: Admissions waiting on their policy's load, per (tenant, job).
+        self.resolving_per_job: Counter[tuple[str, str]] = Counter()
         self._wake = asyncio.Event()  # scheduler: something arrived (or stop)
         self._room = asyncio.Event()  # fetcher: the scheduler took requests (or stop)
         self.durable: Durable
@@ -143,6 +159,9 @@ class Inferencer:
         # gauges
         #: Requests dropped unanswered because their requester stopped waiting.
         self.expired = 0
+        #: Requests turned away (to come back later) because their job's policy load had all
+        #: the waiters it may have.
+        self.load_busy = 0
         self.forwards = 0
         self.batches = 0
         self.batch_s = 0.0
@@ -292,11 +311,28 @@ class Inferencer:
         resident = self.policies.resident(request.tenant, request.job_id, request.policy_version)
         if resident is not None:
             return resident  # the common case: no wait, its place in the room kept
+        job = (request.tenant, request.job_id)
+        busy = ""
+        if self.resolving_per_job[job] >= self.max_waiting_per_job:
+            busy = (
+                f"{self.resolving_per_job[job]} of its requests already wait for it here, "
+                f"as many as one job may"
+            )
+        elif self.resolving >= self.max_waiting:
+            busy = f"{self.resolving} requests already wait for policy loads here, the most"
+        if busy:
+            self.load_busy += 1
+            raise RetryableError(
+                f"the policy of {request.tenant}/{request.job_id} is loading and {busy}; "
+                "ask again shortly",
+                delay_s=LOAD_BUSY_DELAY_S,
+            )
         resolving = asyncio.ensure_future(
             self.policies.resolve(request.tenant, request.job_id, request.policy_version)
         )
         resolving.add_done_callback(retrieve_outcome)
         self.resolving += 1
+        self.resolving_per_job[job] += 1
         self._room.set()  # its place in the pull room is free while it waits
         try:
             while not resolving.done():
@@ -306,6 +342,9 @@ class Inferencer:
                 await asyncio.wait({resolving}, timeout=left)
         finally:
             self.resolving -= 1
+            self.resolving_per_job[job] -= 1
+            if not self.resolving_per_job[job]:
+                del self.resolving_per_job[job]
         return resolving.result()
 
     async def schedule(self) -> None:
@@ -440,6 +479,7 @@ class Inferencer:
             "requests_served": float(self.replies.served),
             "requests_failed": float(self.replies.failed),
             "requests_expired": float(self.expired),
+            "requests_load_busy": float(self.load_busy),
             "observations_served": float(self.replies.observations),
             "forwards": float(self.forwards),
             "mean_group_size": self.replies.served / self.forwards if self.forwards else 0.0,
