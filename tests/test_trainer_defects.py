@@ -299,30 +299,37 @@ async def test_H_jetstream_errors_from_fetch_do_not_crash_the_trainer(
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(
-    ("max_deliver", "logged"),
+    ("bound", "max_deliver", "logged"),
     [
-        ("10", "come back in"),  # the latest waiting ones are handed back for later
-        ("2", "fetching past the buffer's bound"),  # no delivery to spare: fetched past it
+        # the latest waiting ones are handed back for later
+        (("--max-buffered", "6"), "10", "come back in"),
+        # no delivery to spare: fetched past the bound
+        (("--max-buffered", "6"), "2", "fetching past the buffer's bound"),
+        # the bound in bytes (a message here is about 1.8 KB: 3 fill 5.2 KB), not in count
+        (("--max-buffered-mb", "0.005"), "10", "come back in"),
     ],
+    ids=["messages", "messages-no-delivery-to-spare", "bytes"],
 )
 async def test_a_buffer_full_of_later_steps_still_fetches_the_step_they_wait_for(
     nats_server: EmbeddedServer,
     js: JetStreamContext,
     procs: Procs,
     tmp_path: Path,
+    bound: tuple[str, str],
     max_deliver: str,
     logged: str,
 ) -> None:
     """Steps 1..10 are queued before step 0 (as when step 0 is redelivered after a retry):
-    with room for 6 messages the buffer fills with steps that wait for step 0, which would
-    never be fetched. The latest waiting ones are handed back for later while they have more
-    than half their deliveries left (the rest are their retries); else the buffer takes a
-    prefetch more (up to twice its bound: 12). All 11 steps apply, in order."""
+    with room for 6 messages (or 5.2 KB of them) the buffer fills with steps that wait for
+    step 0, which would never be fetched. The latest waiting ones are handed back for later
+    while they have more than half their deliveries left (the rest are their retries); else
+    the buffer takes a prefetch more (up to twice its bound: 12). All 11 steps apply, in
+    order."""
     tenant, job = uid("wedge"), uid("j")
     later = (sft_batch(tenant, job, s) for s in range(1, 11))
     await send(js, tenant, sft_open(tenant, job, 11), *later, sft_batch(tenant, job, 0))
     log = tmp_path / "t.log"
-    args = ("--max-buffered", "6", "--prefetch", "2", "--max-deliver", max_deliver)
+    args = (*bound, "--prefetch", "2", "--max-deliver", max_deliver)
     proc = trainer(nats_server.url, log, procs, *args)
     rec = await eventually(partial(done, js, tenant, job, 11), timeout=90, what="11 steps")
     assert rec.batches_done == 11

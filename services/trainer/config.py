@@ -20,6 +20,13 @@ class TrainerConfig(HeadsConfig):
         description="Most messages buffered per tenant, those waiting for an earlier step "
         "included (past it the latest waiting ones are handed back for later).",
     )
+    max_buffered_mb: float = Field(
+        256.0,
+        gt=0,
+        description="Most bytes (MiB) of messages buffered per tenant, payloads by reference "
+        "counted at their size: past it nothing more is fetched for the tenant, and a buffer "
+        "of waiting messages hands the latest back as past --max-buffered.",
+    )
     quantum: int = Field(
         1,
         ge=1,

@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 
 #: Most messages buffered per tenant, waiting ones included (the default).
 MAX_BUFFER = 256
+#: Most bytes buffered per tenant (the default): a prefetch of large batches, with room for
+#: those that wait; without it 256 messages of up to ``max_message_bytes`` (8 MiB) each
+#: could be buffered for every tenant.
+MAX_BUFFER_BYTES = 256 << 20
 
 #: A stuck buffer (full, every message waiting) hands messages back at most this often: the
 #: one they wait for is usually a redelivery, fetched first once due, so a few free places
@@ -86,13 +90,19 @@ class Intake:
         prefetch: int,
         limits: InputLimits | None = None,
         max_buffer: int = MAX_BUFFER,
+        *,
+        max_buffer_bytes: int = MAX_BUFFER_BYTES,
     ) -> None:
         self.consumer = consumer
         self.tenants = tenants
         self.prefetch = prefetch
         self.limits = limits or InputLimits()
         self.max_buffer = max_buffer
+        self.max_buffer_bytes = max_buffer_bytes
         self.buffers: dict[str, list[tuple[Msg, object]]] = {}
+        #: Bytes each buffered message stands for (a reference: its payload's size), by the
+        #: message's identity; forgotten at the next fill once it left its buffer.
+        self._sizes: dict[int, int] = {}
         #: When each tenant's stuck buffer may next hand messages back (monotonic).
         self._room_at: dict[str, float] = {}
 
@@ -103,6 +113,16 @@ class Intake:
     def busy(self) -> bool:
         return any(self.buffers.values())
 
+    def buffered_bytes(self, tenant: str) -> int:
+        """Bytes of the messages in ``tenant``'s buffer (references at their payload's size)."""
+        return sum(self._sizes.get(id(msg), len(msg.data)) for msg, _ in self.buffers[tenant])
+
+    def _full(self, tenant: str) -> bool:
+        return (
+            len(self.buffers[tenant]) >= self.max_buffer
+            or self.buffered_bytes(tenant) >= self.max_buffer_bytes
+        )
+
     def stocked(self, tenants: set[str]) -> bool:
         """Whether every one of ``tenants`` has a message buffered (one that waited for the
         step just applied is next now)."""
@@ -112,14 +132,22 @@ class Intake:
         """Top up the buffers of tenants with messages or with live jobs (fetches run at
         once). Only when no tenant has work buffered (and ``linger``) is it worth waiting
         for messages. Returns how many messages arrived."""
+        buffered = {id(msg) for buf in self.buffers.values() for msg, _ in buf}
+        self._sizes = {key: size for key, size in self._sizes.items() if key in buffered}
         wants = {}
         for tenant in self.buffers:
-            overflow = await self.make_room(tenant)
+            past_bounds = await self.make_room(tenant)
             buf = self.buffers[tenant]
             waiting = sum(1 for _, item in buf if isinstance(item, Waiting))
             # Batches waiting for an earlier step do not use up the prefetch: the earlier
-            # step must still be fetched. max_buffer bounds memory all the same.
-            room = self.max_buffer - len(buf) + overflow
+            # step must still be fetched. max_buffer and max_buffer_bytes bound memory all
+            # the same.
+            if past_bounds:
+                room = past_bounds
+            elif self.buffered_bytes(tenant) >= self.max_buffer_bytes:
+                room = 0
+            else:
+                room = self.max_buffer - len(buf)
             wants[tenant] = min(self.prefetch - (len(buf) - waiting), room)
         wait = 0.05 if linger and not self.busy else 0.001
         # Counted in the crash ledger when the work that uses them starts, not here
@@ -143,11 +171,12 @@ class Intake:
         good. So the latest-queued waiting ones are handed back, to be redelivered after a
         delay, making room for a prefetch's worth of others (at most every
         :data:`ROOM_EVERY_S`). A message is handed back only while it has more than half its
-        deliveries left (the rest are its retries); when none has, the buffer may hold a
-        prefetch more instead (returned: how many places past ``max_buffer``), up to
-        :data:`OVERFLOW_FACTOR` times its bound, then one more a second."""
+        deliveries left (the rest are its retries); when none has, the buffer may take a
+        prefetch more instead, up to :data:`OVERFLOW_FACTOR` times its bounds, then one more
+        a second (returned: how many it may fetch past its bounds now; 0: none). Full is
+        either bound: ``max_buffer`` messages or ``max_buffer_bytes`` bytes."""
         buf = self.buffers[tenant]
-        if len(buf) < self.max_buffer or not all(isinstance(i, Waiting) for _, i in buf):
+        if not self._full(tenant) or not all(isinstance(i, Waiting) for _, i in buf):
             return 0
         now = time.monotonic()
         if now < self._room_at.get(tenant, 0.0):
@@ -159,7 +188,10 @@ class Intake:
             if self.consumer.deferrable(msg)
         ]
         if not waiting:
-            if len(buf) >= OVERFLOW_FACTOR * self.max_buffer:
+            if (
+                len(buf) >= OVERFLOW_FACTOR * self.max_buffer
+                or self.buffered_bytes(tenant) >= OVERFLOW_FACTOR * self.max_buffer_bytes
+            ):
                 # Still one a second: a due redelivery (the awaited step) or a CloseSlot
                 # comes first, so the tenant recovers when it can.
                 log.error(
@@ -168,14 +200,14 @@ class Intake:
                     tenant,
                     len(buf),
                 )
-                return len(buf) - self.max_buffer + 1
+                return 1
             log.warning(
                 "%s: %d buffered messages wait for one not fetched and none can be handed "
                 "back; fetching past the buffer's bound",
                 tenant,
                 len(buf),
             )
-            return len(buf) - self.max_buffer + self.prefetch
+            return self.prefetch
         room = min(self.prefetch, len(waiting))
         latest = {i for _, i in sorted(waiting)[-room:]}
         handed = [buf[i][0] for i in sorted(latest)]
@@ -211,6 +243,7 @@ class Intake:
                 )
             if isinstance(body, PayloadRef):
                 ref = body
+                self._sizes[id(msg)] = ref.size  # what it stands for (checked when fetched)
                 try:
                     body = await self.dereference(ref)
                 except PayloadGoneError as exc:

@@ -121,7 +121,12 @@ class Trainer:
         )
         self.guard = CrashGuard(rt.consumer)
         self.intake = Intake(
-            rt.consumer, self.tenants, config.prefetch, config.limit, config.max_buffered
+            rt.consumer,
+            self.tenants,
+            config.prefetch,
+            config.limit,
+            config.max_buffered,
+            max_buffer_bytes=int(config.max_buffered_mb * (1 << 20)),
         )
         self.deficits: dict[str, float] = {}
         #: Set when a job record changes (a new job may have opened a tenant's queue).
@@ -483,6 +488,8 @@ class Trainer:
             "fetches": float(self.tenants.fetches),
             "jobs": float(len(self.registry.jobs)),
             "resident_slot_bytes": float(self.slots.resident_bytes),
+            "buffered_messages": float(sum(map(len, self.intake.buffers.values()))),
+            "buffered_bytes": float(sum(map(self.intake.buffered_bytes, self.intake.buffers))),
             "commits": float(self.committer.commits),
             "commit_blocking_s": self.committer.blocking_s,
             "commit_s": self.committer.commit_s,
