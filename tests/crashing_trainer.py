@@ -1,9 +1,9 @@
 """A trainer process for the crash test: the real service, whose grouped step and RL update
 die (``os._exit``, as an out-of-memory kill or a crashing kernel would: no exception, no
 settle) on any round or update that holds work of the poison tenant (mode ``work``), or whose
-restore of a slot from its checkpoint (mode ``restore``) or the opening of a new one (mode
-``open``) dies on the poison tenant's; each round's tenants (or ``MODE TENANT``) are appended
-to a file first. ``python -m
+restore of a slot from its checkpoint (mode ``restore``), the opening of a new one (mode
+``open``) or the writing of a version after the first (mode ``commit``) dies on the poison
+tenant's; each round's tenants (or ``MODE TENANT``) are appended to a file first. ``python -m
 tests.crashing_trainer MODE POISON_TENANT ROUNDS_FILE [trainer flags]``; runs until
 SIGTERM."""
 
@@ -18,6 +18,7 @@ from typing import Any
 from bus.config import main_config
 from bus.service import main
 from services.trainer import rl, steps
+from services.trainer.commit import Committer
 from services.trainer.config import TrainerConfig
 from services.trainer.service import run
 from services.trainer.slots import Slots
@@ -39,6 +40,22 @@ def crash_on_slot(mode: str, poison: str, rounds: Path) -> None:
         return real(self, key, *args)
 
     setattr(Slots, "create" if mode == "open" else mode, slot_or_die)
+
+
+def crash_on_commit(poison: str, rounds: Path) -> None:
+    """Make this process die writing a version of ``poison``'s job (its first, at the
+    opening, is written)."""
+    real = Committer._write
+
+    async def write_or_die(self: Committer, job: Any, frozen: Any, at: Any, initial: bool) -> Any:
+        tenant = job.spec.tenant
+        with rounds.open("a") as f:
+            f.write(f"commit {tenant}\n")
+        if tenant == poison and not initial:
+            os._exit(CRASHED)
+        return await real(self, job, frozen, at, initial)
+
+    Committer._write = write_or_die  # type: ignore[method-assign]
 
 
 def crash_on(poison: str, rounds: Path) -> None:
@@ -67,6 +84,8 @@ if __name__ == "__main__":
     mode, poison, rounds = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     if mode == "work":
         crash_on(poison, rounds)
+    elif mode == "commit":
+        crash_on_commit(poison, rounds)
     else:
         crash_on_slot(mode, poison, rounds)
     del sys.argv[1:4]

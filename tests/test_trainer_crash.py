@@ -265,3 +265,46 @@ async def test_a_slot_whose_opening_kills_the_trainer_fails_its_own_job_and_the_
         assert procs.stop(proc) == 0, log.read_text()[-3000:]
     finally:
         await nc.close()
+
+
+async def test_a_commit_that_kills_the_trainer_fails_its_own_job_and_the_others_finish(
+    fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
+) -> None:
+    """Writing a job's version (its state serialised and stored) is work the messages it
+    covers start: counted, so a commit that kills the process ends in their dead letters and
+    its job's failure. It used to go uncounted: the trainer died at every commit of the job,
+    all tenants' work replayed each time, until the server stopped redelivering the job's
+    messages (left unanswered). A suspect commit runs alone, so the calm job's work in
+    flight is not blamed for it."""
+    poison, calm, job = uid("poison"), uid("calm"), uid("j")
+    rounds, log = tmp_path / "rounds", tmp_path / "trainer.log"
+    nc = await connect(fresh_server.url)
+    try:
+        js = nc.jetstream()
+        await declare(js)
+        for tenant in (poison, calm):
+            await send(js, tenant, sft_open(tenant, job, STEPS, checkpoint_every=100))
+            await send(js, tenant, *(sft_batch(tenant, job, s) for s in range(STEPS)))
+        crashes, proc = await _run_until(
+            fresh_server.url, procs, poison, rounds, log, calm, job, STEPS, mode="commit"
+        )
+        assert await done(js, calm, job, STEPS) is not None
+        assert await dead_letters(js, "TRAIN", calm) == []
+        dead = await dead_letters(js, "TRAIN", poison)
+        assert dead and all(d.error_type == "CrashLoopError" for d in dead), dead
+        # The first delivery's crash (uncounted), then three counted: the fourth count
+        # dead-letters the job's first step as it starts again.
+        assert crashes == 4, _text(rounds)
+        await eventually(
+            lambda: _all_settled(js, poison), timeout=30, what="the poison job's batches settled"
+        )
+
+        async def failed() -> list[ErrorEvent]:
+            events = await events_of(js, poison, job)
+            return [e for e in events if isinstance(e, ErrorEvent) and e.fatal]
+
+        errors = await eventually(failed, what="the poison's job failing")
+        assert "in a row without finishing" in errors[0].message, errors
+        assert procs.stop(proc) == 0, log.read_text()[-3000:]
+    finally:
+        await nc.close()

@@ -34,6 +34,7 @@ from bus.metering import BusyMeter
 from bus.usage import UsageMeter
 from schemas.events import CallResult, PolicyPublished
 from schemas.train import OpenSlot, PolicyRecord
+from services.trainer.crashguard import CrashGuard
 from vla.slot import TenantSlot, state_bytes
 
 log = logging.getLogger(__name__)
@@ -197,6 +198,7 @@ class Committer:
     ) -> None:
         self.registry = registry
         self.consumer = consumer
+        self.guard = CrashGuard(consumer)
         self.emit = emit
         self.keep_versions = keep_versions
         #: Fault injection: SIGKILL this process after this many commits, before the acks.
@@ -311,6 +313,18 @@ class Committer:
         at: _At,
         initial: bool,
     ) -> None:
+        # Writing the version (its state serialised, stored) is work its messages start: a
+        # commit that kills the process (out of memory serialising a large head) counts them,
+        # so its crash loop ends in their dead letters and its job's failure instead of
+        # going on until the server stops redelivering them (crashguard.py).
+        msgs = [msg for msg, _ in covered]
+        dead = await self.guard.begin(msgs)
+        if dead:
+            # Dead-lettered (their senders told, the job failing): nothing is committed.
+            job.closed = True
+            job.held = [c for c in covered if not any(c[0] is d for d in dead)] + job.held
+            log.error("commit of %s killed the process too often: its job fails", job.key)
+            return
         try:
             # A session's call results go out before their calls can be acked: after a
             # crash past this point the calls are not applied again, so nothing would.
@@ -325,6 +339,8 @@ class Committer:
             log.exception("commit of %s failed; trying again", job.key)
             self._retry_later(job, PendingCommit(covered, frozen, at, initial))
             return
+        finally:
+            await self.guard.returned(msgs)
         trace.get_current_span().set_attributes(
             {"joynexus.version": record.version, "joynexus.step": record.step}
         )

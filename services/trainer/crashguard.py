@@ -1,7 +1,8 @@
 """The trainer's side of the crash ledger (:mod:`bus.crashes`): a message counts as started
 when the work that uses it starts (its round's step, its iteration's RL update, a session
-call applied at triage, the restore of its job's slot), not when it is fetched, and that
-start is taken back when the work returns, though the message stays held until its commit.
+call applied at triage, the restore of its job's slot, the writing of the version that
+covers it), not when it is fetched, and that start is taken back when the work returns,
+though the message stays held until its commit.
 
 The trainer buffers and holds many messages of every tenant at once (prefetched steps,
 applied steps waiting for their commit, an iteration's episodes). Counted at fetch, all of

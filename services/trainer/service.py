@@ -186,7 +186,7 @@ class Trainer:
                     # fetch that lingers (one tenant's lingering fetch holds up every other's).
                     arrived = await self.intake.fill(live, linger=not self.sessions_open())
                 worked = await self.round()
-                self.commit_due()
+                await self.commit_due()
                 if not arrived and not worked and not self.tenants.backlog_fetched:
                     # Nothing to fetch from: new tenants' messages show up at discovery.
                     await self.idle(0.05)
@@ -463,12 +463,22 @@ class Trainer:
             await self.consumer.release([m for m, _ in job.rollouts.values()])
             log.info("closed slot %s (%s)", job.key, close.reason)
 
-    def commit_due(self) -> None:
+    async def commit_due(self) -> None:
         """Start the commits that are due; they run in the background (off the critical
-        path), one per job at a time."""
+        path), one per job at a time. A commit covering a message that was in flight when
+        the process died before (a suspect: the commit may be what killed it) runs alone:
+        after the commits in flight, awaited, with no step running beside it to be blamed."""
         for job in list(self.registry.jobs.values()):
-            if job.commit_due(self.config.commit_every_s) and not self.committer.busy(job):
+            if not job.commit_due(self.config.commit_every_s) or self.committer.busy(job):
+                continue
+            covered = [msg for msg, _ in job.held]
+            if job.pending is not None:
+                covered += [msg for msg, _ in job.pending.covered]
+            if await self.guard.suspect({job.key: covered}) is None:
                 self.committer.start(job)
+                continue
+            await self.committer.drain()
+            await self.committer.commit(job)
 
     def queue(self) -> list[TenantQueue]:
         """Training messages buffered here, per tenant, and how long the oldest waited since
