@@ -1,5 +1,5 @@
 """The tenant half of the ``joynexus`` command line: ``submit``, ``watch``, ``status``,
-``cancel``, ``rm``, ``export``, ``data push``, ``data list`` and ``data rm``.
+``cancel``, ``rm``, ``export`` (``--rm``), ``data push``, ``data list`` and ``data rm``.
 
 A command that names a tenant connects as that tenant: ``--creds`` / ``JOYNEXUS_CREDS`` if
 given, else, against a local stack with auth, ``<home>/creds/<tenant>.creds`` (else the
@@ -321,6 +321,16 @@ async def _data_rm(args: argparse.Namespace) -> int:
 
 
 async def _export(args: argparse.Namespace) -> int:
+    if args.rm:
+        return await _tenant_call(
+            args,
+            "export --rm",
+            lambda client: client.remove_export(args.tenant, args.job, args.version),
+            lambda removed: (
+                f"removed the exported copies of {args.tenant}/{args.job} version(s) "
+                f"{', '.join(map(str, removed.versions))}: {removed.bytes} bytes"
+            ),
+        )
     return await _tenant_call(
         args,
         "export",
@@ -468,6 +478,12 @@ def build_parser(
     e.add_argument("job")
     e.add_argument("--version", type=int, default=0, help="policy version (default: latest)")
     e.add_argument("--out", default=".", help="directory to write <job>-v<version>.ckpt to")
+    e.add_argument(
+        "--rm",
+        action="store_true",
+        help="instead delete the exported copy kept in the tenant's bucket (of --version; "
+        "default: every one of the job's), giving its storage back",
+    )
 
     d = sub.add_parser("data", help="datasets: push, list (and record, inspect with joynexus)")
     add_data_commands(d.add_subparsers(dest="data_cmd", required=True, metavar="command"))

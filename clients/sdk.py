@@ -65,6 +65,7 @@ from schemas.tenantctl import (
     DatasetsReply,
     EventsPage,
     ExportPolicy,
+    ExportRemoved,
     GetJob,
     JobRemoved,
     JobReply,
@@ -74,6 +75,7 @@ from schemas.tenantctl import (
     PolicyExported,
     ReadEvents,
     RemoveDataset,
+    RemoveExport,
     RemoveJob,
     SubmitJob,
     TenantReply,
@@ -303,6 +305,17 @@ class Client:
         the jobs while it (or a job that starts from it or evaluates it) has not ended."""
         reply = await self.request(tenant, RemoveJob(tenant, job_id), timeout=REMOVE_TIMEOUT_S)
         assert isinstance(reply, JobRemoved)
+        return reply
+
+    async def remove_export(self, tenant: str, job_id: str, version: int = 0) -> ExportRemoved:
+        """Delete the exported copy of ``version`` of one of the tenant's jobs (0: every
+        exported copy of it) from the tenant's bucket, giving its storage back; the job's
+        committed versions stay. Raises :class:`RequestError`: ``not_found`` when there is
+        no such copy."""
+        reply = await self.request(
+            tenant, RemoveExport(tenant, job_id, version), timeout=REMOVE_TIMEOUT_S
+        )
+        assert isinstance(reply, ExportRemoved)
         return reply
 
     async def read_events(

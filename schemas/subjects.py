@@ -62,6 +62,7 @@ TENANT_CTL_OPS: tuple[str, ...] = (
     "dataset-add",
     "dataset-rm",
     "export",
+    "export-rm",
     "submit",
     "cancel",
     "events",

@@ -162,6 +162,16 @@ class ExportPolicy(msgspec.Struct, frozen=True, tag="export"):
     version: int = 0
 
 
+class RemoveExport(msgspec.Struct, frozen=True, tag="export-rm"):
+    """Delete exported copies of one of the tenant's jobs from its bucket (its storage
+    given back): version ``version``'s, or with 0 every one of the job's. The job's committed
+    versions stay; export one again to download it."""
+
+    tenant: str
+    job_id: str
+    version: int = 0
+
+
 class ReadExport(msgspec.Struct, frozen=True, tag="export-read"):
     """``length`` bytes (at most :data:`PART_BYTES`) from ``offset`` of a policy exported
     with :class:`ExportPolicy` (its ``object_name``)."""
@@ -217,6 +227,7 @@ TenantRequest = (
     | RemoveDataset
     | RemoveJob
     | ExportPolicy
+    | RemoveExport
     | SubmitJob
     | CancelJob
     | ReadEvents
@@ -290,6 +301,15 @@ class PolicyExported(msgspec.Struct, frozen=True, tag="export"):
     size: int
 
 
+class ExportRemoved(msgspec.Struct, frozen=True, tag="export-rm"):
+    """What an ``export-rm`` deleted: the exported copies of ``versions`` of ``job_id``,
+    ``bytes`` in all."""
+
+    job_id: str
+    versions: list[int]
+    bytes: int
+
+
 class Queued(msgspec.Struct, frozen=True, tag="queued"):
     """A submit or cancel is on ``JOBS`` at ``stream_seq`` (a repeat of the same command is
     the same message: ``duplicate``)."""
@@ -359,6 +379,7 @@ TenantReply = (
     | DatasetRemoved
     | JobRemoved
     | PolicyExported
+    | ExportRemoved
     | Queued
     | EventsPage
     | DatasetPlan

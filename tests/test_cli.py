@@ -155,6 +155,14 @@ def test_up_then_submit_watch_and_status(tmp_path: Path) -> None:
         assert listed.returncode == 0 and "ds " not in listed.stdout
         again = run("--home", str(home), "data", "rm", "ds", "--tenant", tenant)
         assert again.returncode == 1 and f"no dataset 'ds' of tenant {tenant}" in again.stderr
+        # The exported copy kept in the tenant's bucket can go on its own.
+        unexported = run("--home", str(home), "export", tenant, job_id, "--rm")
+        assert unexported.returncode == 0, unexported.stdout + unexported.stderr
+        assert f"removed the exported copies of {tenant}/{job_id} version(s) " in (
+            unexported.stdout
+        )
+        again = run("--home", str(home), "export", tenant, job_id, "--rm")
+        assert again.returncode == 1 and "no exported copy of any version" in again.stderr
         # So can the job, with its versions and events; its id is not used again.
         gone = run("--home", str(home), "rm", tenant, job_id)
         assert gone.returncode == 0, gone.stdout + gone.stderr

@@ -55,6 +55,7 @@ from schemas.tenantctl import (
     PutDatasetPart,
     ReadEvents,
     ReadExport,
+    RemoveExport,
     TenantReply,
     TenantRequest,
 )
@@ -660,6 +661,51 @@ async def test_an_export_is_read_back_in_parts_and_matches_the_checkpoint(
     with pytest.raises(RequestError, match="no exported policy policies/j2/v1") as missing:
         await client.request(tenant, ReadExport(tenant, "policies/j2/v1", 0))
     assert missing.value.code == "not_found"
+
+
+async def test_an_exported_copy_leaves_the_tenants_bucket_and_the_committed_versions_stay(
+    client: Client, tmp_path: Path
+) -> None:
+    """Every export keeps a copy in the tenant's bucket, which is its storage limit: a
+    tenant could give that storage back only by removing the whole job."""
+    tenant, other, job = uid("acme"), uid("other"), "j1"
+    first, second = os.urandom(3000), os.urandom(5000)
+    await _committed_policy(client, tenant, job, first)
+    kv = await client.js.key_value(subjects.KV_POLICIES)
+    record, revision = await get_policy(kv, tenant, job)
+    assert record is not None
+    name = f"{tenant}/{job}/v000002-{digest(second)[:16]}"
+    await (await client.js.object_store(subjects.OBJ_CHECKPOINTS)).put(name, second)
+    later = msgspec.structs.replace(record, version=2, object_name=name, sha256=digest(second))
+    await put_policy(kv, later, last=revision)
+    for version in (1, 2):
+        await client.export_policy(tenant, job, version=version, out_dir=tmp_path)
+    assert await objects(client, tenant, "policies/") == [
+        f"policies/{job}/v1",
+        f"policies/{job}/v2",
+    ]
+
+    removed = await client.remove_export(tenant, job, version=1)
+    assert (removed.job_id, removed.versions, removed.bytes) == (job, [1], len(first))
+    assert await objects(client, tenant, "policies/") == [f"policies/{job}/v2"]
+    for bad, code, says in [
+        (RemoveExport(tenant, job, 1), "not_found", "no exported copy of version 1 of job 'j1'"),
+        (RemoveExport(tenant, job, -1), "invalid", "version: -1 is negative"),
+        (RemoveExport(tenant, "a..b"), "invalid", "job id"),
+        (RemoveExport(other, job), "not_found", "no exported copy of any version"),
+    ]:
+        with pytest.raises(RequestError, match=says) as refused:
+            await client.request(bad.tenant, bad)
+        assert refused.value.code == code, bad
+    everything = await client.remove_export(tenant, job)
+    assert (everything.versions, everything.bytes) == ([2], len(second))
+    assert await objects(client, tenant, "policies/") == []
+    with pytest.raises(RequestError, match="no exported copy of any version") as gone:
+        await client.remove_export(tenant, job)
+    assert gone.value.code == "not_found"
+    # Only the copies went: the committed versions export again.
+    again = await client.export_policy(tenant, job, version=1, out_dir=tmp_path / "again")
+    assert again.read_bytes() == first
 
 
 async def test_an_older_versions_export_is_the_object_its_commit_recorded_not_an_orphan(

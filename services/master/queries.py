@@ -87,6 +87,7 @@ from schemas.tenantctl import (
     ReadEvents,
     ReadExport,
     RemoveDataset,
+    RemoveExport,
     RemoveJob,
     RenewLease,
     SamplePolicy,
@@ -238,6 +239,9 @@ class Queries:
                 # Not copied into the bucket after a removal of the job cleared it.
                 async with await self.removal.job_lock(request.tenant, request.job_id):
                     return await self.export(request)
+            case RemoveExport():
+                async with await self.removal.job_lock(request.tenant, request.job_id):
+                    return await self.removal.export(request)
             case SubmitJob() | CancelJob():
                 reply = await self.tenant_jobs.command(request)
                 if isinstance(request, SubmitJob) and isinstance(reply, Queued):

@@ -1,5 +1,6 @@
 """What a tenant may remove, with what is stored of it: a dataset of its namespace
-(``dataset-rm``) and a job that has ended (``job-rm``). Each is refused, naming the jobs,
+(``dataset-rm``), a job that has ended (``job-rm``) and exported copies of a job's policy
+versions (``export-rm``). Each is refused, naming the jobs,
 while a job of the tenant that has not ended needs it; the checks read the job records, so
 a job accepted while a removal runs is not seen (it fails when it reads what is gone,
 naming it).
@@ -22,8 +23,15 @@ import weakref
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from bus.datasets import MANIFEST, DatasetStoreError, delete_dataset, prefix_of, tenant_store
-from bus.kv import Removed, delete_under, kv_keys
+from bus.datasets import (
+    MANIFEST,
+    DatasetStoreError,
+    delete_dataset,
+    policy_object,
+    prefix_of,
+    tenant_store,
+)
+from bus.kv import Removed, delete_objects, delete_under, kv_keys, objects_under
 from bus.records import get_job, get_policy
 from schemas import subjects
 from schemas.ids import validate_id
@@ -31,8 +39,10 @@ from schemas.jobs import TERMINAL_STATUSES, JobRecord, job_key
 from schemas.tenantctl import (
     CtlError,
     DatasetRemoved,
+    ExportRemoved,
     JobRemoved,
     RemoveDataset,
+    RemoveExport,
     RemoveJob,
     TenantReply,
 )
@@ -45,8 +55,8 @@ JOB_READS = 32
 
 
 class Removal:
-    """The master's answers to ``dataset-rm`` and ``job-rm``; one removal (or dataset add)
-    of a thing at a time in this master (:meth:`lock`)."""
+    """The master's answers to ``dataset-rm``, ``job-rm`` and ``export-rm``; one removal
+    (or dataset add, or export) of a thing at a time in this master (:meth:`lock`)."""
 
     def __init__(self, js: JetStreamContext, jobs: KeyValue, policies: KeyValue) -> None:
         self.js = js
@@ -152,6 +162,35 @@ class Removal:
         log.info("job %s/%s removed: %s, %d events, %s", tenant, job_id, recorded, events, objects)
         return JobRemoved(job_id, recorded, objects.objects, objects.bytes, events)
 
+    # -- exported copies --------------------------------------------------------------------
+
+    async def export(self, request: RemoveExport) -> TenantReply:
+        """Delete the exported copy of one version of a job (``version`` 0: every one of the
+        job's) from the tenant's bucket; its committed versions stay."""
+        tenant, job_id = request.tenant, validate_id(request.job_id, "job id")
+        if request.version < 0:
+            return CtlError("invalid", f"version: {request.version} is negative")
+        try:
+            store = await tenant_store(self.js, tenant, create=False)
+        except DatasetStoreError:
+            store = None  # no bucket: nothing was ever exported
+        found = {} if store is None else await objects_under(store, f"policies/{job_id}/")
+        if request.version:
+            wanted = policy_object(job_id, request.version)
+            found = {name: info for name, info in found.items() if name == wanted}
+        if store is None or not found:
+            which = f"version {request.version}" if request.version else "any version"
+            return CtlError(
+                "not_found",
+                f"no exported copy of {which} of job {job_id!r} of tenant {tenant} "
+                "(`joynexus export` makes one)",
+            )
+        await delete_objects(store, found)
+        versions = sorted(_exported_version(name) for name in found)
+        size = sum(int(info.size or 0) for info in found.values())
+        log.info("exports %s of %s/%s removed (%d bytes)", versions, tenant, job_id, size)
+        return ExportRemoved(job_id, versions, size)
+
     async def _remove_from_bucket(
         self, tenant: str, prefixes: list[str], *, first: str = ""
     ) -> Removed:
@@ -190,6 +229,13 @@ class Removal:
     async def live_jobs(self, tenant: str) -> list[JobRecord]:
         """The tenant's jobs that have not ended."""
         return [r for r in await self.records(tenant) if r.status not in TERMINAL_STATUSES]
+
+
+def _exported_version(name: str) -> int:
+    """The version of an exported copy ``policies/<job>/v<n>`` (0 for a name not of that
+    form: an object the master did not write)."""
+    number = name.rsplit("/v", 1)[-1]
+    return int(number) if number.isdigit() else 0
 
 
 def _specs(record: JobRecord) -> list[dict[str, object]]:
