@@ -18,10 +18,11 @@ proprio shapes that do not fit the policy) is dead-lettered by the runtime, whos
 hook answers it with ``error`` set and reports it on the job's ``EVENTS``; a request that
 failed for a retryable reason gets no reply until its last delivery. The service goes on
 serving everyone else. A request whose policy is loading waits for the load without taking a
-place in the pull room; one job may have :data:`LOAD_WAITERS_PER_JOB_PER_PLACE` waiters per
-place, all jobs :data:`LOAD_WAITERS_PER_PLACE`, and a request past either bound is retried
-after :data:`LOAD_BUSY_DELAY_S` (answered "ask again", retryable, at its last delivery), so
-one job's flood at a slow load leaves the room to the others.
+place in the pull room; all jobs may have :data:`LOAD_WAITERS_PER_PLACE` waiters per place,
+of which :data:`LOAD_WAITERS_PER_JOB_PER_PLACE` are kept for jobs with fewer waiting than
+that, and a request past either bound is retried after :data:`LOAD_BUSY_DELAY_S`
+(answered "ask again", retryable, at its last delivery), so one job's flood at a slow load
+leaves the room, and places to wait, to the others.
 
 Stop (the runtime's stop event, never a cancel): the model load gives up at once; the fetch
 loop, the scheduler and the policies watch return; the batch in progress is answered if its
@@ -88,9 +89,10 @@ LOAD_GRACE_S = 0.5
 #: per place in it: a job whose policy loads slowly holds these, not the room other jobs'
 #: requests are pulled through.
 LOAD_WAITERS_PER_PLACE = 4
-#: Of those, one job's may take this many per place: a job flooding requests at a policy
-#: that loads slowly must not take every waiting place (then nothing more would be pulled,
-#: and the other jobs' requests would wait for its load too).
+#: Of those, this many per place are kept for the jobs that have fewer waiting than that: a
+#: job flooding requests at a policy that loads slowly takes the others but not these (and
+#: without any bound it would take every place: then nothing more would be pulled, and the
+#: other jobs' requests would wait for its load too).
 LOAD_WAITERS_PER_JOB_PER_PLACE = 1
 #: A request turned away because its policy's load has all the waiters it may have comes
 #: back this much later (and is answered "busy, ask again" at its last delivery).
@@ -146,7 +148,8 @@ class Inferencer:
         self.max_pending = 2 * config.target_batch
         #: Admissions under way in all, and those of them waiting on their policy.
         self.max_admitting = self.max_pending * (1 + LOAD_WAITERS_PER_PLACE)
-        #: Of those, how many may wait on policy loads, and how many of one job's.
+        #: Of those, how many may wait on policy loads, and how many of these places are
+        #: kept for jobs with fewer than that waiting.
         self.max_waiting = self.max_pending * LOAD_WAITERS_PER_PLACE
         self.max_waiting_per_job = self.max_pending * LOAD_WAITERS_PER_JOB_PER_PLACE
         self.resolving = 0
@@ -312,14 +315,19 @@ class Inferencer:
         if resident is not None:
             return resident  # the common case: no wait, its place in the room kept
         job = (request.tenant, request.job_id)
+        free = self.max_waiting - self.resolving
         busy = ""
-        if self.resolving_per_job[job] >= self.max_waiting_per_job:
+        if free <= 0:
+            busy = f"{self.resolving} requests already wait for policy loads here, the most"
+        elif self.resolving_per_job[job] >= self.max_waiting_per_job and (
+            free <= self.max_waiting_per_job
+        ):
+            # A job past its share takes no more of the places kept for the other jobs'
+            # loads (while more are free, a large job's cold start may use them).
             busy = (
                 f"{self.resolving_per_job[job]} of its requests already wait for it here, "
-                f"as many as one job may"
+                "and the places left are kept for other jobs"
             )
-        elif self.resolving >= self.max_waiting:
-            busy = f"{self.resolving} requests already wait for policy loads here, the most"
         if busy:
             self.load_busy += 1
             raise RetryableError(
