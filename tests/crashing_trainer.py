@@ -9,6 +9,7 @@ SIGTERM."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from collections.abc import Callable
@@ -44,18 +45,43 @@ def crash_on_slot(mode: str, poison: str, rounds: Path) -> None:
 
 def crash_on_commit(poison: str, rounds: Path) -> None:
     """Make this process die writing a version of ``poison``'s job (its first, at the
-    opening, is written)."""
+    opening, is written), half a second into the write (as a slow serialisation would: the
+    rest of the trainer may go on meanwhile). Written down: the process's start (``start``),
+    each commit's (``committing TENANT``) and write's (``commit TENANT``), and each round as
+    ``step TENANTS`` when it starts and ``stepped`` when it ends."""
     real = Committer._write
+    real_commit = Committer._commit
+    real_step = steps.group_train_step
+
+    async def logged_commit(self: Committer, job: Any, *args: Any, **kwargs: Any) -> Any:
+        with rounds.open("a") as f:
+            f.write(f"committing {job.spec.tenant}\n")
+        return await real_commit(self, job, *args, **kwargs)
+
+    def logged_step(encoder: Any, work: list[Any], **kwargs: Any) -> Any:
+        with rounds.open("a") as f:
+            f.write("step " + " ".join(r.tenant.split("/")[0] for r in work) + "\n")
+        try:
+            return real_step(encoder, work, **kwargs)
+        finally:
+            with rounds.open("a") as f:
+                f.write("stepped\n")
+
+    steps.group_train_step = logged_step  # type: ignore[assignment]
+    with rounds.open("a") as f:
+        f.write("start\n")
 
     async def write_or_die(self: Committer, job: Any, frozen: Any, at: Any, initial: bool) -> Any:
         tenant = job.spec.tenant
         with rounds.open("a") as f:
             f.write(f"commit {tenant}\n")
         if tenant == poison and not initial:
+            await asyncio.sleep(0.5)
             os._exit(CRASHED)
         return await real(self, job, frozen, at, initial)
 
     Committer._write = write_or_die  # type: ignore[method-assign]
+    Committer._commit = logged_commit  # type: ignore[method-assign]
 
 
 def crash_on(poison: str, rounds: Path) -> None:

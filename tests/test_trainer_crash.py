@@ -278,23 +278,34 @@ async def test_a_commit_that_kills_the_trainer_fails_its_own_job_and_the_others_
     flight is not blamed for it."""
     poison, calm, job = uid("poison"), uid("calm"), uid("j")
     rounds, log = tmp_path / "rounds", tmp_path / "trainer.log"
+    calm_steps = 40  # the calm job is still stepping when the poison's commits start
     nc = await connect(fresh_server.url)
     try:
         js = nc.jetstream()
         await declare(js)
-        for tenant in (poison, calm):
-            await send(js, tenant, sft_open(tenant, job, STEPS, checkpoint_every=100))
-            await send(js, tenant, *(sft_batch(tenant, job, s) for s in range(STEPS)))
+        for tenant, steps in ((poison, STEPS), (calm, calm_steps)):
+            await send(js, tenant, sft_open(tenant, job, steps, checkpoint_every=100))
+            await send(js, tenant, *(sft_batch(tenant, job, s) for s in range(steps)))
         crashes, proc = await _run_until(
-            fresh_server.url, procs, poison, rounds, log, calm, job, STEPS, mode="commit"
+            fresh_server.url, procs, poison, rounds, log, calm, job, calm_steps, mode="commit"
         )
-        assert await done(js, calm, job, STEPS) is not None
+        assert await done(js, calm, job, calm_steps) is not None
         assert await dead_letters(js, "TRAIN", calm) == []
         dead = await dead_letters(js, "TRAIN", poison)
         assert dead and all(d.error_type == "CrashLoopError" for d in dead), dead
         # The first delivery's crash (uncounted), then three counted: the fourth count
         # dead-letters the job's first step as it starts again.
         assert crashes == 4, _text(rounds)
+        runs = [run.splitlines() for run in _text(rounds).split("start\n")[1:]]
+        # The commits that killed the third and fourth processes covered messages counted
+        # already (suspects): each ran alone, no round under way or begun while it wrote.
+        for run in runs[2:4]:
+            assert run[-1] == f"commit {poison}", run
+            last = len(run) - 1 - run[::-1].index(f"committing {poison}")
+            assert sum(line.startswith("step ") for line in run[:last]) == run[:last].count(
+                "stepped"
+            ), run
+            assert not any(line.startswith("step ") for line in run[last:]), run
         await eventually(
             lambda: _all_settled(js, poison), timeout=30, what="the poison job's batches settled"
         )

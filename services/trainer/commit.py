@@ -220,8 +220,9 @@ class Committer:
 
     def start(self, job: JobSlot) -> bool:
         """Freeze ``job``'s slot now and commit it in the background. Returns False (nothing
-        started) while a commit of the job is still in flight."""
-        if self.busy(job):
+        started) while a commit of the job is still in flight, or for a job whose commit was
+        dead-lettered."""
+        if self.busy(job) or job.commit_dead:
             return False
         t0 = time.perf_counter()
         work: Coroutine[object, object, object]
@@ -249,7 +250,17 @@ class Committer:
         (nothing was settled). With nothing new since the last version (and not
         ``initial``), no version is taken."""
         t0 = time.perf_counter()
-        await self.drain([job])
+        if job.commit_dead:
+            return
+        held = [m for m, _ in job.held]
+        if job.pending is not None:
+            held += [m for m, _ in job.pending.covered]
+        if await self.guard.suspect({job.key: held}) is None:
+            await self.drain([job])
+        else:
+            # It covers a message in flight when the process died before, so it may be what
+            # killed it: it runs alone (the caller awaits it: no step runs beside it either).
+            await self.drain()
         if job.unannounced is not None and not await self._announce_owed(job):
             return
         if job.pending is not None:
@@ -320,9 +331,13 @@ class Committer:
         msgs = [msg for msg, _ in covered]
         dead = await self.guard.begin(msgs)
         if dead:
-            # Dead-lettered (their senders told, the job failing): nothing is committed.
-            job.closed = True
-            job.held = [c for c in covered if not any(c[0] is d for d in dead)] + job.held
+            # Dead-lettered (their job hears why and fails): nothing of it is committed
+            # again, and the others are consumed with the failing job, as its later
+            # messages are.
+            job.closed = job.commit_dead = True
+            others = [m for m in msgs if not any(m is d for d in dead)]
+            await self.guard.returned(others)
+            await self.consumer.release(others)
             log.error("commit of %s killed the process too often: its job fails", job.key)
             return
         try:

@@ -24,8 +24,9 @@ class TrainerConfig(HeadsConfig):
         256.0,
         gt=0,
         description="Most bytes (MiB) of messages buffered per tenant, payloads by reference "
-        "counted at their size: past it nothing more is fetched for the tenant, and a buffer "
-        "of waiting messages hands the latest back as past --max-buffered.",
+        "counted at their size: at it nothing more is fetched for the tenant (the fetch that "
+        "reaches it may pass it by up to --prefetch messages), and a buffer of waiting "
+        "messages hands the latest back as at --max-buffered.",
     )
     quantum: int = Field(
         1,

@@ -101,7 +101,8 @@ class Intake:
         self.max_buffer_bytes = max_buffer_bytes
         self.buffers: dict[str, list[tuple[Msg, object]]] = {}
         #: Bytes each buffered message stands for (a reference: its payload's size), by the
-        #: message's identity; forgotten at the next fill once it left its buffer.
+        #: message's identity: written for every message as it is fetched (an identity can
+        #: be reused once a message is gone), forgotten at the next fill once it left.
         self._sizes: dict[int, int] = {}
         #: When each tenant's stuck buffer may next hand messages back (monotonic).
         self._room_at: dict[str, float] = {}
@@ -159,6 +160,7 @@ class Intake:
                 self.consumer.hold(msg)  # kept alive while buffered; settled exactly once
         for tenant, msgs in fetched.items():
             for msg in msgs:
+                self._sizes[id(msg)] = len(msg.data)  # a reference's: set by decode()
                 # Decoding may fetch a referenced payload: the others are held meanwhile.
                 self.buffers[tenant].append((msg, await self.decode(tenant, msg)))
             arrived += len(msgs)

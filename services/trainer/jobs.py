@@ -56,6 +56,9 @@ class JobSlot:
     metrics: dict[str, float] = field(default_factory=dict)
     #: Closed (by CloseSlot) or failed here: its remaining messages are consumed unapplied.
     closed: bool = False
+    #: Its commit killed the process too many times in a row (its messages dead-lettered):
+    #: nothing of it is committed again; the job fails.
+    commit_dead: bool = False
     #: RL: the current iteration's episodes collected so far (episode index → message, body).
     rollouts: dict[int, tuple[Msg, RolloutBatch]] = field(default_factory=dict)
     #: A session's named states (name → checkpoint object), as its latest record has them.
@@ -100,6 +103,8 @@ class JobSlot:
         return not self.closed and not self.finished
 
     def commit_due(self, every_s: float) -> bool:
+        if self.commit_dead:
+            return False
         if self.unannounced is not None or self.pending is not None:  # those come first
             return time.monotonic() >= self.retry_at
         if self.batches_done == self.committed_batches and not self.held:

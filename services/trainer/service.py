@@ -476,9 +476,8 @@ class Trainer:
                 covered += [msg for msg, _ in job.pending.covered]
             if await self.guard.suspect({job.key: covered}) is None:
                 self.committer.start(job)
-                continue
-            await self.committer.drain()
-            await self.committer.commit(job)
+            else:
+                await self.committer.commit(job)  # alone (it drains the others first)
 
     def queue(self) -> list[TenantQueue]:
         """Training messages buffered here, per tenant, and how long the oldest waited since
