@@ -28,10 +28,11 @@ from bus.connect import connect
 from bus.declare import declare
 from bus.inference import InferenceError, PolicyClient
 from bus.server import EmbeddedServer
+from schemas import subjects
 from schemas.infer import ActReply
 from services.inferencer.config import InferencerConfig
 from services.inferencer.service import run
-from tests.helpers import uid
+from tests.helpers import dead_letters, uid
 from tests.test_inferencer import FLOW, commit_policy, make_obs
 from vla.backbone import Backbone
 
@@ -109,6 +110,8 @@ async def test_a_slow_policy_load_does_not_stop_the_pulls_for_other_jobs(
                 assert "ask again" in str(error), error
             # All but the 4 places kept for others waited and were served.
             assert len(answered) >= 12 and refused, (len(answered), len(refused))
+            # Turned away, not failed: no dead letter for each request of the flood.
+            assert await dead_letters(js, subjects.STREAM_INFER, slow) == []
     finally:
         release.set()
         os.kill(os.getpid(), signal.SIGTERM)  # serve()'s handler: its loop is this one

@@ -21,8 +21,9 @@ serving everyone else. A request whose policy is loading waits for the load with
 place in the pull room; all jobs may have :data:`LOAD_WAITERS_PER_PLACE` waiters per place,
 of which :data:`LOAD_WAITERS_PER_JOB_PER_PLACE` are kept for jobs with fewer waiting than
 that, and a request past either bound is retried after :data:`LOAD_BUSY_DELAY_S`
-(answered "ask again", retryable, at its last delivery), so one job's flood at a slow load
-leaves the room, and places to wait, to the others.
+(at its last delivery answered "ask again", retryable, and acked: a flood fills neither the
+dead letters nor the job's events), so one job's flood at a slow load leaves the room, and
+places to wait, to the others.
 
 Stop (the runtime's stop event, never a cancel): the model load gives up at once; the fetch
 loop, the scheduler and the policies watch return; the batch in progress is answered if its
@@ -53,7 +54,7 @@ from bus.queues import per_tenant, publish_queues
 from bus.service import Runtime, in_daemon_thread, serve
 from bus.usage import UsageMeter, UsageReporter
 from schemas import subjects
-from schemas.infer import ActRequest
+from schemas.infer import ActReply, ActRequest
 from schemas.metrics import TenantQueue
 from schemas.trace import AttributeValue
 from services.inferencer.admission import expired, parse, validate
@@ -97,6 +98,11 @@ LOAD_WAITERS_PER_JOB_PER_PLACE = 1
 #: A request turned away because its policy's load has all the waiters it may have comes
 #: back this much later (and is answered "busy, ask again" at its last delivery).
 LOAD_BUSY_DELAY_S = 1.0
+
+
+class LoadBusy(RetryableError):
+    """The request's policy is loading and the places to wait for loads are taken: it
+    comes back later; at its last delivery it is answered "ask again" (retryable)."""
 
 
 class Inferencer:
@@ -293,7 +299,16 @@ class Inferencer:
         if expired(request):
             self.expired += 1  # nobody waits for it: acked, unanswered, no forward spent
             return None
-        policy = await self._resolve_in_time(request)
+        try:
+            policy = await self._resolve_in_time(request)
+        except LoadBusy as busy:
+            if not self.rt.consumer.is_last_delivery(msg, busy):
+                raise  # back in a second: the load may have ended by then
+            # Turned away, not failed: answered "ask again" and acked (no dead letter, no
+            # error event on the job for each request of a flood).
+            answer = ActReply(request.request_id, 0, error=str(busy), retryable=True)
+            await self.replies.reply(request.reply_to, answer)
+            return None
         if policy is None:
             self.expired += 1  # its policy loaded after the requester gave up: acked
             return None
@@ -330,7 +345,7 @@ class Inferencer:
             )
         if busy:
             self.load_busy += 1
-            raise RetryableError(
+            raise LoadBusy(
                 f"the policy of {request.tenant}/{request.job_id} is loading and {busy}; "
                 "ask again shortly",
                 delay_s=LOAD_BUSY_DELAY_S,
