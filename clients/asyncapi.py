@@ -85,7 +85,8 @@ def channels() -> list[Channel]:
             "`events` pages through a job's events by stream sequence; `dataset-plan`, "
             "`dataset-part` and `dataset-add` push a dataset in parts of at most "
             f"{tenantctl.PART_BYTES} bytes; `dataset-rm` removes one (refused while a job "
-            "that has not ended names it); `export` then `export-read` download a policy; "
+            "that has not ended names it); `export` then `export-read` download a policy, "
+            "`export-rm` deletes the copies exports leave; "
             "`job-rm` removes a job that has ended with its versions and events.",
             _tagged(tenantctl.TenantRequest),
             "send",

@@ -49,15 +49,16 @@ def no_watchdog(monkeypatch: pytest.MonkeyPatch) -> None:
 async def test_a_slow_policy_load_does_not_stop_the_pulls_for_other_jobs(
     fresh_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch, no_watchdog: None
 ) -> None:
-    bid, slow, other, quick = uid("loads"), uid("slow"), uid("other"), uid("quick")
+    bid, slow, quick = uid("loads"), uid("slow"), uid("quick")
+    other, third = uid("other"), uid("third")
     nc = await connect(fresh_server.url)
     js = nc.jetstream()
     await declare(js)
     hidden = Backbone.load("tiny").hidden_size
-    for tenant in (slow, other, quick):
+    for tenant in (slow, other, third, quick):
         await commit_policy(js, tenant, "job", FLOW, hidden)
     real_read = ckpt.get_checkpoint
-    reading = {slow: asyncio.Event(), other: asyncio.Event()}
+    reading = {tenant: asyncio.Event() for tenant in (slow, other, third)}
     release = asyncio.Event()
 
     async def held_read(store: ObjectStore, name: str, sha256: str, *args: Any) -> bytes:
@@ -69,8 +70,8 @@ async def test_a_slow_policy_load_does_not_stop_the_pulls_for_other_jobs(
 
     monkeypatch.setattr(ckpt, "get_checkpoint", held_read)
     # target_batch 2: a pull room of 4 requests, and 16 places beyond it for admissions that
-    # wait on a load, 4 of them kept for jobs with fewer than 4 waiting. 30 of the slow
-    # job's would fill both.
+    # wait on a load, the last 4 of them kept for other jobs (each taking at most half of
+    # those left). 30 of the slow job's would fill both.
     config = InferencerConfig(
         url=fresh_server.url, instance=uid("inf"), backbone_id=bid, target_batch=2
     )
@@ -93,13 +94,21 @@ async def test_a_slow_policy_load_does_not_stop_the_pulls_for_other_jobs(
             assert done, "no request of the flood was answered while its load was held"
             busy = next(iter(done)).exception()
             assert isinstance(busy, InferenceError) and busy.retryable, busy
-            assert "is loading" in str(busy) and "kept for other jobs" in str(busy), busy
-            # Another job whose policy loads slowly too still has a place to wait in.
-            waits = asyncio.create_task(client.act(other, "job", [make_obs(FLOW, 7)], timeout=60))
+            assert "is not loaded here" in str(busy) and "kept for other jobs" in str(busy), busy
+            # Two more jobs whose policies load slowly too: the first floods as well and
+            # takes half of the places left, the second still finds one.
+            second_flood = [
+                asyncio.create_task(client.act(other, "job", [make_obs(FLOW, i)], timeout=60))
+                for i in range(5)
+            ]
             await asyncio.wait_for(reading[other].wait(), 30)
+            waits = asyncio.create_task(client.act(third, "job", [make_obs(FLOW, 7)], timeout=60))
+            await asyncio.wait_for(reading[third].wait(), 30)
             release.set()
             waited = await waits
             assert waited.error == "" and waited.actions is not None, waited.error
+            others = await asyncio.gather(*second_flood, return_exceptions=True)
+            assert any(isinstance(r, ActReply) for r in others), others
             results = await asyncio.gather(*held, return_exceptions=True)
             answered = [r for r in results if isinstance(r, ActReply)]
             refused = [r for r in results if not isinstance(r, ActReply)]
@@ -108,7 +117,8 @@ async def test_a_slow_policy_load_does_not_stop_the_pulls_for_other_jobs(
             for error in refused:
                 assert isinstance(error, InferenceError) and error.retryable, error
                 assert "ask again" in str(error), error
-            # All but the 4 places kept for others waited and were served.
+            # All but the 4 places kept for others (of which it takes half) waited and were
+            # served.
             assert len(answered) >= 12 and refused, (len(answered), len(refused))
             # Turned away, not failed: no dead letter for each request of the flood.
             assert await dead_letters(js, subjects.STREAM_INFER, slow) == []

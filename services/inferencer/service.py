@@ -19,8 +19,8 @@ hook answers it with ``error`` set and reports it on the job's ``EVENTS``; a req
 failed for a retryable reason gets no reply until its last delivery. The service goes on
 serving everyone else. A request whose policy is loading waits for the load without taking a
 place in the pull room; all jobs may have :data:`LOAD_WAITERS_PER_PLACE` waiters per place,
-of which :data:`LOAD_WAITERS_PER_JOB_PER_PLACE` are kept for jobs with fewer waiting than
-that, and a request past either bound is retried after :data:`LOAD_BUSY_DELAY_S`
+of which :data:`LOAD_WAITERS_PER_JOB_PER_PLACE` are kept for other jobs (each job taking at
+most half of those left), and a request past either bound is retried after :data:`LOAD_BUSY_DELAY_S`
 (at its last delivery answered "ask again", retryable, and acked: a flood fills neither the
 dead letters nor the job's events), so one job's flood at a slow load leaves the room, and
 places to wait, to the others.
@@ -90,10 +90,10 @@ LOAD_GRACE_S = 0.5
 #: per place in it: a job whose policy loads slowly holds these, not the room other jobs'
 #: requests are pulled through.
 LOAD_WAITERS_PER_PLACE = 4
-#: Of those, this many per place are kept for the jobs that have fewer waiting than that: a
-#: job flooding requests at a policy that loads slowly takes the others but not these (and
-#: without any bound it would take every place: then nothing more would be pulled, and the
-#: other jobs' requests would wait for its load too).
+#: Of those, this many per place are kept for other jobs, each job taking at most half of
+#: those left: a job flooding requests at a policy that loads slowly takes the others but
+#: not these (and without any bound it would take every place: then nothing more would be
+#: pulled, and the other jobs' requests would wait for its load too).
 LOAD_WAITERS_PER_JOB_PER_PLACE = 1
 #: A request turned away because its policy's load has all the waiters it may have comes
 #: back this much later (and is answered "busy, ask again" at its last delivery).
@@ -155,7 +155,7 @@ class Inferencer:
         #: Admissions under way in all, and those of them waiting on their policy.
         self.max_admitting = self.max_pending * (1 + LOAD_WAITERS_PER_PLACE)
         #: Of those, how many may wait on policy loads, and how many of these places are
-        #: kept for jobs with fewer than that waiting.
+        #: kept for other jobs (each job taking at most half of those left).
         self.max_waiting = self.max_pending * LOAD_WAITERS_PER_PLACE
         self.max_waiting_per_job = self.max_pending * LOAD_WAITERS_PER_JOB_PER_PLACE
         self.resolving = 0
@@ -331,23 +331,23 @@ class Inferencer:
             return resident  # the common case: no wait, its place in the room kept
         job = (request.tenant, request.job_id)
         free = self.max_waiting - self.resolving
+        waiting = self.resolving_per_job[job]
         busy = ""
         if free <= 0:
             busy = f"{self.resolving} requests already wait for policy loads here, the most"
-        elif self.resolving_per_job[job] >= self.max_waiting_per_job and (
-            free <= self.max_waiting_per_job
-        ):
-            # A job past its share takes no more of the places kept for the other jobs'
-            # loads (while more are free, a large job's cold start may use them).
+        elif free <= self.max_waiting_per_job and waiting >= max(1, free // 2):
+            # The last places are kept for other jobs' loads, each job taking at most half
+            # of those left (while more are free, a large job's cold start may use them):
+            # neither one flood nor two take them all.
             busy = (
-                f"{self.resolving_per_job[job]} of its requests already wait for it here, "
-                "and the places left are kept for other jobs"
+                f"{waiting} of its requests already wait for it here, and the places left "
+                "are kept for other jobs"
             )
         if busy:
             self.load_busy += 1
             raise LoadBusy(
-                f"the policy of {request.tenant}/{request.job_id} is loading and {busy}; "
-                "ask again shortly",
+                f"the policy of {request.tenant}/{request.job_id} is not loaded here and "
+                f"{busy}; ask again shortly",
                 delay_s=LOAD_BUSY_DELAY_S,
             )
         resolving = asyncio.ensure_future(

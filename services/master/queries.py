@@ -110,7 +110,16 @@ log = logging.getLogger(__name__)
 #: the others (records, submits, event pages) have LIGHT_CONCURRENCY slots of their own, so
 #: no pile of uploads holds up a submit.
 HEAVY_OPS = frozenset(
-    {"dataset-plan", "dataset-part", "dataset-add", "dataset-rm", "job-rm", "export", "export-read"}
+    {
+        "dataset-plan",
+        "dataset-part",
+        "dataset-add",
+        "dataset-rm",
+        "job-rm",
+        "export",
+        "export-rm",
+        "export-read",
+    }
 )
 HEAVY_CONCURRENCY = 4
 #: Requests that wait on another service for their answer (an act waits for an inferencer,

@@ -266,7 +266,7 @@ class Committer:
         if job.pending is not None:
             pending, job.pending = job.pending, None
             await self._commit(job, pending.covered, pending.frozen, pending.at, pending.initial)
-            if job.pending is not None or job.unannounced is not None:
+            if job.commit_dead or job.pending is not None or job.unannounced is not None:
                 return  # still not landed, or its event not out: nothing newer goes first
         if initial or job.batches_done > job.committed_batches or job.held or job.save_as:
             covered, job.held = job.held, []
@@ -335,9 +335,10 @@ class Committer:
             # again, and the others are consumed with the failing job, as its later
             # messages are.
             job.closed = job.commit_dead = True
-            others = [m for m in msgs if not any(m is d for d in dead)]
-            await self.guard.returned(others)
-            await self.consumer.release(others)
+            others = [(m, e) for m, e in covered if not any(m is d for d in dead)]
+            await self.guard.returned(m for m, _ in others)
+            for msg, error in others:  # a dropped step's still dead-lettered with its error
+                await self.consumer.settle(msg, error)
             log.error("commit of %s killed the process too often: its job fails", job.key)
             return
         try:

@@ -224,7 +224,9 @@ class Intake:
             delay,
         )
         await self.consumer.hand_back(handed, delay_s=delay)
-        return 0
+        # Still over the byte bound (the latest were small): a prefetch may come in now, as
+        # it may when the count bound made the room.
+        return self.prefetch if self.buffered_bytes(tenant) >= self.max_buffer_bytes else 0
 
     async def decode(self, tenant: str, msg: Msg) -> object:
         """The message's body, or the error it will be settled with. A
