@@ -40,10 +40,10 @@ from bus import tracing
 from bus.codec import DecodeError, decode, encode
 from bus.connect import connect
 from bus.envinfo import request_description
-from bus.identity import is_joynexus_creds, load_creds
 from bus.local import read_stack_info
 from bus.publish import wire_size
 from bus.records import list_jobs
+from clients.creds import local_creds, tenant_of_creds
 from clients.errors import RequestError
 from clients.jobs import Job, JobFailed, JobResult
 from clients.push import PushReport, download_export, push_dataset
@@ -144,26 +144,6 @@ def _spec_json(document: Mapping[str, Any]) -> bytes:
 
 def new_job_id(kind: str) -> str:
     return f"{kind}-{uuid.uuid4().hex[:12]}"
-
-
-def tenant_of_creds(creds: Path) -> str | None:
-    """The tenant a creds file of ours names (None for another role or a JWT ``.creds``)."""
-    if not is_joynexus_creds(creds):
-        return None
-    identity = load_creds(creds).identity
-    return identity.name if identity.role == "tenant" else None
-
-
-def local_creds(creds_dir: Path, tenant: str | None) -> Path:
-    """The creds file a client of a local stack uses: the tenant's, else the operator's."""
-    if tenant is not None:
-        own = creds_dir / f"{validate_id(tenant, 'tenant')}.creds"
-        if own.exists():
-            return own
-    operator = creds_dir / "operator.creds"
-    if not operator.exists():
-        raise ConnectionError(f"no creds for tenant {tenant!r} or the operator in {creds_dir}")
-    return operator
 
 
 class Client:

@@ -18,7 +18,7 @@ from schemas import subjects
 from schemas.model import HeadConfig, OptimizerConfig
 from schemas.train import OpenSlot
 from services.envs.flow import RESYNC_S, Flow
-from services.trainer.commit import freeze, write_version
+from services.trainer.versions import freeze, write_version
 from vla.feature import VLAFeature
 from vla.slot import TenantSlot
 

@@ -43,7 +43,7 @@ from schemas.infer import ACT_REPLY_DECODER, ActReply, ActRequest
 from schemas.model import HeadConfig, Observation, OptimizerConfig
 from schemas.tensor import Tensor
 from schemas.train import OpenSlot
-from services.trainer.commit import write_version
+from services.trainer.versions import write_version
 from tests.conftest import Procs
 from tests.helpers import dead_letters, eventually, start_service, uid
 from vla.backbone import Backbone
@@ -71,7 +71,7 @@ async def commit_policy(
     slot: TenantSlot | None = None,
 ) -> TenantSlot:
     """Commit ``slot`` (or a fresh one) as ``version`` of the job with the trainer's own
-    commit protocol (:func:`services.trainer.commit.write_version`): checkpoint object first,
+    commit protocol (:func:`services.trainer.versions.write_version`): checkpoint object first,
     then the ``policies`` record that points at it, by compare-and-set."""
     if slot is None:
         slot = TenantSlot(f"{tenant}/{job_id}", head, OptimizerConfig(), hidden_size, seed=seed)

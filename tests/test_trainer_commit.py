@@ -16,7 +16,7 @@ from bus.records import RevisionConflict, get_policy
 from schemas import subjects
 from schemas.model import HeadConfig, OptimizerConfig
 from schemas.train import OpenSlot
-from services.trainer.commit import freeze, write_version
+from services.trainer.versions import freeze, write_version
 from tests.helpers import uid
 from vla.slot import TenantSlot
 

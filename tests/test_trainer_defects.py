@@ -345,7 +345,7 @@ async def test_a_replayed_open_slot_brings_out_the_event_its_job_still_owes(
     went out; the OpenSlot is all that is redelivered (an RL job's rollouts and a session's
     calls come only after that event). The restarted trainer restores the job from it and
     publishes the owed event (it used to ack the replay and forget the job)."""
-    from services.trainer.commit import write_version
+    from services.trainer.versions import write_version
     from vla.backbone import Backbone
 
     tenant, job = uid("owed"), uid("j")

@@ -39,26 +39,23 @@ from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
-from nats.js.object_store import ObjectStore
 from opentelemetry.trace import SpanKind, StatusCode
 
 from bus import tracing
 from bus.auth import query_reply_allowed, reply_allowed
-from bus.checkpoints import CheckpointError, committed_object, digest, get_checkpoint
 from bus.codec import DecodeError, decode, encode
 from bus.datacache import DatasetCache
 from bus.datasets import (
     DatasetStoreError,
     list_datasets,
     materialise,
-    policy_object,
     prefix_of,
     put_dataset,
 )
 from bus.errors import PoisonError
 from bus.kv import kv_keys
 from bus.placement import live_placements
-from bus.records import get_job, get_policy
+from bus.records import get_job
 from schemas import subjects
 from schemas.ids import InvalidIdError, validate_id
 from schemas.jobs import JobRecord
@@ -81,7 +78,6 @@ from schemas.tenantctl import (
     ListDatasets,
     ListJobs,
     PlanDataset,
-    PolicyExported,
     PutDatasetPart,
     Queued,
     ReadEvents,
@@ -96,6 +92,7 @@ from schemas.tenantctl import (
     TenantRequest,
 )
 from schemas.tenants import DatasetRecord
+from services.master.exports import export_policy
 from services.master.limits import TenantGate
 from services.master.pacing import DEFAULT_BURST, DEFAULT_RATE, Pacer
 from services.master.removal import Removal
@@ -247,7 +244,7 @@ class Queries:
             case ExportPolicy():
                 # Not copied into the bucket after a removal of the job cleared it.
                 async with await self.removal.job_lock(request.tenant, request.job_id):
-                    return await self.export(request)
+                    return await export_policy(self.js, self.policies, self.transfer, request)
             case RemoveExport():
                 async with await self.removal.job_lock(request.tenant, request.job_id):
                     return await self.removal.export(request)
@@ -329,48 +326,6 @@ class Queries:
             size += n
             last = record.job_id
         return JobsReply(page)
-
-    # -- policies ---------------------------------------------------------------------------
-
-    async def export(self, request: ExportPolicy) -> TenantReply:
-        """Copy a committed version of the tenant's own job into its bucket."""
-        tenant, job_id = request.tenant, validate_id(request.job_id, "job id")
-        if request.version < 0:
-            return CtlError("invalid", f"version: {request.version} is negative")
-        policy, _ = await get_policy(self.policies, tenant, job_id)
-        if policy is None:
-            return CtlError(
-                "not_found", f"job {job_id!r} of tenant {tenant} has no committed policy"
-            )
-        version = request.version or policy.version
-        store = await self.js.object_store(subjects.OBJ_CHECKPOINTS)
-        try:
-            if version == policy.version:
-                data = await get_checkpoint(store, policy.object_name, policy.sha256)
-            elif version > policy.version:
-                return CtlError(
-                    "not_found",
-                    f"version: {version} is newer than job {job_id!r}'s latest committed "
-                    f"version {policy.version}",
-                )
-            else:
-                data = await self._older_version(store, tenant, job_id, version)
-        except CheckpointError as exc:
-            return CtlError("not_found", f"version {version} of job {job_id!r}: {exc}")
-        bucket = await self.transfer.store(tenant)
-        name = policy_object(job_id, version)
-        await self.transfer.put_object(bucket, tenant, name, name, data)
-        return PolicyExported(
-            subjects.tenant_bucket(tenant), name, job_id, version, digest(data), len(data)
-        )
-
-    async def _older_version(
-        self, store: ObjectStore, tenant: str, job_id: str, version: int
-    ) -> bytes:
-        """A version older than the latest: the object its commit recorded (an object of
-        the same version a failed commit left behind is never taken for it)."""
-        name, sha256 = await committed_object(self.policies, store, tenant, job_id, version)
-        return await get_checkpoint(store, name, sha256)
 
     # -- backbones --------------------------------------------------------------------------
 
