@@ -91,6 +91,17 @@ def _text(path: Path) -> str:
     return path.read_text()
 
 
+async def _failed_in_a_crash_loop(js: JetStreamContext, tenant: str, job: str) -> None:
+    """Wait for the job's fatal error event and check it names the crash loop."""
+
+    async def failed() -> list[ErrorEvent]:
+        events = await events_of(js, tenant, job)
+        return [e for e in events if isinstance(e, ErrorEvent) and e.fatal]
+
+    errors = await eventually(failed, what=f"{tenant}'s job failing")
+    assert "in a row without finishing" in errors[0].message, errors
+
+
 async def _run_until(
     url: str,
     procs: Procs,
@@ -151,13 +162,7 @@ async def test_a_batch_that_kills_the_trainer_fails_its_own_job_and_the_others_f
         # calm tenant or alone, the last alone; the fourth count dead-letters it unstepped.
         assert crashes == 4, ran
         assert [r for r in ran if poison in r][-1] == [poison], ran
-
-        async def failed() -> list[ErrorEvent]:
-            events = await events_of(js, poison, job)
-            return [e for e in events if isinstance(e, ErrorEvent) and e.fatal]
-
-        errors = await eventually(failed, what="the poison's job failing")
-        assert "in a row without finishing" in errors[0].message, errors
+        await _failed_in_a_crash_loop(js, poison, job)
         assert procs.stop(proc) == 0, log.read_text()[-3000:]
     finally:
         await nc.close()
@@ -309,13 +314,7 @@ async def test_a_commit_that_kills_the_trainer_fails_its_own_job_and_the_others_
         await eventually(
             lambda: _all_settled(js, poison), timeout=30, what="the poison job's batches settled"
         )
-
-        async def failed() -> list[ErrorEvent]:
-            events = await events_of(js, poison, job)
-            return [e for e in events if isinstance(e, ErrorEvent) and e.fatal]
-
-        errors = await eventually(failed, what="the poison's job failing")
-        assert "in a row without finishing" in errors[0].message, errors
+        await _failed_in_a_crash_loop(js, poison, job)
         assert procs.stop(proc) == 0, log.read_text()[-3000:]
     finally:
         await nc.close()

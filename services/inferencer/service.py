@@ -19,11 +19,11 @@ hook answers it with ``error`` set and reports it on the job's ``EVENTS``; a req
 failed for a retryable reason gets no reply until its last delivery. The service goes on
 serving everyone else. A request whose policy is loading waits for the load without taking a
 place in the pull room; all jobs may have :data:`LOAD_WAITERS_PER_PLACE` waiters per place,
-of which :data:`LOAD_WAITERS_PER_JOB_PER_PLACE` are kept for other jobs (each job taking at
-most half of those left), and a request past either bound is retried after :data:`LOAD_BUSY_DELAY_S`
-(at its last delivery answered "ask again", retryable, and acked: a flood fills neither the
-dead letters nor the job's events), so one job's flood at a slow load leaves the room, and
-places to wait, to the others.
+of which the last :data:`LOAD_WAITERS_KEPT_PER_PLACE` are kept for other jobs (each job
+taking at most half of those left), and a request past either bound is retried after
+:data:`LOAD_BUSY_DELAY_S` (at its last delivery answered "ask again", retryable, and acked:
+a flood fills neither the dead letters nor the job's events), so one job's flood at a slow
+load leaves the room, and places to wait, to the others.
 
 Stop (the runtime's stop event, never a cancel): the model load gives up at once; the fetch
 loop, the scheduler and the policies watch return; the batch in progress is answered if its
@@ -94,15 +94,16 @@ LOAD_WAITERS_PER_PLACE = 4
 #: those left: a job flooding requests at a policy that loads slowly takes the others but
 #: not these (and without any bound it would take every place: then nothing more would be
 #: pulled, and the other jobs' requests would wait for its load too).
-LOAD_WAITERS_PER_JOB_PER_PLACE = 1
-#: A request turned away because its policy's load has all the waiters it may have comes
-#: back this much later (and is answered "busy, ask again" at its last delivery).
+LOAD_WAITERS_KEPT_PER_PLACE = 1
+#: A request turned away because the places to wait for loads are taken comes back this
+#: much later (and is answered "ask again" at its last delivery).
 LOAD_BUSY_DELAY_S = 1.0
 
 
 class LoadBusy(RetryableError):
-    """The request's policy is loading and the places to wait for loads are taken: it
-    comes back later; at its last delivery it is answered "ask again" (retryable)."""
+    """The request's policy is not loaded here and the places to wait for loads are taken
+    (to it): it comes back later; at its last delivery it is answered "ask again"
+    (retryable)."""
 
 
 class Inferencer:
@@ -157,7 +158,7 @@ class Inferencer:
         #: Of those, how many may wait on policy loads, and how many of these places are
         #: kept for other jobs (each job taking at most half of those left).
         self.max_waiting = self.max_pending * LOAD_WAITERS_PER_PLACE
-        self.max_waiting_per_job = self.max_pending * LOAD_WAITERS_PER_JOB_PER_PLACE
+        self.kept_for_others = self.max_pending * LOAD_WAITERS_KEPT_PER_PLACE
         self.resolving = 0
         #: Admissions waiting on their policy's load, per (tenant, job).
         self.resolving_per_job: Counter[tuple[str, str]] = Counter()
@@ -168,8 +169,8 @@ class Inferencer:
         # gauges
         #: Requests dropped unanswered because their requester stopped waiting.
         self.expired = 0
-        #: Requests turned away (to come back later) because their job's policy load had all
-        #: the waiters it may have.
+        #: Requests turned away (to come back later) because the places to wait for loads
+        #: were taken (to them).
         self.load_busy = 0
         self.forwards = 0
         self.batches = 0
@@ -335,7 +336,7 @@ class Inferencer:
         busy = ""
         if free <= 0:
             busy = f"{self.resolving} requests already wait for policy loads here, the most"
-        elif free <= self.max_waiting_per_job and waiting >= max(1, free // 2):
+        elif free <= self.kept_for_others and waiting >= max(1, free // 2):
             # The last places are kept for other jobs' loads, each job taking at most half
             # of those left (while more are free, a large job's cold start may use them):
             # neither one flood nor two take them all.

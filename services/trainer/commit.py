@@ -160,10 +160,10 @@ class Committer:
         t0 = time.perf_counter()
         if job.commit_dead:
             return
-        held = [m for m, _ in job.held]
+        covering = [m for m, _ in job.held]
         if job.pending is not None:
-            held += [m for m, _ in job.pending.covered]
-        if await self.guard.suspect({job.key: held}) is None:
+            covering += [m for m, _ in job.pending.covered]
+        if await self.guard.suspect({job.key: covering}) is None:
             await self.drain([job])
         else:
             # It covers a message in flight when the process died before, so it may be what
