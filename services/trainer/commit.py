@@ -160,15 +160,12 @@ class Committer:
         t0 = time.perf_counter()
         if job.commit_dead:
             return
-        covering = [m for m, _ in job.held]
-        if job.pending is not None:
-            covering += [m for m, _ in job.pending.covered]
-        if await self.guard.suspect({job.key: covering}) is None:
-            await self.drain([job])
-        else:
-            # It covers a message in flight when the process died before, so it may be what
-            # killed it: it runs alone (the caller awaits it: no step runs beside it either).
+        if await self.covers_suspect(job):
+            # It may be what killed the process: it runs alone (the caller awaits it: no
+            # step runs beside it either).
             await self.drain()
+        else:
+            await self.drain([job])
         if job.unannounced is not None and not await self._announce_owed(job):
             return
         if job.pending is not None:
@@ -181,6 +178,14 @@ class Committer:
             frozen = freeze(self._resident_slot(job))
             await self._commit(job, covered, frozen, _At.of(job), initial)
         self.blocking_s += time.perf_counter() - t0
+
+    async def covers_suspect(self, job: JobSlot) -> bool:
+        """Whether the job's next commit covers a message that was in flight when the
+        process died before (a suspect, :mod:`services.trainer.crashguard`)."""
+        covering = [m for m, _ in job.held]
+        if job.pending is not None:
+            covering += [m for m, _ in job.pending.covered]
+        return await self.guard.suspect({job.key: covering}) is not None
 
     def _resident_slot(self, job: JobSlot) -> TenantSlot:
         """The job's slot as the slot manager holds it: ``job.slot`` may be an object the

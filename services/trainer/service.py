@@ -471,13 +471,10 @@ class Trainer:
         for job in list(self.registry.jobs.values()):
             if not job.commit_due(self.config.commit_every_s) or self.committer.busy(job):
                 continue
-            covered = [msg for msg, _ in job.held]
-            if job.pending is not None:
-                covered += [msg for msg, _ in job.pending.covered]
-            if await self.guard.suspect({job.key: covered}) is None:
-                self.committer.start(job)
-            else:
+            if await self.committer.covers_suspect(job):
                 await self.committer.commit(job)  # alone (it drains the others first)
+            else:
+                self.committer.start(job)
 
     def queue(self) -> list[TenantQueue]:
         """Training messages buffered here, per tenant, and how long the oldest waited since
