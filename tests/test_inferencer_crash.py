@@ -4,11 +4,16 @@ batch are answered. Before, every request of the batch in flight was counted in 
 ledger at each restart and batched with the poison again, so all of them reached the crash
 limit together and were dead-lettered beside it. The process is the real service with its
 batch runner made to die on the poison tenant's requests (``tests.crashing_inferencer``),
-restarted by the test as a supervisor would."""
+restarted by the test as a supervisor would.
+
+A suspect's policy is loaded while the other jobs' requests are served: after a restart every
+policy is cold, and the suspect's load ran inside its time alone, so one slow checkpoint read
+held up every request on that replica."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 import sys
 import time
@@ -31,14 +36,27 @@ from vla.backbone import Backbone
 pytestmark = pytest.mark.timeout(300)
 
 
-def _start(url: str, poison: str, batches: Path, log: Path, bid: str) -> subprocess.Popen[bytes]:
+def _start(
+    url: str, poison: str, batches: Path, log: Path, bid: str, hold: list[str] | None = None
+) -> subprocess.Popen[bytes]:
+    """The crashing inferencer; ``hold``: ``[tenant, marker file]``, that tenant's policy
+    loads held (the file created) until SIGUSR1."""
     flags = ["--backbone-id", bid, "--instance", uid("inf"), "--ack-wait-s", "2"]
     # max-deliver 2: a crash limit of 2; B = the 3 requests (T well past their policies'
     # loads), so the first delivery's requests share one batch.
     flags += ["--max-deliver", "2", "--target-batch", "3", "--max-wait-ms", "2000"]
+    held = ["--hold-load", *hold] if hold else []
     with log.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "tests.crashing_inferencer", poison, str(batches), *flags],
+            [
+                sys.executable,
+                "-m",
+                "tests.crashing_inferencer",
+                poison,
+                str(batches),
+                *held,
+                *flags,
+            ],
             cwd=ROOT,
             env=service_env(url),
             stdout=out,
@@ -103,5 +121,55 @@ async def test_a_request_that_kills_the_inferencer_dies_alone_and_its_batch_mate
         assert len(dead) == 1 and dead[0].error_type == "CrashLoopError", dead
         assert await dead_letters(js, "INFER", calm) == []
         assert procs.stop(proc) == 0, log.read_text()
+    finally:
+        await nc.close()
+
+
+async def _crashes(proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Until ``proc`` has died on the poison's batch (bounded)."""
+
+    async def ended() -> bool:
+        return proc.poll() is not None
+
+    await eventually(ended, timeout=90, what="the inferencer's crash on the poison")
+    assert proc.returncode == CRASHED, _text(log)
+
+
+def _text(path: Path) -> str:
+    return path.read_text()
+
+
+async def test_a_suspects_slow_policy_load_does_not_hold_up_the_other_jobs(
+    fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
+) -> None:
+    bid, poison, calm = uid("suspectload"), uid("poison"), uid("calm")
+    batches, log, marker = tmp_path / "batches", tmp_path / "inferencer.log", tmp_path / "held"
+    nc = await connect(fresh_server.url)
+    try:
+        js = nc.jetstream()
+        await declare(js)
+        hidden = Backbone.load("tiny").hidden_size
+        await commit_policy(js, poison, "job", FLOW, hidden)
+        await commit_policy(js, calm, "job", FLOW, hidden)
+        async with await PolicyClient.create(nc, bid, js) as client:
+            doomed = asyncio.create_task(
+                client.act(poison, "job", [make_obs(FLOW, 0)], timeout=240)
+            )
+            # Two runs die on it: its first delivery (not counted), then its first counted one.
+            for _ in range(2):
+                await _crashes(procs.add(_start(fresh_server.url, poison, batches, log, bid)), log)
+            # The third finds it a suspect, whose policy's checkpoint read is held.
+            hold = [poison, str(marker)]
+            proc = procs.add(_start(fresh_server.url, poison, batches, log, bid, hold))
+            await eventually(marker.exists, timeout=90, what="the suspect's policy load")
+            served = await client.act(calm, "job", [make_obs(FLOW, 1)], timeout=30)
+            assert served.error == "" and served.actions is not None, served.error
+            assert proc.poll() is None, _text(log)
+            # Released, the suspect runs alone (counted twice now: the limit) and dies.
+            proc.send_signal(signal.SIGUSR1)
+            await _crashes(proc, log)
+            doomed.cancel()
+        ran = [line.split() for line in batches.read_text().splitlines()]
+        assert ran == [[poison], [poison], [calm], [poison]], ran
     finally:
         await nc.close()

@@ -46,7 +46,7 @@ from opentelemetry import trace
 from bus import tracing
 from bus.durable import ConsumerSpec, Durable
 from bus.encoding import FeatureClient
-from bus.errors import Interrupted, RetryableError
+from bus.errors import Interrupted, PoisonError, RetryableError
 from bus.fate import HOLD, Fate, Hold
 from bus.metering import BusyMeter, LinearFit
 from bus.placement import placed
@@ -230,19 +230,39 @@ class Inferencer:
         before: :mod:`bus.crashes`) is served alone, with nothing else fetched, admitted or
         batched until it is answered, and counted only then: a request that kills the
         process (an out-of-memory forward, a crash in a kernel) then dies alone, and the
-        requests that shared its batch are answered instead of dead-lettered beside it."""
+        requests that shared its batch are answered instead of dead-lettered beside it.
+        Its policy is loaded first, one suspect at a time, while the pulls go on
+        (:meth:`_warm`): after a restart every policy is cold, and a suspect's load would
+        otherwise hold up every other job's requests on this replica for as long as it
+        takes (up to ``--checkpoint-read-s``)."""
         consumer = self.rt.consumer
         suspects: list[Msg] = []
+        warming: tuple[Msg, asyncio.Task[bool]] | None = None  # a suspect's policy loading
+        loaded: Msg | None = None  # a suspect whose policy is loaded: next to run alone
         alone = False  # a suspect's handling is under way
         try:
             while not self.rt.stop.is_set():
-                if suspects or alone:
+                if warming is None and loaded is None and not alone and suspects:
+                    suspect = suspects.pop(0)
+                    cold = self._cold(suspect)
+                    if cold is None:
+                        loaded = suspect
+                    else:
+                        warm = asyncio.create_task(self._warm(suspect, cold))
+                        warm.add_done_callback(lambda _: self._room.set())
+                        warming = (suspect, warm)
+                if warming is not None and warming[1].done():
+                    suspect, warm = warming
+                    warming = None
+                    if warm.result():  # else dead-lettered: it crashed too often
+                        loaded = suspect
+                if loaded is not None or alone:
                     if self.admitting or self.active.running:
                         await self._wait_room()
                         continue
                     alone = False
-                    if suspects:
-                        suspect = suspects.pop(0)
+                    if loaded is not None:
+                        suspect, loaded = loaded, None
                         if await consumer.begin_redelivered(self.durable, suspect):
                             self._start_admission(suspect)
                             alone = True
@@ -266,8 +286,46 @@ class Inferencer:
                         break
                     self._start_admission(msg)
         finally:
+            if warming is not None:
+                warming[1].cancel()
+                await asyncio.gather(warming[1], return_exceptions=True)
+                suspects.append(warming[0])
+            if loaded is not None:
+                suspects.append(loaded)
             if suspects:
                 await consumer.hand_back(suspects)
+
+    def _cold(self, suspect: Msg) -> tuple[str, str, int] | None:
+        """The policy (tenant, job, version) ``suspect`` asks for, if it must be loaded
+        before the suspect runs alone; None if it is resident, or the suspect is malformed
+        or expired (its admission settles it at once)."""
+        try:
+            request = parse(suspect, self.config.limit)
+        except PoisonError:
+            return None
+        policy = (request.tenant, request.job_id, request.policy_version)
+        if expired(request) or self.policies.resident(*policy) is not None:
+            return None
+        return policy
+
+    async def _warm(self, suspect: Msg, policy: tuple[str, str, int]) -> bool:
+        """Load ``policy``, which ``suspect`` asks for, while other requests are served;
+        False if the suspect was dead-lettered instead (its handling began too often in a
+        row). The load counts as a start of the suspect (:mod:`bus.crashes`), taken back
+        when it returns: a load that kills the process (a checkpoint too large for memory)
+        is counted against the suspect, as its forward is when it runs alone. What the load
+        raises is left to the suspect's own admission, which resolves the policy again and
+        settles it."""
+        consumer = self.rt.consumer
+        if not await consumer.begin_redelivered(self.durable, suspect):
+            return False
+        try:
+            await self.policies.resolve(*policy)
+        except Exception as exc:  # noqa: BLE001 - not its fate: its admission meets it again
+            log.info("loading the policy of suspect %s/%s failed: %r", *policy[:2], exc)
+        finally:
+            await consumer.crashes.undo(suspect)
+        return True
 
     async def _wait_room(self) -> None:
         """Until requests leave (taken into a batch, answered, admitted) or a pull's time."""
