@@ -186,6 +186,12 @@ class CrashLedger:
             await self.undo(msg)
         self._forget(ledger_key(msg))
 
+    def keep_counted(self, msg: Msg) -> None:
+        """``msg``'s latest start stays counted: its work raised out of a role that ends on
+        it (a bug, where failures should be values), which counts as a crash would (neither
+        taken back nor cleared by this process)."""
+        self._forget(ledger_key(msg))
+
     def _forget(self, key: str) -> None:
         """Leave ``key`` to others: this process neither takes a start back from it nor
         clears it any more."""

@@ -1,6 +1,7 @@
 """A trainer process for the crash test: the real service, whose grouped step and RL update
 die (``os._exit``, as an out-of-memory kill or a crashing kernel would: no exception, no
-settle) on any round or update that holds work of the poison tenant (mode ``work``), or whose
+settle) on any round or update that holds work of the poison tenant (mode ``work``; mode
+``raise``: raise out of it instead, as a bug would, and the trainer exits 1), or whose
 restore of a slot from its checkpoint (mode ``restore``), the opening of a new one (mode
 ``open``) or the writing of a version after the first (mode ``commit``) dies on the poison
 tenant's; each round's tenants (or ``MODE TENANT``) are appended to a file first. ``python -m
@@ -84,8 +85,9 @@ def crash_on_commit(poison: str, rounds: Path) -> None:
     Committer._commit = logged_commit  # type: ignore[method-assign]
 
 
-def crash_on(poison: str, rounds: Path) -> None:
-    """Make this process die on a round or RL update holding ``poison``'s work."""
+def crash_on(poison: str, rounds: Path, raising: bool = False) -> None:
+    """Make this process die on a round or RL update holding ``poison``'s work (``raising``:
+    raise out of the grouped step or update instead)."""
 
     def dying(real: Callable[..., Any], tenants_of: Callable[[list[Any]], list[str]]) -> Any:
         def run_or_die(encoder: Any, work: list[Any], **kwargs: Any) -> Any:
@@ -93,6 +95,8 @@ def crash_on(poison: str, rounds: Path) -> None:
             with rounds.open("a") as f:
                 f.write(" ".join(tenants) + "\n")
             if poison in tenants:
+                if raising:
+                    raise RuntimeError(f"a bug in the step, on {poison}'s work")
                 os._exit(CRASHED)
             return real(encoder, work, **kwargs)
 
@@ -108,8 +112,8 @@ def crash_on(poison: str, rounds: Path) -> None:
 
 if __name__ == "__main__":
     mode, poison, rounds = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    if mode == "work":
-        crash_on(poison, rounds)
+    if mode in ("work", "raise"):
+        crash_on(poison, rounds, raising=mode == "raise")
     elif mode == "commit":
         crash_on_commit(poison, rounds)
     else:

@@ -80,6 +80,15 @@ class CrashGuard:
         commit; the crashes they were in flight for still count)."""
         await asyncio.gather(*(self.consumer.crashes.undo(m) for m in msgs))
 
+    def raised(self, msgs: Iterable[Msg]) -> None:
+        """The work using ``msgs`` raised out of the trainer (a bug: a tenant's failure is a
+        value), which ends the process: their start stays counted, as a crash's would, so
+        that the restarted trainer runs that work alone and only its poison climbs to the
+        crash limit, instead of raising again with every restart for as long as the server
+        redelivers."""
+        for msg in msgs:
+            self.consumer.crashes.keep_counted(msg)
+
     @contextlib.asynccontextmanager
     async def started(self, msg: Msg) -> AsyncIterator[None]:
         """Count the block as work ``msg`` started, taken back when it returns (raised

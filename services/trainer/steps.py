@@ -130,7 +130,11 @@ class Stepper:
             _, fetched = await asyncio.gather(compute, during(), return_exceptions=True)
             if isinstance(fetched, BaseException):
                 log.warning("fetch during the step failed: %s", fetched)
-        results = await compute
+        try:
+            results = await compute
+        except Exception:
+            self.trainer.guard.raised(msg for msg, _, _ in accepted)  # a bug: counted
+            raise
         compute_s = time.perf_counter() - compute_t0
         compute_end_ns = compute_start_ns + int(compute_s * 1e9)
         self.compute_s += compute_s
@@ -296,6 +300,9 @@ class Stepper:
         start_ns = time.time_ns()
         try:
             results = await asyncio.to_thread(rl.update_iterations, self.rl_encoder, iterations)
+        except Exception:
+            trainer.guard.raised(m for k in keys for m in episodes[k])  # a bug: counted
+            raise
         finally:
             await trainer.guard.returned(m for k in keys for m in episodes[k])
         end_ns = time.time_ns()
