@@ -92,6 +92,10 @@ def test_up_then_submit_watch_and_status(tmp_path: Path) -> None:
         while read_stack_info(home) is None:
             assert up.poll() is None and time.monotonic() < deadline, "stack did not start"
             time.sleep(0.1)
+        # Before it is registered, a push for the tenant is refused saying how to add it.
+        unknown = run("--home", str(home), "data", "push", str(tmp_path / "ds"), "--tenant", tenant)
+        assert unknown.returncode != 0, unknown.stdout
+        assert f"joynexus tenant add {tenant}" in unknown.stderr, unknown.stdout + unknown.stderr
         # The tenant gets its own identity; the tenant commands below use its creds file.
         added = run("--home", str(home), "tenant", "add", tenant)
         assert added.returncode == 0, added.stdout + added.stderr

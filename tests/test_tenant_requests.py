@@ -158,12 +158,14 @@ async def test_registered_tenants_exist_then_an_unregistered_one_is_refused(
     assert await client.jobs(mallory) == [], "open mode: every tenant is answered"
     tenants = await js.key_value(subjects.KV_TENANTS)
     await tenants.put(alice, encode(TenantRecord(alice, "UKEY", time.time())))
-    with pytest.raises(RequestError, match=f"unknown tenant '{mallory}'") as refused:
+    # Said with what to do: a tenant is registered by the operator.
+    hint = f"unknown tenant '{mallory}': no identity .* joynexus tenant add {mallory}"
+    with pytest.raises(RequestError, match=hint) as refused:
         await client.jobs(mallory)
     assert refused.value.code == "unknown_tenant"
     assert [r.job_id for r in await client.jobs(alice)] == ["j1"]
     await tenants.put(alice, encode(TenantRecord(alice, "UKEY", time.time(), revoked=True)))
-    with pytest.raises(RequestError, match=f"unknown tenant '{alice}'"):
+    with pytest.raises(RequestError, match=f"unknown tenant '{alice}': its identity was revoked"):
         await client.jobs(alice)
 
 

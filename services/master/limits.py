@@ -207,8 +207,13 @@ class TenantGate:
             raise PoisonError(
                 f"tenant {tenant!r}: its tenant record is unreadable ({exc})"
             ) from exc
-        if record is None or record.revoked:
-            raise PoisonError(f"unknown tenant {tenant!r}")
+        if record is None:
+            raise PoisonError(
+                f"unknown tenant {tenant!r}: no identity is registered for it on this bus "
+                f"(the operator adds one: joynexus tenant add {tenant})"
+            )
+        if record.revoked:
+            raise PoisonError(f"unknown tenant {tenant!r}: its identity was revoked")
         return record
 
     async def wait_reason(
