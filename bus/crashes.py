@@ -28,8 +28,15 @@ returns (:meth:`CrashLedger.undo`; :mod:`services.trainer.crashguard`): a crash 
 only the work that was running. A message handed back unsettled (a stop, a deferral) has its
 start taken back the same way, and the crashes before it stay counted for the next instance.
 
+A suspect's preparation may run beside other work, uncounted, when a *mark* records it
+(:meth:`CrashLedger.begin_preparing`; the inferencer loads a suspect's policy this way while
+it serves the other jobs): a mark still there at the next start means the preparation never
+returned, and the suspect then prepares inside its counted run alone. A crash beside an
+uncounted preparation is charged to nobody's count but the work that was counted, and a
+poison preparation costs one restart more.
+
 The bucket has a TTL (a day, :class:`bus.declare.BusLayout`): a key left by a message that
-was purged or deleted otherwise goes away on its own.
+was purged or deleted otherwise goes away on its own (so does a mark).
 """
 
 from __future__ import annotations
@@ -39,7 +46,12 @@ import logging
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
+from nats.js.errors import (
+    KeyDeletedError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
 from nats.js.kv import KeyValue
 
 from bus.errors import PoisonError
@@ -51,6 +63,10 @@ log = logging.getLogger(__name__)
 class CrashLoopError(PoisonError):
     """The message's handling ended without a fate too many times in a row (the role died
     or was killed while handling it): it is dead-lettered instead of handled again."""
+
+
+#: Suffix of the key that marks a message's uncounted preparation as started.
+PREPARING = ".preparing"
 
 
 def ledger_key(msg: Msg) -> str:
@@ -185,6 +201,35 @@ class CrashLedger:
         if not still_running:
             await self.undo(msg)
         self._forget(ledger_key(msg))
+
+    async def begin_preparing(self, msg: Msg) -> bool:
+        """Mark that ``msg``'s preparation (work before its handling, uncounted, beside other
+        work) starts; False, and nothing marked, if a mark of an earlier start is there (that
+        preparation never returned: the process died in it) or the ledger cannot tell: the
+        message must then prepare inside its counted handling."""
+        key = f"{ledger_key(msg)}{PREPARING}"
+        try:
+            kv = await self._bucket()
+            if kv is None:
+                return False
+            await kv.create(key, b"1")
+        except KeyWrongLastSequenceError:
+            return False  # marked by a start that never returned
+        except (NatsError, TimeoutError) as exc:
+            log.warning("crash ledger: could not mark %s: %s", key, exc)
+            return False
+        return True
+
+    async def end_preparing(self, msg: Msg) -> None:
+        """``msg``'s preparation returned: its mark goes (kept, until the bucket's TTL, if it
+        cannot be deleted: the message then prepares inside its counted handling)."""
+        if self._kv is None:
+            return
+        key = f"{ledger_key(msg)}{PREPARING}"
+        try:
+            await self._kv.delete(key)
+        except (NatsError, TimeoutError) as exc:
+            log.info("crash ledger: could not clear %s: %s", key, exc)
 
     def keep_counted(self, msg: Msg) -> None:
         """``msg``'s latest start stays counted: its work raised out of a role that ends on

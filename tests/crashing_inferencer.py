@@ -2,9 +2,11 @@
 (``os._exit``, as an out-of-memory kill or a crashing kernel would: no exception, no settle)
 on any batch that holds a request of the poison tenant. Each batch's tenants are appended to
 a file first. ``python -m tests.crashing_inferencer POISON_TENANT BATCHES_FILE [--hold-load
-TENANT MARKER_FILE] [inferencer flags]``; runs until SIGTERM. ``--hold-load``: the checkpoint
-reads of ``TENANT``'s policies create ``MARKER_FILE``, then wait for SIGUSR1 (a slow object
-store, held by the test)."""
+TENANT MARKER_FILE | --die-on-load] [inferencer flags]``; runs until SIGTERM.
+``--hold-load``: the checkpoint reads of ``TENANT``'s policies create ``MARKER_FILE``, then
+wait for SIGUSR1 (a slow object store, held by the test). ``--die-on-load``: the process dies
+reading a checkpoint of the poison's instead (a policy too large for memory); each such read
+is written to the batches file as ``load POISON``."""
 
 from __future__ import annotations
 
@@ -63,8 +65,25 @@ def hold_loads(tenant: str, marker: Path) -> None:
     ckpt.get_checkpoint = held_read  # type: ignore[assignment]
 
 
+def die_on_load(poison: str, batches: Path) -> None:
+    """Make this process die reading a checkpoint of ``poison``'s policies."""
+    real_read = ckpt.get_checkpoint
+
+    async def read_or_die(store: ObjectStore, name: str, sha256: str, *args: Any) -> bytes:
+        if name.split("/")[0] == poison:
+            with batches.open("a") as f:
+                f.write(f"load {poison}\n")
+            os._exit(CRASHED)
+        return await real_read(store, name, sha256, *args)
+
+    ckpt.get_checkpoint = read_or_die  # type: ignore[assignment]
+
+
 if __name__ == "__main__":
     crash_on(sys.argv[1], Path(sys.argv[2]))
+    if sys.argv[3:4] == ["--die-on-load"]:
+        die_on_load(sys.argv[1], Path(sys.argv[2]))
+        del sys.argv[3]
     del sys.argv[1:3]
     if sys.argv[1:2] == ["--hold-load"]:
         hold_loads(sys.argv[2], Path(sys.argv[3]))

@@ -8,7 +8,8 @@ restarted by the test as a supervisor would.
 
 A suspect's policy is loaded while the other jobs' requests are served: after a restart every
 policy is cold, and the suspect's load ran inside its time alone, so one slow checkpoint read
-held up every request on that replica."""
+held up every request on that replica. Uncounted, that load is marked: one that kills the
+process is done inside the suspect's counted run next time, so the loop still ends."""
 
 from __future__ import annotations
 
@@ -39,13 +40,13 @@ pytestmark = pytest.mark.timeout(300)
 def _start(
     url: str, poison: str, batches: Path, log: Path, bid: str, hold: list[str] | None = None
 ) -> subprocess.Popen[bytes]:
-    """The crashing inferencer; ``hold``: ``[tenant, marker file]``, that tenant's policy
-    loads held (the file created) until SIGUSR1."""
+    """The crashing inferencer; ``hold``: its flags for policy loads
+    (:mod:`tests.crashing_inferencer`)."""
     flags = ["--backbone-id", bid, "--instance", uid("inf"), "--ack-wait-s", "2"]
     # max-deliver 2: a crash limit of 2; B = the 3 requests (T well past their policies'
     # loads), so the first delivery's requests share one batch.
     flags += ["--max-deliver", "2", "--target-batch", "3", "--max-wait-ms", "2000"]
-    held = ["--hold-load", *hold] if hold else []
+    held = hold or []
     with log.open("ab") as out:
         return subprocess.Popen(
             [
@@ -159,7 +160,7 @@ async def test_a_suspects_slow_policy_load_does_not_hold_up_the_other_jobs(
             for _ in range(2):
                 await _crashes(procs.add(_start(fresh_server.url, poison, batches, log, bid)), log)
             # The third finds it a suspect, whose policy's checkpoint read is held.
-            hold = [poison, str(marker)]
+            hold = ["--hold-load", poison, str(marker)]
             proc = procs.add(_start(fresh_server.url, poison, batches, log, bid, hold))
             await eventually(marker.exists, timeout=90, what="the suspect's policy load")
             served = await client.act(calm, "job", [make_obs(FLOW, 1)], timeout=30)
@@ -171,5 +172,44 @@ async def test_a_suspects_slow_policy_load_does_not_hold_up_the_other_jobs(
             doomed.cancel()
         ran = [line.split() for line in batches.read_text().splitlines()]
         assert ran == [[poison], [poison], [calm], [poison]], ran
+    finally:
+        await nc.close()
+
+
+async def test_a_policy_load_that_kills_the_inferencer_ends_at_the_crash_limit(
+    fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
+) -> None:
+    bid, poison, calm = uid("loadkill"), uid("poison"), uid("calm")
+    batches, log = tmp_path / "batches", tmp_path / "inferencer.log"
+    nc = await connect(fresh_server.url)
+    try:
+        js = nc.jetstream()
+        await declare(js)
+        hidden = Backbone.load("tiny").hidden_size
+        await commit_policy(js, poison, "job", FLOW, hidden)
+        await commit_policy(js, calm, "job", FLOW, hidden)
+        async with await PolicyClient.create(nc, bid, js) as client:
+            doomed = asyncio.create_task(
+                client.act(poison, "job", [make_obs(FLOW, 0)], timeout=240)
+            )
+            # Its first delivery (uncounted), its first counted start, its load as a suspect
+            # beside the others (uncounted, marked), then its load inside its run alone
+            # (counted a second time: the limit).
+            for _ in range(4):
+                flags = ["--die-on-load"]
+                await _crashes(
+                    procs.add(_start(fresh_server.url, poison, batches, log, bid, flags)), log
+                )
+            proc = procs.add(_start(fresh_server.url, poison, batches, log, bid, ["--die-on-load"]))
+            refused = await asyncio.wait_for(asyncio.gather(doomed, return_exceptions=True), 90)
+            served = await client.act(calm, "job", [make_obs(FLOW, 1)], timeout=60)
+            assert served.error == "" and served.actions is not None, served.error
+        error = refused[0]
+        assert isinstance(error, InferenceError) and not error.retryable, error
+        assert "began 3 times in a row" in str(error), error
+        assert proc.poll() is None, _text(log)
+        assert _text(batches).split().count("load") == 4, _text(batches)
+        dead = await dead_letters(js, "INFER", poison)
+        assert [d.error_type for d in dead] == ["CrashLoopError"], dead
     finally:
         await nc.close()

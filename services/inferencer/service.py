@@ -231,13 +231,13 @@ class Inferencer:
         batched until it is answered, and counted only then: a request that kills the
         process (an out-of-memory forward, a crash in a kernel) then dies alone, and the
         requests that shared its batch are answered instead of dead-lettered beside it.
-        Its policy is loaded first, one suspect at a time, while the pulls go on
+        Its policy is loaded first, one suspect at a time, uncounted, while the pulls go on
         (:meth:`_warm`): after a restart every policy is cold, and a suspect's load would
         otherwise hold up every other job's requests on this replica for as long as it
         takes (up to ``--checkpoint-read-s``)."""
         consumer = self.rt.consumer
         suspects: list[Msg] = []
-        warming: tuple[Msg, asyncio.Task[bool]] | None = None  # a suspect's policy loading
+        warming: tuple[Msg, asyncio.Task[None]] | None = None  # a suspect's policy loading
         loaded: Msg | None = None  # a suspect whose policy is loaded: next to run alone
         alone = False  # a suspect's handling is under way
         try:
@@ -254,8 +254,10 @@ class Inferencer:
                 if warming is not None and warming[1].done():
                     suspect, warm = warming
                     warming = None
-                    if warm.result():  # else dead-lettered: it crashed too often
-                        loaded = suspect
+                    if not warm.cancelled() and warm.exception() is not None:
+                        # Its load is done inside its run alone instead.
+                        log.warning("loading a suspect's policy failed: %r", warm.exception())
+                    loaded = suspect
                 if loaded is not None or alone:
                     if self.admitting or self.active.running:
                         await self._wait_room()
@@ -287,8 +289,9 @@ class Inferencer:
                     self._start_admission(msg)
         finally:
             if warming is not None:
-                warming[1].cancel()
-                await asyncio.gather(warming[1], return_exceptions=True)
+                # Not cancelled: its load gives up once stopping (Interrupted), and its mark
+                # is cleared when it returns.
+                await asyncio.wait({warming[1]}, timeout=LOAD_GRACE_S)
                 suspects.append(warming[0])
             if loaded is not None:
                 suspects.append(loaded)
@@ -308,24 +311,25 @@ class Inferencer:
             return None
         return policy
 
-    async def _warm(self, suspect: Msg, policy: tuple[str, str, int]) -> bool:
-        """Load ``policy``, which ``suspect`` asks for, while other requests are served;
-        False if the suspect was dead-lettered instead (its handling began too often in a
-        row). The load counts as a start of the suspect (:mod:`bus.crashes`), taken back
-        when it returns: a load that kills the process (a checkpoint too large for memory)
-        is counted against the suspect, as its forward is when it runs alone. What the load
-        raises is left to the suspect's own admission, which resolves the policy again and
-        settles it."""
-        consumer = self.rt.consumer
-        if not await consumer.begin_redelivered(self.durable, suspect):
-            return False
+    async def _warm(self, suspect: Msg, policy: tuple[str, str, int]) -> None:
+        """Load ``policy``, which ``suspect`` asks for, while other requests are served. The
+        suspect is not counted for it (a crash of another request meanwhile must not climb
+        its count), but the load is marked in the crash ledger (:mod:`bus.crashes`): a load
+        that never returned (it killed the process: a checkpoint too large for memory) is
+        not tried beside others again, and the suspect loads it inside its counted run
+        alone. What the load raises is left to the suspect's own admission, which resolves
+        the policy again and settles it."""
+        ledger = self.rt.consumer.crashes
+        if not await ledger.begin_preparing(suspect):
+            return
         try:
             await self.policies.resolve(*policy)
+        except Interrupted:
+            pass  # stopping: the suspect is handed back
         except Exception as exc:  # noqa: BLE001 - not its fate: its admission meets it again
             log.info("loading the policy of suspect %s/%s failed: %r", *policy[:2], exc)
         finally:
-            await consumer.crashes.undo(suspect)
-        return True
+            await ledger.end_preparing(suspect)
 
     async def _wait_room(self) -> None:
         """Until requests leave (taken into a batch, answered, admitted) or a pull's time."""
