@@ -1,7 +1,9 @@
 """A trainer process for the crash test: the real service, whose grouped step and RL update
 die (``os._exit``, as an out-of-memory kill or a crashing kernel would: no exception, no
 settle) on any round or update that holds work of the poison tenant (mode ``work``; mode
-``raise``: raise out of it instead, as a bug would, and the trainer exits 1), or whose
+``raise``: raise out of it instead, as a bug would, and the trainer exits 1; mode
+``raise-after``: raise out of the poison's second step and later ones after the real step
+ran, every tenant of the round stepped and none booked), or whose
 restore of a slot from its checkpoint (mode ``restore``), the opening of a new one (mode
 ``open``) or the writing of a version after the first (mode ``commit``) dies on the poison
 tenant's; each round's tenants (or ``MODE TENANT``) are appended to a file first. ``python -m
@@ -110,10 +112,32 @@ def crash_on(poison: str, rounds: Path, raising: bool = False) -> None:
     )
 
 
+def raise_after_step(poison: str, rounds: Path) -> None:
+    """Make the grouped step raise, after it ran, on a round where ``poison``'s slot took
+    its second step or a later one; each round is written down as ``TENANT:STEP ...`` (the
+    slots' steps after it), and a raising one as ``raised TENANT:STEP ...``."""
+    real = steps.group_train_step
+
+    def step_then_raise(encoder: Any, work: list[Any], **kwargs: Any) -> Any:
+        results = real(encoder, work, **kwargs)
+        at = {r.tenant.split("/")[0]: r.slot.step for r in work}
+        raising = at.get(poison, 0) >= 2
+        with rounds.open("a") as f:
+            f.write(("raised " if raising else "") + " ".join(f"{t}:{s}" for t, s in at.items()))
+            f.write("\n")
+        if raising:
+            raise RuntimeError(f"a bug after the step, on {poison}'s work")
+        return results
+
+    steps.group_train_step = step_then_raise  # type: ignore[assignment]
+
+
 if __name__ == "__main__":
     mode, poison, rounds = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     if mode in ("work", "raise"):
         crash_on(poison, rounds, raising=mode == "raise")
+    elif mode == "raise-after":
+        raise_after_step(poison, rounds)
     elif mode == "commit":
         crash_on_commit(poison, rounds)
     else:

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.timeout(300)
 
 STEPS = 4
 #: How the crashing trainer ends, by mode, when not with CRASHED: raised out of its loop.
-_EXIT_CODES = {"raise": 1}
+_EXIT_CODES = {"raise": 1, "raise-after": 1}
 
 
 def _start(
@@ -50,6 +50,8 @@ def _start(
 ) -> subprocess.Popen[bytes]:
     # max-deliver 3: a crash limit of 3; redelivered 2 s after a crash.
     flags = ["--deterministic", "--ack-wait-s", "2", "--max-deliver", "3"]
+    if mode == "raise-after":  # no commit by time: the stop's is the one that counts
+        flags += ["--commit-every-s", "600"]
     with log.open("ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "tests.crashing_trainer", mode, poison, str(rounds), *flags],
@@ -169,6 +171,42 @@ async def test_a_batch_that_kills_the_trainer_fails_its_own_job_and_the_others_f
         assert crashes == 4, ran
         assert [r for r in ran if poison in r][-1] == [poison], ran
         await _failed_in_a_crash_loop(js, poison, job)
+        assert procs.stop(proc) == 0, log.read_text()[-3000:]
+    finally:
+        await nc.close()
+
+
+async def test_a_step_that_raises_after_stepping_leaves_no_half_applied_commit(
+    fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
+) -> None:
+    """The grouped step raises after it ran (a bug in what follows the optimizer step): the
+    round's slots are stepped and their batches not booked. Before, the trainer's stop then
+    committed them, and the calm tenant's replayed batch was applied a second time (its
+    final version one step ahead of its batches)."""
+    poison, calm, job = uid("poison"), uid("calm"), uid("j")
+    rounds, log = tmp_path / "rounds", tmp_path / "trainer.log"
+    nc = await connect(fresh_server.url)
+    try:
+        js = nc.jetstream()
+        await declare(js)
+        for tenant in (poison, calm):
+            await send(js, tenant, sft_open(tenant, job, STEPS, checkpoint_every=100))
+            await send(js, tenant, *(sft_batch(tenant, job, s) for s in range(STEPS)))
+        _, proc = await _run_until(
+            fresh_server.url, procs, poison, rounds, log, calm, job, STEPS, "raise-after"
+        )
+        raised = [
+            dict(at.split(":") for at in line.split()[1:])
+            for line in rounds.read_text().splitlines()
+            if line.startswith("raised ")
+        ]
+        # The scenario: a raising round stepped the calm tenant past a step already booked.
+        assert any(int(r.get(calm, "0")) >= 2 for r in raised), rounds.read_text()
+        record = await done(js, calm, job, STEPS)
+        assert record is not None, log.read_text()[-3000:]
+        assert (record.step, record.batches_done) == (STEPS, STEPS), record
+        dead = await dead_letters(js, "TRAIN", poison)
+        assert [d.error_type for d in dead] == ["CrashLoopError"], dead
         assert procs.stop(proc) == 0, log.read_text()[-3000:]
     finally:
         await nc.close()

@@ -158,6 +158,7 @@ class Trainer:
         )
         last_discovery = -1e9
         worked = False
+        stopped_clean = False
         try:
             while not self.rt.stop.is_set():
                 # A job that starts running (its OpenSlot is already in TRAIN: the master
@@ -190,12 +191,21 @@ class Trainer:
                 if not arrived and not worked and not self.tenants.backlog_fetched:
                     # Nothing to fetch from: new tenants' messages show up at discovery.
                     await self.idle(0.05)
+            stopped_clean = True
         finally:
             for sub in (doorbell, cache_ctl):
                 with contextlib.suppress(NatsError):
                     await sub.unsubscribe()
             await self.stepper.announced()
-            await self.committer.commit_applied(self.registry.jobs.values(), STOP_COMMIT_S)
+            if stopped_clean:
+                await self.committer.commit_applied(self.registry.jobs.values(), STOP_COMMIT_S)
+            else:
+                # Raised out of a round (a bug): its slots may be stepped with their batches
+                # not booked, and a commit of one would apply that step twice on replay. As
+                # at a crash, nothing more is committed; the commits in flight were frozen
+                # between rounds and may land.
+                log.warning("stopping on an error: applied steps are not committed (replayed)")
+                await self.committer.drain(within_s=STOP_COMMIT_S)
             if self.store is not None:
                 await self.store.drain(within_s=1.0)  # what is not written is computed again
 
