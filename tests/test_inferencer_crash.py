@@ -213,3 +213,52 @@ async def test_a_policy_load_that_kills_the_inferencer_ends_at_the_crash_limit(
         assert [d.error_type for d in dead] == ["CrashLoopError"], dead
     finally:
         await nc.close()
+
+
+async def test_a_crash_beside_a_suspects_policy_load_is_not_charged_to_the_suspect(
+    fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
+) -> None:
+    """An innocent suspect's policy load runs beside a fresh request that kills the process.
+    Before, that load counted as a start of the suspect, so the crash of the other request
+    climbed its count, and the suspect was dead-lettered at the next start without ever
+    having crashed anything on its own."""
+    bid, killer, innocent = uid("besideload"), uid("killer"), uid("innocent")
+    batches, log, marker = tmp_path / "batches", tmp_path / "inferencer.log", tmp_path / "held"
+    hold = ["--hold-load", innocent, str(marker)]
+    nc = await connect(fresh_server.url)
+    try:
+        js = nc.jetstream()
+        await declare(js)
+        hidden = Backbone.load("tiny").hidden_size
+        await commit_policy(js, killer, "job", FLOW, hidden)
+        await commit_policy(js, innocent, "job", FLOW, hidden)
+        async with await PolicyClient.create(nc, bid, js) as client:
+            waiting = asyncio.create_task(
+                client.act(innocent, "job", [make_obs(FLOW, 0)], timeout=240)
+            )
+            # Two runs killed (SIGKILL: a host's OOM killer) while its policy loads: its first
+            # delivery (not counted), then its first counted start. It is a suspect now.
+            for _ in range(2):
+                marker.unlink(missing_ok=True)
+                proc = procs.add(_start(fresh_server.url, killer, batches, log, bid, hold))
+                await eventually(marker.exists, timeout=90, what="the innocent's policy load")
+                proc.kill()
+                proc.wait(timeout=30)
+            # The third loads its policy as a suspect's (held), while a fresh request of the
+            # killer's is served beside it and kills the process.
+            marker.unlink()
+            proc = procs.add(_start(fresh_server.url, killer, batches, log, bid, hold))
+            await eventually(marker.exists, timeout=90, what="the suspect's policy load")
+            with pytest.raises(InferenceError):
+                # It expires before the next start: nothing else crashes after this.
+                await client.act(killer, "job", [make_obs(FLOW, 1)], timeout=6)
+            await _crashes(proc, log)
+            proc = procs.add(_start(fresh_server.url, killer, batches, log, bid))
+            served = await asyncio.wait_for(waiting, 90)
+        assert served.error == "" and served.actions is not None, served.error
+        assert proc.poll() is None, _text(log)
+        ran = [line.split() for line in batches.read_text().splitlines()]
+        assert ran == [[killer], [innocent]], ran
+        assert await dead_letters(js, "INFER", innocent) == []
+    finally:
+        await nc.close()
