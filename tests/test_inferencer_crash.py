@@ -251,7 +251,7 @@ async def test_a_crash_beside_a_suspects_policy_load_is_not_charged_to_the_suspe
             await eventually(marker.exists, timeout=90, what="the suspect's policy load")
             with pytest.raises(InferenceError):
                 # It expires before the next start: nothing else crashes after this.
-                await client.act(killer, "job", [make_obs(FLOW, 1)], timeout=6)
+                await client.act(killer, "job", [make_obs(FLOW, 1)], timeout=10)
             await _crashes(proc, log)
             proc = procs.add(_start(fresh_server.url, killer, batches, log, bid))
             served = await asyncio.wait_for(waiting, 90)
