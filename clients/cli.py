@@ -46,6 +46,7 @@ from schemas.events import (
 )
 from schemas.health import HEALTH_REPORT_DECODER, HEALTH_SUBJECT
 from schemas.ids import InvalidIdError
+from schemas.jobs import TERMINAL_STATUSES
 from schemas.specs import JobSpecError
 
 #: ``run(args)`` of a command: its exit code.
@@ -227,7 +228,19 @@ async def _cancel(args: argparse.Namespace) -> int:
     client = await _client(args, args.tenant)
     try:
         await client.cancel(args.tenant, args.job, args.reason)
-        print(f"cancel requested for {args.tenant}/{args.job}")
+        name = f"{args.tenant}/{args.job}"
+        records = [r for r in await client.jobs(args.tenant) if r.job_id == args.job]
+        if not records:
+            # Its submit may still be queued ahead of the cancel: the master answers then.
+            print(
+                f"cancel requested for {name}: no such job is recorded yet, so it is refused "
+                f"unless its submit is still queued (joynexus watch {args.tenant} {args.job} "
+                "says which)"
+            )
+        elif records[0].status in TERMINAL_STATUSES:
+            print(f"{name} has ended already ({records[0].status}): nothing to cancel")
+        else:
+            print(f"cancel requested for {name} ({records[0].status})")
         return 0
     finally:
         await client.close()

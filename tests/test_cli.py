@@ -133,6 +133,12 @@ def test_up_then_submit_watch_and_status(tmp_path: Path) -> None:
         )
         assert exported.returncode == 0, exported.stdout + exported.stderr
         assert (tmp_path / "policy").glob(f"{job_id}-v*.ckpt"), exported.stdout
+        ended = run("--home", str(home), "cancel", tenant, job_id)
+        assert ended.returncode == 0, ended.stdout + ended.stderr
+        assert "has ended already (succeeded): nothing to cancel" in ended.stdout, ended.stdout
+        unknown_job = run("--home", str(home), "cancel", tenant, "no-such-job")
+        assert unknown_job.returncode == 0, unknown_job.stdout + unknown_job.stderr
+        assert "no such job is recorded yet" in unknown_job.stdout, unknown_job.stdout
         watched = run("--home", str(home), "watch", tenant, job_id, timeout=60)
         assert watched.returncode == 0, watched.stdout + watched.stderr
         assert "accepted (sft)" in watched.stdout and "12/12" in watched.stdout
