@@ -34,7 +34,9 @@ from tests.helpers import ROOT, dead_letters, eventually, service_env, uid
 from tests.test_inferencer import FLOW, commit_policy, make_obs
 from vla.backbone import Backbone
 
-pytestmark = pytest.mark.timeout(300)
+# Each restarts a real role until a poison reaches the crash limit (20-35 s): run by
+# `make test-stack` with the heavy tests, to keep `make test` well under 15 minutes.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.heavy]
 
 
 def _start(

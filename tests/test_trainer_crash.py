@@ -38,7 +38,9 @@ from tests.test_trainer_defects import (
     sft_open,
 )
 
-pytestmark = pytest.mark.timeout(300)
+# Each restarts a real role until a poison reaches the crash limit (20-35 s): run by
+# `make test-stack` with the heavy tests, to keep `make test` well under 15 minutes.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.heavy]
 
 STEPS = 4
 #: How the crashing trainer ends, by mode, when not with CRASHED: raised out of its loop.
