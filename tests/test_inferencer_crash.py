@@ -14,13 +14,16 @@ process is done inside the suspect's counted run next time, so the loop still en
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from nats.js import JetStreamContext
 
 from bus.connect import connect
 from bus.declare import declare
@@ -68,42 +71,54 @@ def _start(
         )
 
 
+@contextlib.asynccontextmanager
+async def _policies(
+    url: str, bid: str, *tenants: str
+) -> AsyncIterator[tuple[JetStreamContext, PolicyClient]]:
+    """The bus declared, a committed policy of job ``job`` for each of ``tenants``, and a
+    policy client for backbone ``bid``."""
+    nc = await connect(url)
+    try:
+        js = nc.jetstream()
+        await declare(js)
+        hidden = Backbone.load("tiny").hidden_size
+        for tenant in tenants:
+            await commit_policy(js, tenant, "job", FLOW, hidden)
+        async with await PolicyClient.create(nc, bid, js) as client:
+            yield js, client
+    finally:
+        await nc.close()
+
+
 async def test_a_request_that_kills_the_inferencer_dies_alone_and_its_batch_mates_are_answered(
     fresh_server: EmbeddedServer, procs: Procs, tmp_path: Path
 ) -> None:
     bid, poison, calm = uid("crashinf"), uid("poison"), uid("calm")
     batches, log = tmp_path / "batches", tmp_path / "inferencer.log"
-    nc = await connect(fresh_server.url)
-    try:
-        js = nc.jetstream()
-        await declare(js)
-        hidden = Backbone.load("tiny").hidden_size
-        await commit_policy(js, poison, "job", FLOW, hidden)
-        await commit_policy(js, calm, "job", FLOW, hidden)
-        async with await PolicyClient.create(nc, bid, js) as client:
-            calls = [
-                asyncio.create_task(client.act(tenant, "job", [make_obs(FLOW, i)], timeout=240))
-                for i, tenant in enumerate([calm, poison, calm])
-            ]
+    async with _policies(fresh_server.url, bid, poison, calm) as (js, client):
+        calls = [
+            asyncio.create_task(client.act(tenant, "job", [make_obs(FLOW, i)], timeout=240))
+            for i, tenant in enumerate([calm, poison, calm])
+        ]
 
-            async def all_queued() -> bool:
-                info = await js.stream_info(subjects.STREAM_INFER)
-                return info.state.messages == 3
+        async def all_queued() -> bool:
+            info = await js.stream_info(subjects.STREAM_INFER)
+            return info.state.messages == 3
 
-            await eventually(all_queued, what="the three requests in the stream")
-            crashes = 0
-            for _ in range(8):  # bounded: 3 crashes are expected, then a run that carries on
-                proc = procs.add(_start(fresh_server.url, poison, batches, log, bid))
-                deadline = time.monotonic() + 90
-                while proc.poll() is None and time.monotonic() < deadline:
-                    if all(call.done() for call in calls):
-                        break
-                    await asyncio.wait(calls, timeout=0.1)  # and the child, which sends no event
-                if proc.poll() is None:
+        await eventually(all_queued, what="the three requests in the stream")
+        crashes = 0
+        for _ in range(8):  # bounded: 3 crashes are expected, then a run that carries on
+            proc = procs.add(_start(fresh_server.url, poison, batches, log, bid))
+            deadline = time.monotonic() + 90
+            while proc.poll() is None and time.monotonic() < deadline:
+                if all(call.done() for call in calls):
                     break
-                assert proc.returncode == CRASHED, log.read_text()
-                crashes += 1
-            replies = await asyncio.gather(*calls, return_exceptions=True)
+                await asyncio.wait(calls, timeout=0.1)  # and the child, which sends no event
+            if proc.poll() is None:
+                break
+            assert proc.returncode == CRASHED, log.read_text()
+            crashes += 1
+        replies = await asyncio.gather(*calls, return_exceptions=True)
         ran = [line.split() for line in batches.read_text().splitlines()]
         three = sorted([calm, poison, calm])
         assert any(sorted(batch) == three for batch in ran), ("the scenario: a batch of 3", ran)
@@ -124,8 +139,6 @@ async def test_a_request_that_kills_the_inferencer_dies_alone_and_its_batch_mate
         assert len(dead) == 1 and dead[0].error_type == "CrashLoopError", dead
         assert await dead_letters(js, "INFER", calm) == []
         assert procs.stop(proc) == 0, log.read_text()
-    finally:
-        await nc.close()
 
 
 async def _crashes(proc: subprocess.Popen[bytes], log: Path) -> None:
@@ -147,35 +160,24 @@ async def test_a_suspects_slow_policy_load_does_not_hold_up_the_other_jobs(
 ) -> None:
     bid, poison, calm = uid("suspectload"), uid("poison"), uid("calm")
     batches, log, marker = tmp_path / "batches", tmp_path / "inferencer.log", tmp_path / "held"
-    nc = await connect(fresh_server.url)
-    try:
-        js = nc.jetstream()
-        await declare(js)
-        hidden = Backbone.load("tiny").hidden_size
-        await commit_policy(js, poison, "job", FLOW, hidden)
-        await commit_policy(js, calm, "job", FLOW, hidden)
-        async with await PolicyClient.create(nc, bid, js) as client:
-            doomed = asyncio.create_task(
-                client.act(poison, "job", [make_obs(FLOW, 0)], timeout=240)
-            )
-            # Two runs die on it: its first delivery (not counted), then its first counted one.
-            for _ in range(2):
-                await _crashes(procs.add(_start(fresh_server.url, poison, batches, log, bid)), log)
-            # The third finds it a suspect, whose policy's checkpoint read is held.
-            hold = ["--hold-load", poison, str(marker)]
-            proc = procs.add(_start(fresh_server.url, poison, batches, log, bid, hold))
-            await eventually(marker.exists, timeout=90, what="the suspect's policy load")
-            served = await client.act(calm, "job", [make_obs(FLOW, 1)], timeout=30)
-            assert served.error == "" and served.actions is not None, served.error
-            assert proc.poll() is None, _text(log)
-            # Released, the suspect runs alone (counted twice now: the limit) and dies.
-            proc.send_signal(signal.SIGUSR1)
-            await _crashes(proc, log)
-            doomed.cancel()
+    async with _policies(fresh_server.url, bid, poison, calm) as (_, client):
+        doomed = asyncio.create_task(client.act(poison, "job", [make_obs(FLOW, 0)], timeout=240))
+        # Two runs die on it: its first delivery (not counted), then its first counted one.
+        for _ in range(2):
+            await _crashes(procs.add(_start(fresh_server.url, poison, batches, log, bid)), log)
+        # The third finds it a suspect, whose policy's checkpoint read is held.
+        hold = ["--hold-load", poison, str(marker)]
+        proc = procs.add(_start(fresh_server.url, poison, batches, log, bid, hold))
+        await eventually(marker.exists, timeout=90, what="the suspect's policy load")
+        served = await client.act(calm, "job", [make_obs(FLOW, 1)], timeout=30)
+        assert served.error == "" and served.actions is not None, served.error
+        assert proc.poll() is None, _text(log)
+        # Released, the suspect runs alone (counted twice now: the limit) and dies.
+        proc.send_signal(signal.SIGUSR1)
+        await _crashes(proc, log)
+        doomed.cancel()
         ran = [line.split() for line in batches.read_text().splitlines()]
         assert ran == [[poison], [poison], [calm], [poison]], ran
-    finally:
-        await nc.close()
 
 
 async def test_a_policy_load_that_kills_the_inferencer_ends_at_the_crash_limit(
@@ -183,29 +185,20 @@ async def test_a_policy_load_that_kills_the_inferencer_ends_at_the_crash_limit(
 ) -> None:
     bid, poison, calm = uid("loadkill"), uid("poison"), uid("calm")
     batches, log = tmp_path / "batches", tmp_path / "inferencer.log"
-    nc = await connect(fresh_server.url)
-    try:
-        js = nc.jetstream()
-        await declare(js)
-        hidden = Backbone.load("tiny").hidden_size
-        await commit_policy(js, poison, "job", FLOW, hidden)
-        await commit_policy(js, calm, "job", FLOW, hidden)
-        async with await PolicyClient.create(nc, bid, js) as client:
-            doomed = asyncio.create_task(
-                client.act(poison, "job", [make_obs(FLOW, 0)], timeout=240)
+    async with _policies(fresh_server.url, bid, poison, calm) as (js, client):
+        doomed = asyncio.create_task(client.act(poison, "job", [make_obs(FLOW, 0)], timeout=240))
+        # Its first delivery (uncounted), its first counted start, its load as a suspect
+        # beside the others (uncounted, marked), then its load inside its run alone
+        # (counted a second time: the limit).
+        for _ in range(4):
+            flags = ["--die-on-load"]
+            await _crashes(
+                procs.add(_start(fresh_server.url, poison, batches, log, bid, flags)), log
             )
-            # Its first delivery (uncounted), its first counted start, its load as a suspect
-            # beside the others (uncounted, marked), then its load inside its run alone
-            # (counted a second time: the limit).
-            for _ in range(4):
-                flags = ["--die-on-load"]
-                await _crashes(
-                    procs.add(_start(fresh_server.url, poison, batches, log, bid, flags)), log
-                )
-            proc = procs.add(_start(fresh_server.url, poison, batches, log, bid, ["--die-on-load"]))
-            refused = await asyncio.wait_for(asyncio.gather(doomed, return_exceptions=True), 90)
-            served = await client.act(calm, "job", [make_obs(FLOW, 1)], timeout=60)
-            assert served.error == "" and served.actions is not None, served.error
+        proc = procs.add(_start(fresh_server.url, poison, batches, log, bid, ["--die-on-load"]))
+        refused = await asyncio.wait_for(asyncio.gather(doomed, return_exceptions=True), 90)
+        served = await client.act(calm, "job", [make_obs(FLOW, 1)], timeout=60)
+        assert served.error == "" and served.actions is not None, served.error
         error = refused[0]
         assert isinstance(error, InferenceError) and not error.retryable, error
         assert "began 3 times in a row" in str(error), error
@@ -213,8 +206,6 @@ async def test_a_policy_load_that_kills_the_inferencer_ends_at_the_crash_limit(
         assert _text(batches).split().count("load") == 4, _text(batches)
         dead = await dead_letters(js, "INFER", poison)
         assert [d.error_type for d in dead] == ["CrashLoopError"], dead
-    finally:
-        await nc.close()
 
 
 async def test_a_crash_beside_a_suspects_policy_load_is_not_charged_to_the_suspect(
@@ -227,40 +218,29 @@ async def test_a_crash_beside_a_suspects_policy_load_is_not_charged_to_the_suspe
     bid, killer, innocent = uid("besideload"), uid("killer"), uid("innocent")
     batches, log, marker = tmp_path / "batches", tmp_path / "inferencer.log", tmp_path / "held"
     hold = ["--hold-load", innocent, str(marker)]
-    nc = await connect(fresh_server.url)
-    try:
-        js = nc.jetstream()
-        await declare(js)
-        hidden = Backbone.load("tiny").hidden_size
-        await commit_policy(js, killer, "job", FLOW, hidden)
-        await commit_policy(js, innocent, "job", FLOW, hidden)
-        async with await PolicyClient.create(nc, bid, js) as client:
-            waiting = asyncio.create_task(
-                client.act(innocent, "job", [make_obs(FLOW, 0)], timeout=240)
-            )
-            # Two runs killed (SIGKILL: a host's OOM killer) while its policy loads: its first
-            # delivery (not counted), then its first counted start. It is a suspect now.
-            for _ in range(2):
-                marker.unlink(missing_ok=True)
-                proc = procs.add(_start(fresh_server.url, killer, batches, log, bid, hold))
-                await eventually(marker.exists, timeout=90, what="the innocent's policy load")
-                proc.kill()
-                proc.wait(timeout=30)
-            # The third loads its policy as a suspect's (held), while a fresh request of the
-            # killer's is served beside it and kills the process.
-            marker.unlink()
+    async with _policies(fresh_server.url, bid, killer, innocent) as (js, client):
+        waiting = asyncio.create_task(client.act(innocent, "job", [make_obs(FLOW, 0)], timeout=240))
+        # Two runs killed (SIGKILL: a host's OOM killer) while its policy loads: its first
+        # delivery (not counted), then its first counted start. It is a suspect now.
+        for _ in range(2):
+            marker.unlink(missing_ok=True)
             proc = procs.add(_start(fresh_server.url, killer, batches, log, bid, hold))
-            await eventually(marker.exists, timeout=90, what="the suspect's policy load")
-            with pytest.raises(InferenceError):
-                # It expires before the next start: nothing else crashes after this.
-                await client.act(killer, "job", [make_obs(FLOW, 1)], timeout=10)
-            await _crashes(proc, log)
-            proc = procs.add(_start(fresh_server.url, killer, batches, log, bid))
-            served = await asyncio.wait_for(waiting, 90)
+            await eventually(marker.exists, timeout=90, what="the innocent's policy load")
+            proc.kill()
+            proc.wait(timeout=30)
+        # The third loads its policy as a suspect's (held), while a fresh request of the
+        # killer's is served beside it and kills the process.
+        marker.unlink()
+        proc = procs.add(_start(fresh_server.url, killer, batches, log, bid, hold))
+        await eventually(marker.exists, timeout=90, what="the suspect's policy load")
+        with pytest.raises(InferenceError):
+            # It expires before the next start: nothing else crashes after this.
+            await client.act(killer, "job", [make_obs(FLOW, 1)], timeout=10)
+        await _crashes(proc, log)
+        proc = procs.add(_start(fresh_server.url, killer, batches, log, bid))
+        served = await asyncio.wait_for(waiting, 90)
         assert served.error == "" and served.actions is not None, served.error
         assert proc.poll() is None, _text(log)
         ran = [line.split() for line in batches.read_text().splitlines()]
         assert ran == [[killer], [innocent]], ran
         assert await dead_letters(js, "INFER", innocent) == []
-    finally:
-        await nc.close()
