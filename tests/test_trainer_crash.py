@@ -93,6 +93,14 @@ async def _only_the_poison_failed(
     return await dead_letters(js, "TRAIN", poison)
 
 
+async def _sft_jobs(js: JetStreamContext, job: str, *tenants: str) -> None:
+    """Open an SFT job ``job`` of ``STEPS`` steps for each of ``tenants`` (no commit by step
+    count before its end) and send all its batches."""
+    for tenant in tenants:
+        await send(js, tenant, sft_open(tenant, job, STEPS, checkpoint_every=100))
+        await send(js, tenant, *(sft_batch(tenant, job, s) for s in range(STEPS)))
+
+
 def _text(path: Path) -> str:
     return path.read_text()
 
@@ -154,9 +162,7 @@ async def test_a_batch_that_kills_the_trainer_fails_its_own_job_and_the_others_f
     try:
         js = nc.jetstream()
         await declare(js)
-        for tenant in (poison, calm):
-            await send(js, tenant, sft_open(tenant, job, STEPS, checkpoint_every=100))
-            await send(js, tenant, *(sft_batch(tenant, job, s) for s in range(STEPS)))
+        await _sft_jobs(js, job, poison, calm)
         crashes, proc = await _run_until(
             fresh_server.url, procs, poison, rounds, log, calm, job, STEPS, mode
         )
@@ -191,9 +197,7 @@ async def test_a_step_that_raises_after_stepping_leaves_no_half_applied_commit(
     try:
         js = nc.jetstream()
         await declare(js)
-        for tenant in (poison, calm):
-            await send(js, tenant, sft_open(tenant, job, STEPS, checkpoint_every=100))
-            await send(js, tenant, *(sft_batch(tenant, job, s) for s in range(STEPS)))
+        await _sft_jobs(js, job, poison, calm)
         _, proc = await _run_until(
             fresh_server.url, procs, poison, rounds, log, calm, job, STEPS, "raise-after"
         )
