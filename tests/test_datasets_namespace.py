@@ -93,15 +93,19 @@ def reach_big(tmp_path_factory: pytest.TempPathFactory, reach: Path) -> Path:
 
 def asker(client: Client, tenant: str, *, stop_after: int | None = None) -> Ask:
     """What the SDK's push asks through; with ``stop_after``, the push is interrupted (as a
-    dropped connection would) when that many part requests have been answered."""
+    dropped connection would) at the first part request sent once that many part requests
+    have been answered. Parts go several at a time, so counting answers, not sends, keeps
+    the parts already sent from being cancelled before the master stores them."""
     answered: list[TenantRequest] = []
 
     async def ask(request: TenantRequest, timeout: float) -> TenantReply:
-        if stop_after is not None and isinstance(request, PutDatasetPart):
-            if len(answered) == stop_after:
-                raise Interrupt
-            answered.append(request)
-        return await client.request(tenant, request, timeout=timeout)
+        if stop_after is None or not isinstance(request, PutDatasetPart):
+            return await client.request(tenant, request, timeout=timeout)
+        if len(answered) >= stop_after:
+            raise Interrupt
+        reply = await client.request(tenant, request, timeout=timeout)
+        answered.append(request)
+        return reply
 
     return ask
 
@@ -466,10 +470,11 @@ async def test_a_push_stopped_inside_a_file_resumes_with_only_the_files_not_stor
     files = scan(reach_big)
     first, blob = files[0].path, "extra/blob.bin"
     assert [f.path for f in files[:2]] == [first, blob], "the big file is pushed second"
-    # Stopped at the big file's third part: its first parts may be stored, the file is not.
+    # Stopped at the big file's last part (its three others answered): the file is not stored.
     with pytest.raises(Interrupt):
         await push_dataset(asker(client, tenant, stop_after=3), tenant, reach_big, "reach")
     assert await objects(client, tenant, prefix_of("reach")) == [prefix_of("reach") + first]
+    assert len(await objects(client, tenant, uploads_prefix("reach"))) == 3, "its parts"
 
     pushed = await client.push_dataset(tenant, reach_big, "reach")
     assert pushed.report.skipped == [first]
