@@ -1,7 +1,7 @@
 """The inferencer splits a compatible group where its cost table says smaller forwards are
 faster: every request is still answered exactly once, with the results of the unsplit batch
-(bitwise in process), and a real inferencer reading its table from a file groups no further
-than the table allows."""
+(up to float rounding, in process), and a real inferencer reading its table from a file groups
+no further than the table allows."""
 
 from __future__ import annotations
 
@@ -95,8 +95,12 @@ def test_a_split_batch_answers_every_request_with_the_unsplit_results(
             a, b = getattr(s, name), getattr(w, name)
             if b is None:
                 assert a is None
-            else:  # each sample's forward is its own: bitwise equal on this CPU
-                np.testing.assert_array_equal(a, b, err_msg=f"request {i} {name}")
+            else:
+                # Each sample's forward is its own, but a CPU's matmul kernels may block a
+                # larger batch differently (AVX-512 does), so only up to float rounding.
+                np.testing.assert_allclose(
+                    a, b, rtol=1e-5, atol=1e-6, err_msg=f"request {i} {name}"
+                )
 
 
 async def test_an_inferencer_with_a_cost_table_file_answers_each_request_once_in_groups_it_allows(
