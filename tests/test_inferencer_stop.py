@@ -46,7 +46,8 @@ from bus.server import EmbeddedServer
 from schemas import subjects
 from services.inferencer.batching import BatchRunner, BatchStats, Outcome, Work
 from services.inferencer.config import InferencerConfig
-from services.inferencer.service import BATCH_GRACE_S, run
+from services.inferencer.service import run
+from services.inferencer.serving import BATCH_GRACE_S
 from tests.conftest import Procs
 from tests.helpers import catches_sigterm, eventually, start_service, uid
 from tests.test_inferencer import FLOW, commit_policy, make_obs
