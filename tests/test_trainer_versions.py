@@ -116,7 +116,7 @@ async def test_a_version_whose_event_was_not_published_is_announced_not_written_
 async def test_a_replay_of_a_job_whose_event_is_owed_is_settled_only_once_it_is_out() -> None:
     """A restarted trainer comes back to a job through its replayed messages; acked before
     the owed event went out, a second stop would lose that event for good."""
-    from services.trainer.service import Trainer
+    from services.trainer.triage import settle_consumed
 
     settled: list[object] = []
 
@@ -124,15 +124,14 @@ async def test_a_replay_of_a_job_whose_event_is_owed_is_settled_only_once_it_is_
         async def settle(self, msg: object, error: object) -> None:
             settled.append(msg)
 
-    trainer = Trainer.__new__(Trainer)
-    trainer.consumer = cast(Any, Recording())
+    consumer = cast(Any, Recording())
     owed = PolicyPublished("t", "j", 2, "obj", 2, 0.0)
     job = cast(JobSlot, SimpleNamespace(unannounced=owed, awaiting_event=[]))
     replay = cast(Any, object())
-    await trainer.consumed(replay, job)
+    await settle_consumed(consumer, replay, job)
     assert settled == [] and job.awaiting_event == [(replay, None)]
     job.unannounced = None
-    await trainer.consumed(replay, job)
+    await settle_consumed(consumer, replay, job)
     assert settled == [replay]
 
 

@@ -55,7 +55,7 @@ class _At:
     @classmethod
     def of(cls, job: JobSlot) -> _At:
         # job.save_as stays set until a commit carrying it lands: the session's calls wait
-        # (services.trainer.service.Trainer.session_call), so any retry freezes the same state.
+        # (services.trainer.triage.Triage.session_call), so any retry freezes the same state.
         return cls(job.applied_seq, job.batches_done, dict(job.metrics), job.finished, job.save_as)
 
 

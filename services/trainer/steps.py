@@ -24,6 +24,7 @@ from services.trainer.jobs import JobSlot
 from services.trainer.ledger import Verdict, episode_verdict
 from services.trainer.sft import build_request
 from services.trainer.spans import trace_round, trace_update
+from services.trainer.triage import settle_consumed
 from vla.backbone import Backbone
 from vla.featurecache import FeatureCache
 from vla.grouping import FeatureEncoder, Phase, TrainRequest, group_train_step
@@ -239,7 +240,7 @@ class Stepper:
             job.batches_done, job.rollouts, body.iteration, body.episode, job.committed_batches
         )
         if verdict is Verdict.CONSUMED:
-            await self.trainer.consumed(msg, job)
+            await settle_consumed(self.trainer.consumer, msg, job)
         if verdict is not Verdict.COLLECT:
             return verdict
         lag = job.slot.version - body.policy_version
