@@ -1,9 +1,11 @@
 """Batched heads on the real tiny backbone: tenants whose heads share an architecture train
 through one stacked head forward/backward and one shared AdamW step, and each still takes
-exactly the losses and reaches exactly the parameters of its own serial run (bit for bit:
-a tenant alone is a stack of one, and a slice of a batched kernel does not depend on the
-others), for every head kind and for mixed rounds; one tenant's NaN or exception leaves
-every other tenant's parameters and optimizer state as they would be. The stacked
+exactly the losses and reaches exactly the parameters of its own serial run (bit for bit
+where this machine's kernels give a sample the same bits alone as in a batch, else up to
+float32 rounding: :mod:`tests.numerics`; a tenant alone is a stack of one, and a slice of a
+batched kernel does not depend on the others), for every head kind and for mixed rounds;
+one tenant's NaN or exception leaves every other tenant's parameters and optimizer state as
+they would be. The stacked
 formulation computes the same function as each head module's own ``loss`` (within 1e-5)."""
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 import vla.batched
 from schemas.model import HeadConfig, OptimizerConfig
+from tests.numerics import assert_same_results, assert_same_state
 from vla.backbone import Backbone
 from vla.feature import ModelInputs, VLAFeature
 from vla.grouping import TrainRequest, group_train_step, serial_train_step
@@ -174,12 +177,12 @@ def assert_same_as_serial(
     serial: tuple[dict[str, list[StepResult | Exception]], dict[str, TenantSlot]],
     names: list[str],
 ) -> None:
-    """Losses, grad norms, lr, step, parameters, AdamW moments and RNG: bit for bit."""
+    """Losses, grad norms, lr, step, parameters, AdamW moments and RNG: bit for bit where
+    this machine allows it (:mod:`tests.numerics`)."""
     for name in names:
         assert all(isinstance(r, StepResult) for r in serial[0][name]), (name, serial[0][name])
-        assert grouped[0][name] == serial[0][name], name
-        diff = max_diff(snapshot(grouped[1][name]), snapshot(serial[1][name]))
-        assert diff == 0.0, (name, diff)
+        assert_same_results(grouped[0][name], serial[0][name], name)
+        assert_same_state(snapshot(grouped[1][name]), snapshot(serial[1][name]), name)
 
 
 class CountingBatched:
@@ -203,7 +206,7 @@ def test_each_head_kind_batched_equals_each_tenants_serial_run(
     backbone: Backbone, normaliser: Normaliser, head: HeadConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Three tenants with one architecture (different seeds, data and optimizers) train as
-    one batched head per step, and each matches its own serial run bit for bit."""
+    one batched head per step, and each matches its own serial run."""
     tenants = same_arch(head)
     serial = run(backbone, normaliser, tenants, grouped=False)
     counting = CountingBatched(monkeypatch)
@@ -219,7 +222,7 @@ def test_mixed_round_batches_each_architecture_and_runs_lone_heads_on_their_own(
 ) -> None:
     """One round with two architectures of three and two tenants, a lone flow head and a
     same-architecture tenant with another local batch: two batched calls of 3 and 2 (and
-    two stacks of one) per step, and every tenant matches its serial run bit for bit."""
+    two stacks of one) per step, and every tenant matches its serial run."""
     lone = [
         Tenant("flow-lone", FLOW, OPTIMS[0]),
         Tenant("oft-b3", OFT, OPTIMS[1], local_batch=3),
@@ -275,7 +278,7 @@ def test_exceptions_in_batched_tenants_touch_nobody_else(
 ) -> None:
     """A mis-shaped target fails its own tenant before the batched call; when the batched
     call itself raises, its members fall back to stacks of one, where only the tenant
-    whose head raises fails: everyone else matches the serial run, bit for bit."""
+    whose head raises fails: everyone else matches the serial run."""
     tenants = same_arch(OFT, 4)
     real_backward = vla.batched.batched_backward
 
@@ -302,14 +305,13 @@ def test_exceptions_in_batched_tenants_touch_nobody_else(
     fresh = new_slots(backbone, tenants)
     for name in ("oft0", "oft1"):
         assert max_diff(snapshot(grouped[1][name]), snapshot(fresh[name])) == 0.0
-    for name in ("oft2", "oft3"):
-        assert grouped[0][name] == serial[0][name]
-        assert max_diff(snapshot(grouped[1][name]), snapshot(serial[1][name])) == 0.0
+    assert_same_as_serial(grouped, serial, ["oft2", "oft3"])
 
 
-def test_batch_heads_off_is_bitwise_serial(backbone: Backbone, normaliser: Normaliser) -> None:
+def test_batch_heads_off_is_the_serial_run(backbone: Backbone, normaliser: Normaliser) -> None:
     """With batched heads off (every tenant a stack of one, then the shared clip + AdamW
-    step), three same-architecture tenants end bit for bit where their serial runs end."""
+    step), three same-architecture tenants end where their serial runs end (bit for bit
+    where this machine allows it)."""
     tenants = same_arch(FLOW)
     serial = run(backbone, normaliser, tenants, grouped=False)
     batches = {t.name: make_batches(normaliser, t, seed=i) for i, t in enumerate(tenants)}
@@ -319,9 +321,7 @@ def test_batch_heads_off_is_bitwise_serial(backbone: Backbone, normaliser: Norma
         requests = [TrainRequest(t.name, slots[t.name], *batches[t.name][step]) for t in tenants]
         for name, r in group_train_step(backbone, requests, batch_heads=False).items():
             results[name].append(r)
-    for t in tenants:
-        assert results[t.name] == serial[0][t.name]
-        assert max_diff(snapshot(slots[t.name]), snapshot(serial[1][t.name])) == 0.0
+    assert_same_as_serial((results, slots), serial, [t.name for t in tenants])
 
 
 # -- the stacked formulation is the heads' own function ------------------------------------

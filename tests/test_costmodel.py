@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.model import HeadConfig, OptimizerConfig
+from tests.numerics import assert_same, assert_same_results, assert_same_state
 from vla import costmodel
 from vla.backbone import Backbone
 from vla.costmodel import CostTable, SplitEncoder
@@ -201,8 +202,8 @@ def test_split_encoder_gives_the_features_of_one_forward(tiny: Backbone) -> None
     whole = tiny.encode(inputs)
     split = encoder.encode(inputs)
     assert encoder.forwards == 4
-    # Each sample's forward is its own: the same features, bitwise on this CPU.
-    torch.testing.assert_close(split.prefix_B_T_D, whole.prefix_B_T_D, rtol=0, atol=1e-6)
+    # Each sample's forward is its own: the same features (bitwise where the machine allows).
+    assert_same(split.prefix_B_T_D, whole.prefix_B_T_D)
     assert torch.equal(split.mask_B_T, whole.mask_B_T)
     assert torch.equal(split.proprio_B_P, whole.proprio_B_P)
 
@@ -307,8 +308,11 @@ def test_a_grouped_train_step_through_the_split_encoder_equals_the_unsplit_one(
         for r in whole:
             ra, rb = a[r.tenant], b[r.tenant]
             assert not isinstance(ra, Exception) and not isinstance(rb, Exception), (ra, rb)
-            assert ra.loss == rb.loss, r.tenant
+            assert_same_results([rb], [ra], r.tenant)
     assert encoder.forwards == 3 * 6
     for rw, rs in zip(whole, split, strict=True):
-        for pw, ps in zip(rw.slot.module.parameters(), rs.slot.module.parameters(), strict=True):
-            assert torch.equal(pw, ps), rw.tenant
+        assert_same_state(
+            {"module": rs.slot.module.state_dict()},
+            {"module": rw.slot.module.state_dict()},
+            rw.tenant,
+        )

@@ -20,6 +20,7 @@ from clients.lowlevel import ServiceClient, VLABatch
 from schemas.model import HeadConfig, OptimizerConfig
 from tests.conftest import Procs
 from tests.helpers import service_env, start_service, uid
+from tests.numerics import assert_same
 from vla.backbone import Backbone
 from vla.feature import CompatKey
 from vla.featurecache import CachedEncoder, FeatureCache, sample_digests
@@ -121,7 +122,8 @@ def test_the_byte_budget_evicts_least_recently_used(backbone: Backbone) -> None:
     assert len(cache) == 2 and cache.bytes <= 2 * per_sample and cache.evictions == SIZE - 2
     again = encoder.encode(inputs)  # the two kept rows hit; the rest are encoded again
     assert cache.hits == 2
-    assert torch.equal(again.prefix_B_T_D, feature.prefix_B_T_D)
+    # The rows encoded again ran in a smaller forward: bitwise where the machine allows.
+    assert_same(again.prefix_B_T_D, feature.prefix_B_T_D)
 
 
 @pytest.mark.timeout(120)

@@ -1,4 +1,6 @@
-"""Group batching on the real tiny backbone: grouped == alone, and tenants stay isolated."""
+"""Group batching on the real tiny backbone: grouped == alone (bit for bit where this
+machine's kernels give a sample the same bits alone as in a batch, else up to float32
+rounding: :mod:`tests.numerics`), and tenants stay isolated."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from schemas.model import HeadConfig, OptimizerConfig
+from tests.numerics import assert_same, assert_same_results, assert_same_state
 from vla.backbone import Backbone
 from vla.feature import ModelInputs, VLAFeature
 from vla.grouping import (
@@ -155,7 +158,7 @@ def test_every_head_kind_trains_bitwise_identically_alone_and_grouped(
 ) -> None:
     """Each of oft/discrete/flow/oft+value, grouped with the three others for 5 steps, takes
     exactly the losses and reaches exactly the parameters it does alone (deterministic
-    algorithms, CPU: bitwise)."""
+    algorithms, CPU: bitwise where the machine allows it)."""
     batches = {t.name: make_batches(normaliser, t, seed=i) for i, t in enumerate(TENANTS)}
     alone = {t.name: train_alone(backbone, t, i, batches[t.name]) for i, t in enumerate(TENANTS)}
 
@@ -172,8 +175,8 @@ def test_every_head_kind_trains_bitwise_identically_alone_and_grouped(
     for t in TENANTS:
         solo_results, solo_slot = alone[t.name]
         assert all(isinstance(r, StepResult) for r in solo_results), solo_results
-        assert grouped[t.name] == solo_results, t.name  # loss, grad norm, lr, step: exact
-        assert_bitwise_equal(snapshot(slots[t.name]), snapshot(solo_slot))
+        assert_same_results(grouped[t.name], solo_results, t.name)
+        assert_same_state(snapshot(slots[t.name]), snapshot(solo_slot), t.name)
     losses = [r.loss for r in grouped["flow"] if isinstance(r, StepResult)]
     assert len(set(losses)) == STEPS  # the steps really moved
 
@@ -195,11 +198,12 @@ def test_group_act_matches_serial_act(backbone: Backbone, normaliser: Normaliser
     for t in TENANTS:
         g, s = grouped[t.name], serial[t.name]
         assert g.actions_B_C_A.shape == (t.local_batch, t.head.chunk_len, t.head.action_dim)
-        assert torch.equal(g.actions_B_C_A, s.actions_B_C_A)
-        assert torch.equal(g.log_prob_B, s.log_prob_B)
+        assert_same(g.actions_B_C_A, s.actions_B_C_A, t.name)
+        assert_same(g.log_prob_B, s.log_prob_B, t.name)
         assert (g.value_B is None) == (not t.head.value_head)
         if g.value_B is not None:
-            assert torch.equal(g.value_B, s.value_B)
+            assert s.value_B is not None
+            assert_same(g.value_B, s.value_B, t.name)
 
 
 def test_encode_group_partitions_with_each_tenants_own_proprio(
@@ -209,7 +213,7 @@ def test_encode_group_partitions_with_each_tenants_own_proprio(
     features = encode_group(backbone, parts)
     for part, feature in zip(parts, features, strict=True):
         alone = backbone.encode(part)
-        assert torch.equal(feature.prefix_B_T_D, alone.prefix_B_T_D)
+        assert_same(feature.prefix_B_T_D, alone.prefix_B_T_D)
         assert torch.equal(feature.mask_B_T, alone.mask_B_T)
         assert torch.equal(feature.proprio_B_P, part.proprio_B_P)
 
@@ -260,8 +264,8 @@ def test_other_tenants_nan_data_does_not_touch_this_tenant(
         return TrainRequest(r.tenant, r.slot, inputs, r.actions_B_C_A)
 
     focus, slot, results = run_focus_with(backbone, normaliser, nan_data)
-    assert focus == focus_alone[0]
-    assert_bitwise_equal(snapshot(slot), focus_alone[1])
+    assert_same_results(focus, focus_alone[0])
+    assert_same_state(snapshot(slot), focus_alone[1])
     for name in ("oft", "disc"):
         assert all(isinstance(r, NonFiniteLossError) for r in results[name]), results[name]
     assert all(isinstance(r, ValueError) and "NaN" in str(r) for r in results["oftv"])
@@ -281,8 +285,8 @@ def test_other_tenants_head_exception_does_not_touch_this_tenant(
         return r
 
     focus, slot, results = run_focus_with(backbone, normaliser, break_head)
-    assert focus == focus_alone[0]
-    assert_bitwise_equal(snapshot(slot), focus_alone[1])
+    assert_same_results(focus, focus_alone[0])
+    assert_same_state(snapshot(slot), focus_alone[1])
     assert all(isinstance(r, RuntimeError) for r in results["oft"])
     assert all(isinstance(r, ValueError) and "(1, 2, 3)" in str(r) for r in results["disc"])
     assert all(isinstance(r, StepResult) for r in results["oftv"])
@@ -334,7 +338,9 @@ def test_incompatible_keys_form_separate_groups(backbone: Backbone, normaliser: 
     # Tenants 0 and 2 share a key (2 + 3 samples); 1 and 3 are alone in theirs.
     assert counting.calls == [2 + 3, 1, 2]
     serial = serial_train_step(backbone, requests())
-    assert grouped == serial
+    assert grouped.keys() == serial.keys()
+    for name in grouped:
+        assert_same_results([grouped[name]], [serial[name]], name)
     assert all(isinstance(r, StepResult) for r in grouped.values())
 
 
