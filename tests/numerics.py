@@ -2,12 +2,13 @@
 
 DESIGN §3: a tenant's trajectory is the same grouped or alone "within floating-point
 tolerance, bitwise where deterministic". Whether a sample's forward gives the same bits alone
-as beside other samples depends on the machine: on some CPUs (AVX-512 ones, even under the
-``MKL_CBWR=AVX2`` that :mod:`vla` sets) MKL picks float32 GEMM kernels by the number of rows,
+as beside other samples depends on the machine: on some AVX-512 CPUs, even under the
+``MKL_CBWR=AVX2`` that :mod:`vla` sets, MKL picks float32 GEMM kernels by the number of rows,
 and a kernel blocked another way sums in another order. :func:`batch_invariant` asks this
 machine once; the equivalence tests then ask for the same bits where it holds, and for
-float32 rounding (:data:`RTOL`) elsewhere. Comparisons of runs whose batches
-have the same shapes (a tenant's NaN beside the same batch-mates) stay bitwise everywhere.
+float32 rounding (:data:`RTOL`, :data:`STATE_RTOL`) elsewhere. Comparisons of runs whose
+batches have the same shapes (a tenant's NaN beside the same batch-mates) stay bitwise
+everywhere.
 """
 
 from __future__ import annotations
@@ -158,7 +159,8 @@ def assert_same_state(
 def _compare_exactly(
     a: Any, e: Any, where: str, floats: list[tuple[str, torch.Tensor, torch.Tensor]]
 ) -> None:
-    """Compare everything but floating-point tensors exactly; collect those (same shapes)."""
+    """Compare everything but floating-point tensors exactly; collect those (same shapes) in
+    ``floats``, flattened, for the caller to compare."""
     if isinstance(a, Mapping):
         assert isinstance(e, Mapping) and a.keys() == e.keys(), where
         for key in a:
