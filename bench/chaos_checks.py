@@ -37,8 +37,9 @@ class JobCheck:
     max_param_diff: float = 0.0
     #: The first step whose loss or mean return differs from the reference run's (0: none).
     first_divergent_step: int = 0
-    #: Whether a second fault-free run reaches the reference's parameters bit for bit (only
-    #: then is ``params_equal`` asked of the run with faults), and how far it lands.
+    #: Whether a second fault-free run reaches the reference's parameters bit for bit on a
+    #: CPU whose kernels are batch-invariant (only then is ``params_equal`` asked of the run
+    #: with faults), and how far the second run lands.
     reproducible: bool = False
     fault_free_param_diff: float = 0.0
     reason: str = ""

@@ -1,8 +1,7 @@
 """``joynexus chaos`` as an operator runs it, smaller: a 3-tenant workload (SFT, PPO, GRPO)
 while the trainer, the inferencer, an env worker and the master are each SIGKILLed at least
-once; nothing is lost or applied twice, and the jobs that rerun bit for bit without faults
-(all of them where the CPU's kernels are batch-invariant) end with the same parameters with
-them."""
+once; nothing is lost or applied twice, and where the CPU's kernels are batch-invariant
+every job ends with the same parameters as without faults."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import ROOT
-from tests.numerics import batch_invariant
+from vla.numerics import batch_invariant
 
 
 @pytest.mark.timeout(420)
@@ -40,15 +39,18 @@ def test_chaos_kills_every_role_and_loses_nothing(tmp_path: Path) -> None:
     assert result["kills"] == 5 and result["jobs"] == 3 and result["succeeded"] == 3, told
     assert result["lost"] == 0 and result["duplicated"] == 0, result["checks"]
     jobs = {"chaos-sft", "chaos-ppo", "chaos-grpo"}
+    assert result["batch_invariant"] == batch_invariant()
     if batch_invariant():
         # Every job reruns bit for bit without faults (PPO's bootstrap values included: their
         # act requests are seeded, so no batch merges them): every one's parameters compared.
         assert set(result["reproducible"]) == jobs
     else:
-        # Here a sample's bits depend on whom it is batched with (tests/numerics.py), and
-        # batches form by timing: a job reruns bit for bit only by luck, and only those that
-        # did are compared (the others' fault-free difference is in the report).
-        assert set(result["reproducible"]) <= jobs
+        # Here a sample's bits depend on whom it is batched with (vla.numerics), and batches
+        # form by timing: a fault-free pair that agrees does so by luck, and the run with
+        # faults, batched otherwise, need not (it failed that way under a loaded CPU). No
+        # job's parameters are compared; lost and duplicated above still count every step.
+        assert result["reproducible"] == [], result["checks"]
+        assert "params: not compared" in run.stdout, told
     assert result["params_equal"], result["checks"]
     assert result["ok"] and run.returncode == 0, run.stdout
     assert "ok True" in run.stdout

@@ -16,7 +16,7 @@ import pytest
 from bench.demo_costs import TOLERANCE, validate
 from bench.simulate import DemoCosts
 from tests.helpers import ROOT
-from tests.numerics import batch_invariant
+from vla.numerics import batch_invariant
 
 JOYNEXUS = str(Path(sys.executable).parent / "joynexus")
 #: The issue's budget for ``--quick`` (it takes about 2 minutes here).
