@@ -22,17 +22,12 @@ demo: $(STAMP)
 # redelivery: two at a time use a 2-core machine's second core (README, "Suite", has the
 # times). TEST_WORKERS=0 runs them one at a time.
 TEST_WORKERS ?= 2
-# The crash-loop tests restart a real role until a poison reaches the crash limit: mostly
-# waiting, so they run two at a time too; the other whole-stack runs (each a stack of every
-# role, some training for minutes) one at a time, as their timings were measured.
-CRASH_LOOP_TESTS := tests/test_trainer_crash.py tests/test_inferencer_crash.py
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow and not stack and not heavy and not compose" -q --durations=25 -n $(TEST_WORKERS)
 
 test-stack: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "heavy and not slow" -q --durations=5 -n $(TEST_WORKERS) $(CRASH_LOOP_TESTS)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "(stack or heavy) and not slow and not compose" -q --durations=15 $(addprefix --ignore=,$(CRASH_LOOP_TESTS))
+	TEST_WORKERS=$(TEST_WORKERS) bash scripts/test-stack.sh
 
 # docker compose for real: an engine (installed and started when absent), the images built
 # offline, the stack up, an SFT job through it, a role killed and restarted.

@@ -28,6 +28,7 @@ PUSH = "PushCube-v1"
 
 @pytest.mark.maniskill
 @pytest.mark.heavy  # 4 min on a quiet 2-core machine: in CI through `make test-stack`
+@pytest.mark.beside  # mostly rendering and training in process: beside the other stack runs
 @pytest.mark.timeout(900)
 def test_a_pretrained_backbone_sees_the_cube_and_its_policy_beats_the_blind_one(
     maniskill_home: Path, tmp_path: Path
