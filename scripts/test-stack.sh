@@ -6,7 +6,7 @@
 #      training) in a pytest process of their own, at the same time as
 #   3. every other whole-stack run, one at a time, as their timings were measured.
 # TEST_WORKERS=0 runs everything one at a time. Exits non-zero if any part fails or selects
-# no test (pytest's exit 5).
+# no test (pytest's exit 5; under pytest-xdist, pytest 9.2 ends in an INTERNALERROR, exit 3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1
