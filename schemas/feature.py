@@ -64,9 +64,10 @@ class EncodeRequest(msgspec.Struct, frozen=True, tag="encode"):
 
     The fields before ``tensors`` say what the requester expects to get back (a backbone
     that is another id, layer or preprocessing refuses it). ``tensors`` are the backbone's
-    forward inputs, batch first (``input_ids``, ``attention_mask``, ``pixel_values``, ...: a
-    :class:`vla.feature.ModelInputs`' tensors). The tenant's proprio does not travel: the
-    backbone does not read it."""
+    forward inputs, batch first (``input_ids``, ``attention_mask``, and the views as exactly
+    one of float32 ``pixel_values`` (B, V, 3, S, S) or resized uint8 ``pixels_u8`` (B, V, S,
+    S, 3), which the backbone normalises itself: a :class:`vla.feature.ModelInputs`' tensors).
+    The tenant's proprio does not travel: the backbone does not read it."""
 
     backbone_id: str
     feature_layer: int

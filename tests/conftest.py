@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+import torch
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
@@ -22,6 +23,10 @@ from clients.sdk import Client
 from services.master.queries import Queries
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The roles compute with one intra-op thread (their --torch-threads default). On some CPUs
+# (AVX-512 ones here) a matmul's bits depend on the thread count, so a reference computed in
+# the test process must use one thread too, whichever test files a run selects.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ import signal
 from collections.abc import Awaitable
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -29,23 +30,31 @@ from bus.server import EmbeddedServer
 from clients.lowlevel import AdamParams, CallOutput, ServiceClient, VLABatch
 from schemas import subjects
 from schemas.feature import ENCODE_REPLY_DECODER, EncodeError, FeatureRecord
+from schemas.tensor import Tensor
 from tests.conftest import Procs
 from tests.helpers import eventually, start_service, uid
 from tests.test_lowlevel import HEAD, TOKEN_BUDGET, Plan, assert_same_slot, reference, saved_slot
 from vla.backbone import Backbone
-from vla.feature import ModelInputs
+from vla.feature import PIXELS_U8, ModelInputs
 from vla.normalize import Normaliser
 from vla.wire import FeatureRecordError, WireEncoder, to_encode_request
 
 
-def inputs_of(backbone: Backbone, batch: int, seed: int = 0) -> ModelInputs:
+def inputs_of(
+    backbone: Backbone, batch: int, seed: int = 0, *, uint8_pixels: bool = False
+) -> ModelInputs:
     rng = np.random.default_rng(seed)
     size = backbone.image_size
-    return Normaliser(backbone, 1, TOKEN_BUDGET).normalise_arrays(
+    normaliser = Normaliser(backbone, 1, TOKEN_BUDGET, uint8_pixels=uint8_pixels)
+    return normaliser.normalise_arrays(
         rng.integers(0, 255, (batch, 1, size, size, 3), dtype=np.uint8),
         [f"push the block {i}" for i in range(batch)],
         rng.standard_normal((batch, 4)).astype(np.float32),
     )
+
+
+def _without(tensors: dict[str, Tensor], name: str) -> dict[str, Tensor]:
+    return {n: t for n, t in tensors.items() if n != name}
 
 
 async def until_answering(client: FeatureClient, backbone: Backbone) -> None:
@@ -88,10 +97,12 @@ async def test_features_over_the_bus_are_the_resident_ones_inline_and_by_referen
         proc = procs.add(start_service("backbone", server.url, tmp_path / "backbone.log"))
 
         await until_answering(client, backbone)
-        for batch in (3, 40):  # 40 samples: request and answer both over 128 KiB
-            inputs = inputs_of(backbone, batch, seed=batch)
+        # 40 samples: request and answer both over 128 KiB. Views sent as uint8 (what
+        # head-only roles send) come back as the features of the values normalised here.
+        for batch, uint8_pixels in ((3, False), (40, False), (3, True), (40, True)):
+            inputs = inputs_of(backbone, batch, seed=batch, uint8_pixels=uint8_pixels)
             there = await asyncio.to_thread(remote.encode, inputs)
-            here = backbone.encode(inputs)
+            here = backbone.encode(inputs_of(backbone, batch, seed=batch))
             assert torch.equal(there.prefix_B_T_D, here.prefix_B_T_D)
             assert torch.equal(there.mask_B_T, here.mask_B_T)
             assert torch.equal(there.proprio_B_P, inputs.proprio_B_P)
@@ -115,10 +126,21 @@ async def test_features_over_the_bus_are_the_resident_ones_inline_and_by_referen
             )
             assert isinstance(reply, EncodeError) and not reply.retryable
             assert expect in reply.message, reply.message
-        stripped = inputs_of(backbone, 2)
-        del stripped.tensors["pixel_values"]
-        with pytest.raises(EncodeRefused, match=r"tensors: missing \['pixel_values'\]"):
-            await ask(stripped)
+        ids = ["0", "1"]
+        full = to_encode_request(inputs_of(backbone, 2), layer, ids)
+        u8 = to_encode_request(inputs_of(backbone, 2, uint8_pixels=True), layer, ids)
+        cropped = Tensor.from_torch(u8.tensors[PIXELS_U8].to_torch()[:, :, :8])
+        for tensors, expect in (
+            (_without(full.tensors, "input_ids"), r"tensors: missing \['input_ids'\]"),
+            (_without(full.tensors, "pixel_values"), r"expected exactly one of .*, got none"),
+            (
+                {**full.tensors, PIXELS_U8: u8.tensors[PIXELS_U8]},
+                r"got \['pixel_values', 'pixels_u8'\]",
+            ),
+            ({**u8.tensors, PIXELS_U8: cropped}, r"pixels_u8: expected uint8 \(2, 1, "),
+        ):
+            with pytest.raises(EncodeRefused, match=expect):
+                await client.request(msgspec.structs.replace(full, tensors=tensors))
         # A record of another layer than asked for is never handed to a head.
         record = await ask(inputs_of(backbone, 2))
         with pytest.raises(FeatureRecordError, match="expected"):

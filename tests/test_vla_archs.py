@@ -17,7 +17,7 @@ from schemas.model import Observation
 from schemas.tensor import Tensor
 from tests.numerics import assert_rounding_apart
 from vla.backbone import Backbone
-from vla.feature import ModelInputs
+from vla.feature import PIXELS_U8, ModelInputs
 from vla.normalize import Normaliser
 from vla.tiny import SPECS, init_checkpoint
 
@@ -56,6 +56,24 @@ def test_checkpoint_loads_with_features_identical_to_the_in_process_model(
     feat_loaded = loaded.encode(Normaliser(loaded, 2, 10).normalise(samples()))
     assert torch.equal(feat_loaded.prefix_B_T_D, feat_built.prefix_B_T_D)
     assert torch.isfinite(feat_built.prefix_B_T_D).all()
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_views_sent_as_uint8_give_the_features_of_normalised_values(name: str) -> None:
+    """What a head-only role sends the backbone role: resized uint8 views, a quarter of the
+    bytes, normalised by the backbone into the very bits the normaliser would have made."""
+    bb = Backbone.load(name)
+    values = Normaliser(bb, 2, 10).normalise(samples())
+    raw = Normaliser(bb, 2, 10, uint8_pixels=True).normalise(samples())
+    assert "pixel_values" not in raw.tensors and raw.tensors[PIXELS_U8].dtype == torch.uint8
+    assert raw.tensors[PIXELS_U8].nbytes * 4 == values.tensors["pixel_values"].nbytes
+    assert torch.equal(
+        bb.model_kwargs(raw)["pixel_values"], bb.model_kwargs(values)["pixel_values"]
+    )
+    assert torch.equal(bb.encode(raw).prefix_B_T_D, bb.encode(values).prefix_B_T_D)
+    raw.tensors[PIXELS_U8] = raw.tensors[PIXELS_U8].to(torch.float32)
+    with pytest.raises(ValueError, match=r"pixels_u8: expected uint8 \(3, 2, "):
+        bb.encode(raw)
 
 
 @pytest.mark.parametrize("name", ARCHS)

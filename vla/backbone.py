@@ -29,7 +29,7 @@ from transformers import (
 )
 
 from schemas.ids import validate_id
-from vla.feature import ModelInputs, VLAFeature
+from vla.feature import PIXELS_U8, ModelInputs, VLAFeature
 from vla.layout import ImageLayout, probe_layout
 from vla.tiny import TINY_NAMES, build_tiny
 
@@ -47,6 +47,17 @@ class PixelSpec:
     rescale_factor: float
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+
+    def normalise(self, pixels_B_V_S_S_3: torch.Tensor) -> torch.Tensor:
+        """Resized uint8 views ``(B, V, S, S, 3)`` as float32 ``pixel_values`` ``(B, V, 3, S,
+        S)``: the processors' ``(x * rescale_factor - mean) / std``. Every place that turns
+        pixels into values calls this, so a sample normalised in the trainer and one sent as
+        uint8 to the backbone role become the same bits."""
+        mean_3_1_1 = torch.tensor(self.mean, dtype=torch.float32).view(3, 1, 1)
+        std_3_1_1 = torch.tensor(self.std, dtype=torch.float32).view(3, 1, 1)
+        values = pixels_B_V_S_S_3.permute(0, 1, 4, 2, 3).to(torch.float32)
+        values.mul_(self.rescale_factor).sub_(mean_3_1_1).div_(std_3_1_1)
+        return values.contiguous()
 
 
 def _channel_triple(value: float | list[float] | tuple[float, ...] | None, default: float) -> tuple:
@@ -215,7 +226,8 @@ class Backbone:
         t = inputs.tensors
         layout = self.layout
         input_ids_B_T = t["input_ids"].to(self.device, non_blocking=True)
-        pixels_B_V_3_S_S = t["pixel_values"].to(self.device, self.dtype, non_blocking=True)
+        values_B_V_3_S_S = t["pixel_values"] if PIXELS_U8 not in t else self._values_of(inputs)
+        pixels_B_V_3_S_S = values_B_V_3_S_S.to(self.device, self.dtype, non_blocking=True)
         b, v = pixels_B_V_3_S_S.shape[:2]
         if layout.sub_images > 1:  # every sub-image is the whole view (checked at load)
             pixels = pixels_B_V_3_S_S.unsqueeze(2).expand(-1, -1, layout.sub_images, -1, -1, -1)
@@ -237,6 +249,25 @@ class Backbone:
             for name, (on, off) in layout.per_token.items():
                 kwargs[name] = torch.where(on_block_B_T, on, off)
         return kwargs
+
+    def _values_of(self, inputs: ModelInputs) -> torch.Tensor:
+        """``pixel_values`` of inputs that carry uint8 views (:data:`vla.feature.PIXELS_U8`),
+        normalised here as the trainer's normaliser would have; a view tensor of another
+        shape or dtype than the key implies is refused, naming it."""
+        key = inputs.key
+        pixels = inputs.tensors[PIXELS_U8]
+        size = self.image_size
+        b = int(inputs.tensors["input_ids"].shape[0])
+        expect = (b, key.num_views, size, size, 3)
+        if pixels.dtype != torch.uint8 or tuple(pixels.shape) != expect:
+            raise ValueError(
+                f"{PIXELS_U8}: expected uint8 {expect} for {key}, got {pixels.dtype} "
+                f"{tuple(pixels.shape)}"
+            )
+        if "pixel_values" in inputs.tensors:
+            raise ValueError(f"inputs carry both pixel_values and {PIXELS_U8}; send one")
+        # uint8 crosses to the device (a quarter of the float bytes) and is normalised there.
+        return self.pixel_spec.normalise(pixels.to(self.device, non_blocking=True))
 
     def encode(self, inputs: ModelInputs) -> VLAFeature:
         """One backbone forward over the whole batch -> :class:`VLAFeature`.

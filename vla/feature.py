@@ -16,6 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+#: The name under which :class:`ModelInputs` may carry its views as resized uint8 ``(B, V, S, S,
+#: 3)`` instead of float32 ``pixel_values`` ``(B, V, 3, S, S)``; the backbone normalises them
+#: itself (:meth:`vla.backbone.Backbone.model_kwargs`).
+PIXELS_U8 = "pixels_u8"
+
 
 @dataclass(frozen=True)
 class CompatKey:
@@ -32,7 +37,8 @@ class ModelInputs:
     """A normalised batch: backbone input tensors (batch-first, shapes fixed by ``key``).
 
     ``tensors`` holds what the backbone's forward takes (``input_ids``, ``attention_mask``,
-    ``pixel_values``, ...). ``proprio_B_P`` is the tenant's proprio state (not a backbone input).
+    ``pixel_values`` or :data:`PIXELS_U8`, ...). ``proprio_B_P`` is the tenant's proprio state
+    (not a backbone input).
     """
 
     key: CompatKey

@@ -34,7 +34,7 @@ from PIL import Image
 from tokenizers import Tokenizer
 
 from schemas.model import Observation
-from vla.feature import CompatKey, ModelInputs
+from vla.feature import PIXELS_U8, CompatKey, ModelInputs
 
 if TYPE_CHECKING:
     from vla.backbone import Backbone
@@ -46,6 +46,11 @@ class Normaliser:
     Cheap to build (one per key); keep it around, since it caches the tokenisation of repeated
     instructions (robot tasks repeat the same few instructions for many steps). Not thread-safe
     (the cache is a plain LRU): use one per thread or event loop.
+
+    ``uint8_pixels``: keep the resized views as uint8 (:data:`vla.feature.PIXELS_U8`) instead of
+    normalising them to float32 ``pixel_values``, for a process whose forwards run in the
+    backbone role: the request then carries a quarter of the bytes, and the backbone
+    normalises them with the same arithmetic (:meth:`vla.backbone.PixelSpec.normalise`).
     """
 
     def __init__(
@@ -55,6 +60,7 @@ class Normaliser:
         token_budget: int,
         *,
         instruction_cache_size: int = 4096,
+        uint8_pixels: bool = False,
     ) -> None:
         if not isinstance(num_views, int) or num_views < 1:
             raise ValueError(f"Normaliser.num_views must be an int >= 1, got {num_views!r}")
@@ -79,10 +85,7 @@ class Normaliser:
         self._tok.no_padding()
         self._cache: OrderedDict[str, tuple[list[int], int]] = OrderedDict()
         self._cache_size = instruction_cache_size
-
-        s = self._spec
-        self._mean_3 = torch.tensor(s.mean, dtype=torch.float32).view(3, 1, 1)
-        self._std_3 = torch.tensor(s.std, dtype=torch.float32).view(3, 1, 1)
+        self.uint8_pixels = uint8_pixels
 
     # ------------------------------------------------------------------ public
 
@@ -221,21 +224,18 @@ class Normaliser:
             [torch.ones_like(head_B_H), text_mask_B_N.to(torch.long)], dim=1
         )
 
-        # uint8 NHWC -> float NCHW; same arithmetic as the HF processors (x * scale - mean) / std.
         pixels = np.ascontiguousarray(pixels_B_V_S_S_3)
         if not pixels.flags.writeable:  # decoded off the wire: torch warns on read-only memory
             pixels = pixels.copy()  # uint8, a quarter of the float copy made next
-        u8 = torch.from_numpy(pixels)
-        pixel_values = u8.permute(0, 1, 4, 2, 3).to(torch.float32)
-        pixel_values.mul_(self._spec.rescale_factor).sub_(self._mean_3).div_(self._std_3)
-
+        u8_B_V_S_S_3 = torch.from_numpy(pixels)
+        tensors = {"input_ids": input_ids_B_T, "attention_mask": attention_mask_B_T}
+        if self.uint8_pixels:
+            tensors[PIXELS_U8] = u8_B_V_S_S_3
+        else:
+            tensors["pixel_values"] = self._spec.normalise(u8_B_V_S_S_3)
         return ModelInputs(
             key=self.key,
-            tensors={
-                "input_ids": input_ids_B_T,
-                "attention_mask": attention_mask_B_T,
-                "pixel_values": pixel_values.contiguous(),
-            },
+            tensors=tensors,
             proprio_B_P=torch.from_numpy(np.array(proprio_B_P, dtype=np.float32)),
         )
 

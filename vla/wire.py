@@ -17,10 +17,13 @@ import torch
 
 from schemas.feature import FEATURE_DTYPES, EncodeRequest, FeatureRecord
 from schemas.tensor import Tensor, TensorError, check_finite
-from vla.feature import CompatKey, ModelInputs, VLAFeature
+from vla.feature import PIXELS_U8, CompatKey, ModelInputs, VLAFeature
 
-#: The backbone inputs every request carries (the architecture's own ones may follow).
-REQUIRED_INPUTS = ("input_ids", "attention_mask", "pixel_values")
+#: The backbone inputs every request carries (the architecture's own ones may follow)...
+REQUIRED_INPUTS = ("input_ids", "attention_mask")
+#: ... and its views, as exactly one of: normalised values, or resized uint8 (a quarter of the
+#: bytes; what head-only trainers and inferencers send).
+PIXEL_INPUTS = ("pixel_values", PIXELS_U8)
 
 
 class FeatureRecordError(ValueError):
@@ -147,6 +150,11 @@ def from_encode_request(request: EncodeRequest, expect_layer: int) -> tuple[Mode
     missing = [n for n in REQUIRED_INPUTS if n not in request.tensors]
     if missing:
         raise FeatureRecordError(f"tensors: missing {missing}")
+    pixels = [n for n in PIXEL_INPUTS if n in request.tensors]
+    if len(pixels) != 1:
+        raise FeatureRecordError(
+            f"tensors: expected exactly one of {list(PIXEL_INPUTS)}, got {pixels or 'none'}"
+        )
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in request.tensors.items():
         try:

@@ -128,11 +128,14 @@ class EncodeServer:
         return batch
 
     async def run_round(self, batch: list[_Pending]) -> None:
-        by_key: dict[CompatKey, list[_Pending]] = {}
+        # One forward per key and kind of inputs: requesters may send uint8 views or
+        # normalised values (vla.wire.PIXEL_INPUTS), which do not concatenate.
+        by_key: dict[tuple[CompatKey, tuple[str, ...]], list[_Pending]] = {}
         for pending in batch:
-            by_key.setdefault(pending.inputs.key, []).append(pending)
+            kind = tuple(sorted(pending.inputs.tensors))
+            by_key.setdefault((pending.inputs.key, kind), []).append(pending)
         groups = list(by_key.items())
-        for index, (key, group) in enumerate(groups):
+        for index, ((key, _), group) in enumerate(groups):
             t0 = time.perf_counter()
             try:
                 features = await self.rt.slow(encode_each, self.backbone, [p.inputs for p in group])

@@ -127,7 +127,14 @@ class BatchRunner:
     def normaliser(self, num_views: int, token_budget: int) -> Normaliser:
         key = (num_views, token_budget)
         if key not in self._normalisers:
-            self._normalisers[key] = Normaliser(self.backbone, num_views, token_budget)
+            # A backbone without weights normalises for the backbone role, whose requests
+            # carry views as uint8 (a quarter of float32's bytes); it normalises them itself.
+            self._normalisers[key] = Normaliser(
+                self.backbone,
+                num_views,
+                token_budget,
+                uint8_pixels=not self.backbone.holds_weights,
+            )
         return self._normalisers[key]
 
     def run(self, batch: Sequence[Work]) -> tuple[list[Outcome], BatchStats]:
