@@ -19,10 +19,10 @@ from bench.observe import add_observe_commands
 from bench.offlinecmd import add_offline_commands
 from bench.tenantcmd import add_tenant_commands
 from clients import cli as tenant_cli
-from clients.cli import Command, _client, add_command, home_of
+from clients.clikit import Command, add_command, command_client, home_of
 
 if TYPE_CHECKING:
-    from clients.cli import Subcommands
+    from clients.clikit import Subcommands
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -70,7 +70,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 async def _served(args: argparse.Namespace) -> int:
-    client = await _client(args)
+    client = await command_client(args)
     try:
         records = await client.backbones()
     finally:

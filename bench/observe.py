@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from clients.cli import _client, add_command, home_of
+from clients.clikit import add_command, command_client, home_of
 
 if TYPE_CHECKING:
-    from clients.cli import Subcommands
+    from clients.clikit import Subcommands
 
 
 def _trace(args: argparse.Namespace) -> int:
@@ -46,7 +46,7 @@ def _trace(args: argparse.Namespace) -> int:
 async def _top(args: argparse.Namespace) -> int:
     from bench.top import run_top
 
-    client = await _client(args)
+    client = await command_client(args)
     try:
         url = client.nc.connected_url.netloc if client.nc.connected_url else ""
         return await run_top(
@@ -73,7 +73,7 @@ async def _usage(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"joynexus usage: {exc}", file=sys.stderr)
         return 2
-    client = await _client(args)
+    client = await command_client(args)
     try:
         document = await collect(client.js, since, args.tenant)
     finally:

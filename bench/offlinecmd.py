@@ -11,11 +11,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from clients import cli as tenant_cli
-from clients.cli import add_command
+from clients.clikit import add_command, data_commands
 
 if TYPE_CHECKING:
-    from clients.cli import Subcommands
+    from clients.clikit import Subcommands
 
 
 def _model_init(args: argparse.Namespace) -> int:
@@ -184,7 +183,7 @@ def add_offline_commands(sub: Subcommands) -> None:
     ed.add_argument("--image-size", type=int, default=64)
 
     # The tenant CLI made the ``data`` group (push, list); record and inspect join it.
-    dsub = tenant_cli.data_commands(sub)
+    dsub = data_commands(sub)
     dr = add_command(dsub, "record", _data_record, help="record scripted-expert demonstrations")
     dr.add_argument("--env", required=True)
     dr.add_argument("--episodes", type=int, required=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from clients.cli import _client
+from clients.clikit import command_client
 
 
 async def cache(args: argparse.Namespace) -> int:
@@ -16,7 +16,7 @@ async def cache(args: argparse.Namespace) -> int:
     from schemas import subjects
     from schemas.cachectl import CACHE_STATS_DECODER, CacheQuery, CacheStats
 
-    client = await _client(args)
+    client = await command_client(args)
     answers: list[CacheStats] = []
     try:
         nc = client.nc
@@ -66,7 +66,7 @@ async def queues(args: argparse.Namespace) -> int:
     from schemas import subjects
     from schemas.metrics import QUEUE_REPORT_DECODER, QueueReport
 
-    client = await _client(args)
+    client = await command_client(args)
     latest: dict[tuple[str, str], QueueReport] = {}
     try:
 

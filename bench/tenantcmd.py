@@ -9,10 +9,10 @@ import asyncio
 import sys
 from typing import TYPE_CHECKING
 
-from clients.cli import add_command, home_of
+from clients.clikit import add_command, home_of
 
 if TYPE_CHECKING:
-    from clients.cli import Subcommands
+    from clients.clikit import Subcommands
 
 
 def _tenant(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ core; :mod:`bench.cli` adds them to :func:`build_parser`'s parser, and the insta
 command for a machine that has just the SDK.
 
 Every command reads ``run(args) -> exit code`` from its parser's defaults, so a composing
-module adds commands with :func:`add_command` and dispatches with :func:`main`.
+module adds commands with :func:`clients.clikit.add_command` and dispatches with :func:`main`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import os
 import re
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from nats.errors import Error as NatsError
@@ -33,7 +33,8 @@ from nats.errors import Error as NatsError
 from bus import tracing
 from bus.codec import DecodeError, decode
 from bus.datasets import DatasetStoreError
-from bus.local import DEFAULT_HOME, read_stack_info
+from bus.local import read_stack_info
+from clients.clikit import add_command, add_stack_options, command_client, home_of, tenant_call
 from clients.sdk import Client, Job, JobFailed, RequestError
 from schemas.events import (
     Accepted,
@@ -49,34 +50,8 @@ from schemas.ids import InvalidIdError
 from schemas.jobs import TERMINAL_STATUSES
 from schemas.specs import JobSpecError
 
-#: ``run(args)`` of a command: its exit code.
-Command = Callable[[argparse.Namespace], int]
-if TYPE_CHECKING:  # argparse's only name for what add_subparsers() returns
-    Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
-
-
-def home_of(args: argparse.Namespace) -> Path:
-    """The local stack's home: ``--home``, else ``JOYNEXUS_HOME``, else the default."""
-    return Path(args.home or os.environ.get("JOYNEXUS_HOME") or DEFAULT_HOME)
-
-
-R = TypeVar("R")
-
-
-async def _client(args: argparse.Namespace, tenant: str | None = None) -> Client:
-    """A client for the command: on ``--url`` / ``JOYNEXUS_URL`` with ``--creds`` /
-    ``JOYNEXUS_CREDS``, else on the local stack under the home, as ``tenant`` if its creds
-    file is there."""
-    url = getattr(args, "url", None) or os.environ.get("JOYNEXUS_URL")
-    creds = getattr(args, "creds", None) or os.environ.get("JOYNEXUS_CREDS")
-    if url:
-        return await Client.connect(
-            url,
-            creds=creds,
-            user=os.environ.get("JOYNEXUS_USER"),
-            password=os.environ.get("JOYNEXUS_PASSWORD"),
-        )
-    return await Client.connect(home=home_of(args), creds=creds, tenant=tenant)
+if TYPE_CHECKING:
+    from clients.clikit import Subcommands
 
 
 def _progress_line(ev: Progress, started: float, now: float) -> str:
@@ -144,7 +119,7 @@ async def _follow(client: Client, job: Job) -> int:
 
 async def _submit(args: argparse.Namespace, document: Any) -> int:
     tenant = document.get("tenant") if isinstance(document, dict) else None
-    client = await _client(args, tenant if isinstance(tenant, str) else None)
+    client = await command_client(args, tenant if isinstance(tenant, str) else None)
     remote = getattr(args, "url", None) or os.environ.get("JOYNEXUS_URL")
     info = None if remote else read_stack_info(home_of(args))
     if info is not None and info.trace_file:  # the job's trace begins with this submit
@@ -163,7 +138,7 @@ async def _submit(args: argparse.Namespace, document: Any) -> int:
 
 
 async def _watch(args: argparse.Namespace) -> int:
-    client = await _client(args, args.tenant)
+    client = await command_client(args, args.tenant)
     try:
         return await _follow(client, Job(client, args.tenant, args.job))
     finally:
@@ -203,7 +178,7 @@ async def _roles(client: Client) -> None:
 
 
 async def _status(args: argparse.Namespace) -> int:
-    client = await _client(args, args.tenant)
+    client = await command_client(args, args.tenant)
     try:
         if args.tenant is None and args.job is None:
             await _roles(client)
@@ -225,7 +200,7 @@ async def _status(args: argparse.Namespace) -> int:
 
 
 async def _cancel(args: argparse.Namespace) -> int:
-    client = await _client(args, args.tenant)
+    client = await command_client(args, args.tenant)
     try:
         await client.cancel(args.tenant, args.job, args.reason)
         name = f"{args.tenant}/{args.job}"
@@ -253,7 +228,7 @@ def default_dataset_id(directory: Path) -> str:
 
 async def _data_push(args: argparse.Namespace, dataset_id: str) -> int:
     directory = Path(args.dir)
-    client = await _client(args, args.tenant)
+    client = await command_client(args, args.tenant)
     try:
         try:
             pushed = await client.push_dataset(
@@ -277,7 +252,7 @@ async def _data_push(args: argparse.Namespace, dataset_id: str) -> int:
 
 
 async def _data_list(args: argparse.Namespace) -> int:
-    client = await _client(args, args.tenant)
+    client = await command_client(args, args.tenant)
     try:
         for r in await client.datasets(args.tenant):
             where = r.path if r.source == "registered" else f"{r.bucket}/{r.prefix}"
@@ -287,29 +262,8 @@ async def _data_list(args: argparse.Namespace) -> int:
         await client.close()
 
 
-async def _tenant_call(
-    args: argparse.Namespace,
-    command: str,
-    call: Callable[[Client], Awaitable[R]],
-    report: Callable[[R], str],
-) -> int:
-    """Run one request of ``args.tenant`` and print what it did (exit 0), or why the master
-    or the SDK refused it (exit 1)."""
-    client = await _client(args, args.tenant)
-    try:
-        try:
-            result = await call(client)
-        except (RequestError, InvalidIdError) as exc:
-            print(f"joynexus {command}: {exc}", file=sys.stderr)
-            return 1
-        print(report(result))
-        return 0
-    finally:
-        await client.close()
-
-
 async def _rm(args: argparse.Namespace) -> int:
-    return await _tenant_call(
+    return await tenant_call(
         args,
         "rm",
         lambda client: client.remove_job(args.tenant, args.job),
@@ -321,7 +275,7 @@ async def _rm(args: argparse.Namespace) -> int:
 
 
 async def _data_rm(args: argparse.Namespace) -> int:
-    return await _tenant_call(
+    return await tenant_call(
         args,
         "data rm",
         lambda client: client.remove_dataset(args.tenant, args.id),
@@ -335,7 +289,7 @@ async def _data_rm(args: argparse.Namespace) -> int:
 
 async def _export(args: argparse.Namespace) -> int:
     if args.rm:
-        return await _tenant_call(
+        return await tenant_call(
             args,
             "export --rm",
             lambda client: client.remove_export(args.tenant, args.job, args.version),
@@ -344,7 +298,7 @@ async def _export(args: argparse.Namespace) -> int:
                 f"{', '.join(map(str, removed.versions))}: {removed.bytes} bytes"
             ),
         )
-    return await _tenant_call(
+    return await tenant_call(
         args,
         "export",
         lambda client: client.export_policy(args.tenant, args.job, args.version, args.out),
@@ -382,51 +336,6 @@ def add_data_commands(dsub: Subcommands) -> None:
     )
     rm.add_argument("id")
     rm.add_argument("--tenant", required=True)
-
-
-def data_commands(sub: Subcommands) -> Subcommands:
-    """The subcommands of the ``data`` group :func:`build_parser` made (to add more to)."""
-    group = sub.choices["data"]
-    for action in group._actions:  # argparse keeps its subparsers only there
-        if isinstance(action, argparse._SubParsersAction):
-            return action
-    raise AssertionError("the data group has no subcommands")
-
-
-def add_stack_options(p: argparse.ArgumentParser, *, top: bool = False, bus: bool = True) -> None:
-    """``--home`` and (``bus``) ``--url``, ``--creds``: on the top-level parser (``top``) and
-    again on each command that uses them, so they may come before or after the command name.
-    On a command they default to ``SUPPRESS``: not given there, the top level's value stands.
-    """
-    default = None if top else argparse.SUPPRESS
-    p.add_argument(
-        "--home",
-        default=default,
-        help=f"local stack home (default {DEFAULT_HOME}, env JOYNEXUS_HOME)",
-    )
-    if bus:
-        p.add_argument(
-            "--url", default=default, help="bus URL (env JOYNEXUS_URL; default: the local stack's)"
-        )
-        p.add_argument("--creds", default=default, help="NATS .creds file (env JOYNEXUS_CREDS)")
-
-
-def add_command(
-    sub: Subcommands,
-    name: str,
-    run: Command,
-    *,
-    home: bool = False,
-    bus: bool = False,
-    **kw: Any,
-) -> argparse.ArgumentParser:
-    """A command ``name`` that runs ``run(args)``. ``home``: it takes ``--home`` after its
-    name too; ``bus``: ``--home``, ``--url`` and ``--creds``."""
-    p: argparse.ArgumentParser = sub.add_parser(name, **kw)
-    p.set_defaults(run=run)
-    if home or bus:
-        add_stack_options(p, bus=bus)
-    return p
 
 
 def build_parser(
