@@ -348,3 +348,17 @@ def test_bfloat16_backbone_returns_float32_features_close_to_float32() -> None:
     assert feat16.prefix_B_T_D.dtype == torch.float32
     assert not feat16.prefix_B_T_D.is_inference()
     torch.testing.assert_close(feat16.prefix_B_T_D, feat32.prefix_B_T_D, rtol=0.1, atol=0.1)
+
+
+def test_uint8_views_are_the_normalisers_own_not_the_callers_array() -> None:
+    """A uint8 batch is normalised only when the backbone reads it, so it must not share the
+    caller's array: a caller that reuses its buffer before then does not change the batch."""
+    bb = backbone("tiny")
+    size = bb.image_size
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (2, 1, size, size, 3), dtype=np.uint8)
+    proprio = np.zeros((2, 4), np.float32)
+    raw = Normaliser(bb, 1, 8, uint8_pixels=True).normalise_arrays(images, ["a", "b"], proprio)
+    before = bb.encode(raw).prefix_B_T_D
+    images[:] = 0
+    assert torch.equal(bb.encode(raw).prefix_B_T_D, before)

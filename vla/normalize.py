@@ -180,7 +180,7 @@ class Normaliser:
         if v < self.num_views:
             fill = np.repeat(resized[:, v - 1 : v], self.num_views - v, axis=1)
             resized = np.concatenate([resized, fill], axis=1)
-        return self._assemble(resized, list(instructions), proprio)
+        return self._assemble(resized, list(instructions), proprio, owned=resized is not images)
 
     # ----------------------------------------------------------------- helpers
 
@@ -211,8 +211,15 @@ class Normaliser:
         return entry
 
     def _assemble(
-        self, pixels_B_V_S_S_3: np.ndarray, instructions: list[str], proprio_B_P: np.ndarray
+        self,
+        pixels_B_V_S_S_3: np.ndarray,
+        instructions: list[str],
+        proprio_B_P: np.ndarray,
+        *,
+        owned: bool = True,
     ) -> ModelInputs:
+        """``owned``: the views are an array made here, not the caller's (which a uint8 batch
+        must not share: the caller may reuse it before the backbone reads it)."""
         b = len(instructions)
         texts = [self._text_ids(s) for s in instructions]
         text_ids_B_N = torch.tensor([ids for ids, _ in texts], dtype=torch.long)
@@ -225,8 +232,9 @@ class Normaliser:
         )
 
         pixels = np.ascontiguousarray(pixels_B_V_S_S_3)
-        if not pixels.flags.writeable:  # decoded off the wire: torch warns on read-only memory
-            pixels = pixels.copy()  # uint8, a quarter of the float copy made next
+        # Decoded off the wire, memory is read-only (torch warns on it).
+        if not pixels.flags.writeable or (self.uint8_pixels and not owned):
+            pixels = pixels.copy()  # uint8: a quarter of a float copy
         u8_B_V_S_S_3 = torch.from_numpy(pixels)
         tensors = {"input_ids": input_ids_B_T, "attention_mask": attention_mask_B_T}
         if self.uint8_pixels:

@@ -127,13 +127,11 @@ class BatchRunner:
     def normaliser(self, num_views: int, token_budget: int) -> Normaliser:
         key = (num_views, token_budget)
         if key not in self._normalisers:
-            # A backbone without weights normalises for the backbone role, whose requests
-            # carry views as uint8 (a quarter of float32's bytes); it normalises them itself.
+            # Views stay uint8 until the backbone (resident or the backbone role) normalises
+            # them: a quarter of float32's bytes to digest for the feature cache and to send
+            # to the role or the device, and no normalising for a batch the cache answers.
             self._normalisers[key] = Normaliser(
-                self.backbone,
-                num_views,
-                token_budget,
-                uint8_pixels=not self.backbone.holds_weights,
+                self.backbone, num_views, token_budget, uint8_pixels=True
             )
         return self._normalisers[key]
 
