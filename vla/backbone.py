@@ -51,8 +51,8 @@ class PixelSpec:
     def normalise(self, pixels_B_V_S_S_3: torch.Tensor) -> torch.Tensor:
         """Resized uint8 views ``(B, V, S, S, 3)`` as float32 ``pixel_values`` ``(B, V, 3, S,
         S)``: the processors' ``(x * rescale_factor - mean) / std``. Every place that turns
-        pixels into values calls this, so a sample normalised in the trainer and one sent as
-        uint8 to the backbone role become the same bits."""
+        pixels into values calls this (:class:`vla.normalize.Normaliser` for float batches,
+        :meth:`Backbone.model_kwargs` for uint8 ones), so both become the same bits."""
         mean_3_1_1 = torch.tensor(self.mean, dtype=torch.float32).view(3, 1, 1)
         std_3_1_1 = torch.tensor(self.std, dtype=torch.float32).view(3, 1, 1)
         values = pixels_B_V_S_S_3.permute(0, 1, 4, 2, 3).to(torch.float32)
@@ -252,7 +252,7 @@ class Backbone:
 
     def _values_of(self, inputs: ModelInputs) -> torch.Tensor:
         """``pixel_values`` of inputs that carry uint8 views (:data:`vla.feature.PIXELS_U8`),
-        normalised here as the trainer's normaliser would have; a view tensor of another
+        normalised here as a float-making normaliser would have; a view tensor of another
         shape or dtype than the key implies is refused, naming it."""
         key = inputs.key
         pixels = inputs.tensors[PIXELS_U8]

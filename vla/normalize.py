@@ -48,9 +48,10 @@ class Normaliser:
     (the cache is a plain LRU): use one per thread or event loop.
 
     ``uint8_pixels``: keep the resized views as uint8 (:data:`vla.feature.PIXELS_U8`) instead of
-    normalising them to float32 ``pixel_values``, for a process whose forwards run in the
-    backbone role: the request then carries a quarter of the bytes, and the backbone
-    normalises them with the same arithmetic (:meth:`vla.backbone.PixelSpec.normalise`).
+    normalising them to float32 ``pixel_values`` (the trainer and the inferencer do): the
+    backbone, resident or the backbone role, normalises them when it reads them, with the same
+    arithmetic (:meth:`vla.backbone.PixelSpec.normalise`), so the features are the same bits;
+    until then the batch is a quarter of the bytes (to digest, to send, to copy to a device).
     """
 
     def __init__(
