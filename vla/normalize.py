@@ -270,3 +270,24 @@ def _check_image(image: np.ndarray, field: str) -> None:
         )
     if image.shape[0] == 0 or image.shape[1] == 0:
         raise ValueError(f"{field}: empty image of shape {image.shape}")
+
+
+class Normalisers:
+    """A role's normalisers: one per (views, token budget) of its backbone, made on first use
+    and kept with their instruction caches. Not thread-safe, like a :class:`Normaliser`.
+
+    Their views stay uint8 until the backbone (resident, or the backbone role) normalises
+    them: a quarter of float32's bytes to digest for the feature cache and to send to the
+    role or a device, and no normalising for a batch the cache answers."""
+
+    def __init__(self, backbone: Backbone) -> None:
+        self.backbone = backbone
+        self._by_shape: dict[tuple[int, int], Normaliser] = {}
+
+    def get(self, num_views: int, token_budget: int) -> Normaliser:
+        key = (num_views, token_budget)
+        if key not in self._by_shape:
+            self._by_shape[key] = Normaliser(
+                self.backbone, num_views, token_budget, uint8_pixels=True
+            )
+        return self._by_shape[key]

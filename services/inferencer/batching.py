@@ -30,7 +30,7 @@ from vla.costmodel import CostTable
 from vla.feature import CompatKey, ModelInputs, VLAFeature
 from vla.grouping import FeatureEncoder, encode_each
 from vla.heads import ActOutput
-from vla.normalize import Normaliser
+from vla.normalize import Normaliser, Normalisers
 
 #: Errors of normalising a request's observations: the request itself is bad (shapes,
 #: dtypes), reported to its sender and never retried. Errors of the forward or the head are
@@ -122,18 +122,10 @@ class BatchRunner:
         self.backbone = backbone
         self.costs = costs
         self.encoder: FeatureEncoder = encoder or backbone
-        self._normalisers: dict[tuple[int, int], Normaliser] = {}
+        self._normalisers = Normalisers(backbone)
 
     def normaliser(self, num_views: int, token_budget: int) -> Normaliser:
-        key = (num_views, token_budget)
-        if key not in self._normalisers:
-            # Views stay uint8 until the backbone (resident or the backbone role) normalises
-            # them: a quarter of float32's bytes to digest for the feature cache and to send
-            # to the role or the device, and no normalising for a batch the cache answers.
-            self._normalisers[key] = Normaliser(
-                self.backbone, num_views, token_budget, uint8_pixels=True
-            )
-        return self._normalisers[key]
+        return self._normalisers.get(num_views, token_budget)
 
     def run(self, batch: Sequence[Work]) -> tuple[list[Outcome], BatchStats]:
         """Outcomes in ``batch`` order and what it cost."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from schemas.train import OpenSlot
 from services.trainer.jobs import JobError
 from vla.backbone import Backbone
-from vla.normalize import Normaliser
+from vla.normalize import Normaliser, Normalisers
 from vla.slot import SlotBudgetError, SlotManager, TenantSlot
 
 
@@ -17,7 +17,7 @@ class Slots:
     def __init__(self, backbone: Backbone, budget_bytes: int, device: str) -> None:
         self.backbone = backbone
         self.manager = SlotManager(budget_bytes, device=device)
-        self._normalisers: dict[tuple[int, int], Normaliser] = {}
+        self._normalisers = Normalisers(backbone)
 
     @property
     def budget_bytes(self) -> int:
@@ -28,15 +28,7 @@ class Slots:
         return self.manager.resident_bytes
 
     def normaliser(self, num_views: int, token_budget: int) -> Normaliser:
-        key = (num_views, token_budget)
-        if key not in self._normalisers:
-            # Views stay uint8 until the backbone (resident or the backbone role) normalises
-            # them: a quarter of float32's bytes to digest for the feature cache and to send
-            # to the role or the device, and no normalising for a batch the cache answers.
-            self._normalisers[key] = Normaliser(
-                self.backbone, num_views, token_budget, uint8_pixels=True
-            )
-        return self._normalisers[key]
+        return self._normalisers.get(num_views, token_budget)
 
     def create(self, key: str, spec: OpenSlot, init_module: bytes | None = None) -> TenantSlot:
         """A new slot for the job ``spec`` opens, optionally with another checkpoint's module
