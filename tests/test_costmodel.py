@@ -22,6 +22,7 @@ from tests.numerics import assert_same, assert_same_results, assert_same_state
 from vla import costmodel
 from vla.backbone import Backbone
 from vla.costmodel import CostTable, SplitEncoder
+from vla.feature import PIXELS_U8, ModelInputs
 from vla.grouping import TrainRequest, group_train_step
 from vla.normalize import Normaliser
 from vla.slot import TenantSlot
@@ -218,6 +219,23 @@ def test_measure_is_bounded_and_gives_a_table_the_backbone_accepts(tiny: Backbon
     short = costmodel.measure(tiny, max_samples=64, repeats=1, budget_s=1e-6)
     assert [n for n, _ in short.points] == [1, 2]
     check_split(table, [1, 2, 1, 3, 1])
+
+
+def test_measure_times_the_forward_on_uint8_views_as_the_roles_send_them(
+    tiny: Backbone, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The trainer and inferencer send uint8 views and the forward normalises them, so a table
+    # timed on float pixel_values would leave that work out of every size's cost.
+    timed: list[frozenset[str]] = []
+    encode = tiny.encode
+
+    def recording_encode(inputs: ModelInputs) -> object:
+        timed.append(frozenset(inputs.tensors))
+        return encode(inputs)
+
+    monkeypatch.setattr(tiny, "encode", recording_encode)
+    costmodel.measure(tiny, max_samples=2, repeats=1)
+    assert timed and all(PIXELS_U8 in names and "pixel_values" not in names for names in timed)
 
 
 def test_table_for_measures_once_per_process_writes_the_file_and_reads_it_back(

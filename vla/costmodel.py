@@ -322,7 +322,13 @@ def ladder(max_samples: int) -> list[int]:
 def _sample_inputs(backbone: Encoder, samples: int, num_views: int, token_budget: int) -> Any:
     from vla.normalize import Normaliser  # the backbone's own normaliser; lazy: heavy imports
 
-    norm = Normaliser(backbone, num_views=num_views, token_budget=token_budget)  # type: ignore[arg-type]
+    # uint8 views, as the trainer and inferencer send them: the timed forward normalises them
+    norm = Normaliser(
+        backbone,  # type: ignore[arg-type]
+        num_views=num_views,
+        token_budget=token_budget,
+        uint8_pixels=True,
+    )
     rng = np.random.default_rng(0)
     size = backbone.image_size
     images = rng.integers(0, 256, (samples, num_views, size, size, 3), dtype=np.uint8)
