@@ -257,7 +257,8 @@ def sweep(
     """The cells of :func:`run_grouping_bench` on an already built backbone ``bb`` (reported
     as ``name``), at the current torch thread count."""
     _validate(tenants, local_batches, stages, repeats, warmup, torch.get_num_threads())
-    norm = Normaliser(bb, num_views=num_views, token_budget=token_budget)
+    # uint8 views, as the trainer sends them: every timed forward normalises its own samples
+    norm = Normaliser(bb, num_views=num_views, token_budget=token_budget, uint8_pixels=True)
     device = torch.device(bb.device)
     cuda = device.type == "cuda"
     table = None

@@ -114,7 +114,7 @@ async def over_bus(
 def in_process(backbone: Backbone, clients: int, steps: int, batch: int) -> float:
     """Steps per second of the same work on local slots: per step, one grouped
     forward_backward of all clients, then each one's optim step."""
-    normaliser = Normaliser(backbone, 1, TOKEN_BUDGET)
+    normaliser = Normaliser(backbone, 1, TOKEN_BUDGET, uint8_pixels=True)  # as the trainer's
     slots = [
         TenantSlot(f"t{i}", _head(), _optim(), backbone.hidden_size, seed=i) for i in range(clients)
     ]
