@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -47,6 +48,27 @@ DatasetId = Annotated[str, AfterValidator(_dataset_id)]
 #: under ManiSkill's episode seeds, takes no more).
 MAX_SEED = 2**32 - 1
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED, description="Random seed (0 to 2**32 - 1).")]
+#: The bound of every count a spec gives (steps, intervals, sizes, versions): far above any
+#: real run, and far inside the 64-bit integers the bus's msgpack carries (a larger int
+#: passed validation and then failed the master's publish, naming no field).
+MAX_COUNT = 10**9
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _int64_values(kwargs: Any) -> Any:
+    if isinstance(kwargs, dict):
+        for key, value in kwargs.items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                if not _INT64[0] <= value <= _INT64[1]:
+                    raise ValueError(
+                        f"{key!r}: {value} is outside the 64-bit integers an env argument can carry"
+                    )
+    return kwargs
+
+
+#: An env's constructor arguments; an int must fit 64 bits (checked before the union below
+#: could turn a larger one into a float).
+EnvKwargs = Annotated[dict[str, float | int | str | bool], BeforeValidator(_int64_values)]
 
 
 class JobSpecError(ValueError):
@@ -113,7 +135,7 @@ class OptimizerSpec(_Strict):
     )
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, ge=0, description="Max grad norm; 0 disables.")
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, le=MAX_COUNT)
     schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
 
@@ -141,14 +163,16 @@ class SFTJobSpec(_Strict):
     head: HeadSpec
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     batch_size: int = Field(8, ge=1, le=4096)
-    steps: int | None = Field(None, ge=1, description="Optimizer steps (or use epochs).")
-    epochs: int | None = Field(None, ge=1, description="Passes over the train split.")
+    steps: int | None = Field(
+        None, ge=1, le=MAX_COUNT, description="Optimizer steps (or use epochs)."
+    )
+    epochs: int | None = Field(None, ge=1, le=MAX_COUNT, description="Passes over the train split.")
     val_fraction: float = Field(0.0, ge=0, lt=1)
     seed: Seed = 0
     num_views: int = Field(1, ge=1, le=3)
     token_budget: int = Field(48, ge=8, le=4096, description="Text+image tokens per sample.")
     #: Commit a checkpoint (policy version) every this many steps (the last step always).
-    checkpoint_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(10, ge=1, le=MAX_COUNT)
     priority: int = Field(1, ge=1, le=16, description="Fair-share weight on the trainer.")
     init_from: Id | None = Field(None, description="Job id of this tenant to start from.")
 
@@ -167,7 +191,7 @@ class PPOSpec(_Strict):
     gae_lambda: float = Field(0.95, ge=0, le=1)
     clip: float = Field(0.2, gt=0, le=1)
     epochs: int = Field(4, ge=1, le=100)
-    minibatch_size: int = Field(64, ge=1)
+    minibatch_size: int = Field(64, ge=1, le=MAX_COUNT)
     value_coef: float = Field(0.5, ge=0)
     entropy_coef: float = Field(0.0, ge=0)
     max_policy_lag: int = Field(0, ge=0, le=16, description="Rollouts may lag this many versions.")
@@ -184,7 +208,7 @@ class RLJobSpec(_Strict):
     tenant: Id
     backbone: Id = "tiny"
     env: str = Field(min_length=1, description="Env id (JoyNexus/*, ManiSkill task, gym id).")
-    env_kwargs: dict[str, float | int | str | bool] = Field(
+    env_kwargs: EnvKwargs = Field(
         default_factory=dict, description="Constructor arguments of the env."
     )
     head: HeadSpec
@@ -217,9 +241,9 @@ class EvalJobSpec(_Strict):
     tenant: Id
     backbone: Id = "tiny"
     policy_job: Id = Field(description="Job id (of this tenant) whose policy is evaluated.")
-    policy_version: int = Field(0, ge=0, description="0 = the latest at submit time.")
+    policy_version: int = Field(0, ge=0, le=MAX_COUNT, description="0 = the latest at submit time.")
     env: str | None = None
-    env_kwargs: dict[str, float | int | str | bool] = Field(default_factory=dict)
+    env_kwargs: EnvKwargs = Field(default_factory=dict)
     dataset: DatasetId | None = Field(
         None, description="Id of a dataset in the tenant's namespace (held-out episodes)."
     )
@@ -274,7 +298,7 @@ class SessionSpec(_Strict):
     num_views: int = Field(1, ge=1, le=3)
     token_budget: int = Field(16, ge=4, le=4096, description="Text+image tokens per sample.")
     #: Commit a checkpoint at least every this many calls (and on every save_state).
-    checkpoint_every: int = Field(20, ge=1)
+    checkpoint_every: int = Field(20, ge=1, le=MAX_COUNT)
     priority: int = Field(1, ge=1, le=16, description="Fair-share weight on the trainer.")
     lease_s: float = Field(
         300.0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, cast
 
@@ -23,7 +24,7 @@ from schemas.ids import InvalidIdError, validate_id
 from schemas.infer import ACT_REPLY_DECODER, INFER_DECODER, ActRequest
 from schemas.jobs import JOB_COMMAND_DECODER, JOB_RECORD_DECODER, JobCancel, JobSubmit
 from schemas.model import HeadConfig, Observation
-from schemas.specs import HeadSpec, JobSpecError, SFTJobSpec, parse_job_spec
+from schemas.specs import MAX_COUNT, HeadSpec, JobSpecError, SFTJobSpec, parse_job_spec
 from schemas.tensor import Tensor, TensorError
 from schemas.train import POLICY_RECORD_DECODER, TRAIN_DECODER, OpenSlot, PolicyRecord
 from tests.golden.regen import SAMPLES
@@ -326,6 +327,64 @@ def test_a_seed_outside_32_bits_is_refused_naming_the_field(
     parse_job_spec({**spec, "seed": 2**32 - 1})
     with pytest.raises(JobSpecError, match=r"^seed: Input should be (greater|less)"):
         parse_job_spec({**spec, "seed": seed})
+
+
+_RL = {"kind": "rl", "tenant": "acme", "env": "e", "head": {"kind": "oft"}, "iterations": 1}
+_SESSION_2D = {**_SESSION, "head": {"kind": "oft", "action_dim": 2, "proprio_dim": 0}}
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (_spec(), "checkpoint_every"),
+        (_spec(), "optimizer.warmup_steps"),
+        ({**_spec(), "steps": None}, "epochs"),
+        (_spec(), "steps"),
+        ({**_RL, "rl": {"algorithm": "grpo"}}, "rl.minibatch_size"),
+        ({"kind": "eval", "tenant": "acme", "policy_job": "j", "env": "e"}, "policy_version"),
+        (_SESSION_2D, "checkpoint_every"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else v["kind"],
+)
+def test_a_count_past_its_bound_is_refused_naming_the_field(
+    spec: dict[str, Any], field: str
+) -> None:
+    """Counts are bounded (MAX_COUNT): an unbounded one passed validation and then could not
+    be encoded on the bus (msgpack carries 64-bit integers), failing the master's publish
+    of an accepted job with an error naming no field."""
+
+    def with_value(value: int) -> dict[str, Any]:
+        *parents, leaf = field.split(".")
+        out = dict(spec)
+        inner = out
+        for name in parents:
+            inner[name] = dict(inner.get(name, {}))
+            inner = inner[name]
+        inner[leaf] = value
+        return out
+
+    parse_job_spec(with_value(MAX_COUNT))
+    for value in (MAX_COUNT + 1, 2**64):
+        with pytest.raises(JobSpecError, match=rf"^{re.escape(field)}: Input should be less"):
+            parse_job_spec(with_value(value))
+
+
+@pytest.mark.parametrize("kind", ["rl", "eval"])
+def test_env_kwargs_ints_must_fit_64_bits_and_stay_ints(kind: str) -> None:
+    base = (
+        {**_RL, "rl": {"algorithm": "grpo"}}
+        if kind == "rl"
+        else {"kind": "eval", "tenant": "acme", "policy_job": "j", "env": "e"}
+    )
+    kwargs = {"n": 2**63 - 1, "low": -(2**63), "x": 0.5, "b": True, "s": "a"}
+    spec = parse_job_spec({**base, "env_kwargs": kwargs})
+    assert spec.env_kwargs == kwargs and type(spec.env_kwargs["n"]) is int  # type: ignore[union-attr]
+    msgspec.msgpack.encode(spec.env_kwargs)  # type: ignore[union-attr]
+    for big in (2**63, -(2**63) - 1, 2**64):
+        with pytest.raises(
+            JobSpecError, match=r"^env_kwargs: .*'n': -?\d+ is outside the 64-bit integers"
+        ):
+            parse_job_spec({**base, "env_kwargs": {**kwargs, "n": big}})
 
 
 @pytest.mark.parametrize(
