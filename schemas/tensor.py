@@ -31,6 +31,13 @@ SUPPORTED_DTYPES: dict[str, int] = {
 }
 
 
+#: Most dims a wire tensor may have (numpy's own limit is 64; no input here has more than 6).
+MAX_NDIM = 32
+#: numpy cannot describe an array whose non-zero dims times its item size pass this, even
+#: when another dim is zero and it holds no data (``reshape`` raises "array is too big").
+_MAX_EXTENT_BYTES = int(np.iinfo(np.intp).max)
+
+
 class TensorError(ValueError):
     """A tensor payload that cannot be decoded: wrong size, bad shape or unsupported dtype."""
 
@@ -51,6 +58,15 @@ class Tensor(msgspec.Struct, frozen=True, array_like=True):
             )
         if any((not isinstance(d, int)) or d < 0 for d in self.shape):
             raise TensorError(f"invalid shape {self.shape!r}: dims must be non-negative ints")
+        if len(self.shape) > MAX_NDIM:
+            raise TensorError(
+                f"invalid shape {self.shape!r}: {len(self.shape)} dims, at most {MAX_NDIM}"
+            )
+        if math.prod(d for d in self.shape if d) * itemsize > _MAX_EXTENT_BYTES:
+            raise TensorError(
+                f"invalid shape {self.shape!r}: its non-zero dims span more bytes than an "
+                "array can address"
+            )
         expected = math.prod(self.shape) * itemsize
         if len(self.data) != expected:
             raise TensorError(

@@ -25,6 +25,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
 
+import msgspec
 import numpy as np
 import pytest
 import pytest_asyncio
@@ -221,6 +222,15 @@ async def test_pipelined_calls_apply_in_order_as_in_process_with_errors_states_a
         )
         with pytest.raises(CallError, match="actions"):
             await training._send(malformed)
+        # An empty tensor with a dim no array can address (found by an audit: it crashed the
+        # trainer on every start while the call was redelivered) is answered too.
+        unaddressable = msgspec.structs.replace(
+            malformed,
+            call=training._number(),
+            actions=Tensor("float32", (8, 0, 2**63 - 1), b""),
+        )
+        with pytest.raises(CallError, match=r"actions: invalid shape .* more bytes than"):
+            await training._send(unaddressable)
         # A batch too big for one message is refused before it takes a call number.
         numbered = training.next_call
         huge = make_batch(9, size=400)

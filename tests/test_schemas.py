@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, cast
@@ -25,7 +26,7 @@ from schemas.infer import ACT_REPLY_DECODER, INFER_DECODER, ActRequest
 from schemas.jobs import JOB_COMMAND_DECODER, JOB_RECORD_DECODER, JobCancel, JobSubmit
 from schemas.model import HeadConfig, Observation
 from schemas.specs import MAX_COUNT, HeadSpec, JobSpecError, SFTJobSpec, parse_job_spec
-from schemas.tensor import Tensor, TensorError
+from schemas.tensor import MAX_NDIM, SUPPORTED_DTYPES, Tensor, TensorError, check_finite
 from schemas.train import POLICY_RECORD_DECODER, TRAIN_DECODER, OpenSlot, PolicyRecord
 from tests.golden.regen import SAMPLES
 
@@ -205,6 +206,45 @@ def test_tensor_rejects_size_mismatch_and_bad_dtype() -> None:
         Tensor.from_numpy(np.zeros(2, dtype=np.complex64))
     with pytest.raises(TensorError, match="invalid shape"):
         Tensor("float32", (-1, 2), b"").validate()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape"),
+    [("float32", (4, 0, 2**63 - 1)), ("uint8", (0, 2**63)), ("float32", (0, 2**61))],
+)
+def test_an_empty_tensor_whose_dims_no_array_can_address_is_refused(
+    dtype: str, shape: tuple[int, ...]
+) -> None:
+    """Found by an audit: with a zero dim the byte count matches (none), and numpy's reshape
+    then raised a plain ValueError inside a role's finiteness check, which crashed the
+    trainer on every start while the call was redelivered."""
+    with pytest.raises(TensorError, match=r"non-zero dims span more bytes than an array"):
+        Tensor(dtype, shape, b"").to_numpy()
+    with pytest.raises(TensorError, match=r"33 dims, at most 32"):
+        Tensor("uint8", (1,) * 32 + (0,), b"").validate()
+
+
+@given(
+    st.sampled_from(sorted(SUPPORTED_DTYPES)),
+    st.lists(
+        st.one_of(st.integers(0, 3), st.integers(0, 2**64 - 1), st.sampled_from([2**61, 2**62])),
+        max_size=MAX_NDIM + 2,
+    ),
+)
+def test_a_tensor_that_validates_converts(dtype: str, dims: list[int]) -> None:
+    """Whatever shape a peer declares, a tensor is refused by ``validate`` (TensorError) or
+    it converts: no other error reaches a role."""
+    shape = tuple(dims)
+    size = math.prod(shape)
+    data = b"\x00" * (size * SUPPORTED_DTYPES[dtype]) if size <= 64 else b""
+    tensor = Tensor(dtype, shape, data)
+    try:
+        tensor.validate()
+    except TensorError:
+        return
+    assert tensor.to_numpy().shape == shape
+    assert tuple(tensor.to_torch().shape) == shape
+    check_finite(tensor, "x")
 
 
 @pytest.mark.parametrize("good", ["a", "acme", "tenant-1", "0", "a" * 64])
