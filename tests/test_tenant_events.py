@@ -172,6 +172,7 @@ async def test_events_are_read_in_pages_of_the_tenants_own_job_only(
     assert empty == EventsPage([], after)
     for bad, field in (
         (ReadEvents(tenant, job, -1), "after_seq"),
+        (ReadEvents(tenant, job, 2**64 - 1), r"after_seq: \d+ is not in"),  # not "the bus"
         (ReadEvents(tenant, job, 0, 0), "limit"),
     ):
         with pytest.raises(RequestError, match=field):

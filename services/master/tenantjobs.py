@@ -37,6 +37,8 @@ from schemas.tenantctl import (
 #: A page of events stays this far under the broker's 1 MiB payload limit.
 PAGE_BYTES = 512 * 1024
 MAX_PAGE_EVENTS = 1024
+#: Stream sequences a read may start after (JetStream's are 64-bit; it refuses the next past).
+MAX_SEQ = 2**63
 
 
 #: Rejections of one job id looked through for the one that answered a command.
@@ -128,8 +130,9 @@ class TenantJobs:
     async def events(self, request: ReadEvents) -> TenantReply:
         """The job's events after ``after_seq``, oldest first, as many as fit one reply."""
         job_id = validate_id(request.job_id, "job id")
-        if request.after_seq < 0:
-            return CtlError("invalid", f"after_seq: {request.after_seq} is negative")
+        if not 0 <= request.after_seq < MAX_SEQ:
+            # Past it JetStream refuses the read, which would read as the bus not answering.
+            return CtlError("invalid", f"after_seq: {request.after_seq} is not in 0..{MAX_SEQ - 1}")
         if not 1 <= request.limit <= MAX_PAGE_EVENTS:
             return CtlError("invalid", f"limit: {request.limit} is not in 1..{MAX_PAGE_EVENTS}")
         filter_subject = subjects.events_of_job(request.tenant, job_id)
