@@ -161,6 +161,11 @@ def test_write_dataset_rejects_bad_episodes_and_leaves_nothing_behind(tmp_path: 
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(DatasetError, match="no episodes"):
         write_dataset(tmp_path / "ds", [], fps=10)
+    uneven = _synthetic([4])
+    uneven[0].images["wrist"] = uneven[0].images["wrist"][:, :4]
+    with pytest.raises(DatasetError, match=r"camera 'wrist' .* the size of 'front'"):
+        write_dataset(tmp_path / "ds", uneven, fps=10)
+    assert list(tmp_path.iterdir()) == []
 
 
 def _all_batches(ds, **kwargs) -> list:
@@ -324,6 +329,31 @@ def _edit_info(**changes: object) -> Callable[[Path], None]:
 
 def _in(rel: str, fn: Callable[[pa.Table], pa.Table]) -> Callable[[Path], None]:
     return lambda root: _edit(root, rel, fn)
+
+
+def _camera_shape(shape: list[int]) -> Callable[[Path], None]:
+    def fn(root: Path) -> None:
+        info = json.loads((root / "meta/info.json").read_text())
+        info["features"][IMAGE_KEY]["shape"] = shape
+        (root / "meta/info.json").write_text(json.dumps(info))
+
+    return fn
+
+
+def _second_camera_of_another_size(root: Path) -> None:
+    info = json.loads((root / "meta/info.json").read_text())
+    wrist = "observation.images.wrist"
+    info["features"][wrist] = {**info["features"][IMAGE_KEY], "shape": [SIZE // 2, SIZE // 2, 3]}
+    info["camera_keys"] = [IMAGE_KEY, wrist]
+    (root / "meta/info.json").write_text(json.dumps(info))
+
+
+def _no_frames(root: Path) -> None:
+    """Every table emptied and the totals set to match: a well-formed dataset of nothing."""
+    for rel in ("meta/episodes.parquet", DATA):
+        _edit(root, rel, lambda t: t.slice(0, 0))
+    _edit_info(total_episodes=0, total_frames=0)(root)
+    (root / "meta/stats.json").unlink()
 
 
 def _bomb_png(png: bytes) -> bytes:
@@ -522,6 +552,16 @@ CHECKED: dict[str, tuple[Callable[[Path], None], list[str]]] = {
         _in(DATA, _set_image(0, 0, lambda png: _png_of(np.zeros((8, 8, 3), np.uint8)))),
         [IMAGE_KEY, "episode 0, frame 0", "(8, 8, 3)"],
     ),
+    # Found by an audit: these passed the push and submit checks and failed the job later.
+    "a camera that is not (height, width, 3)": (
+        _camera_shape([SIZE]),
+        [IMAGE_KEY, "must have shape (height, width, 3)", f"({SIZE},)"],
+    ),
+    "cameras of different sizes": (
+        _second_camera_of_another_size,
+        ["cameras have different image shapes", "observation.images.wrist"],
+    ),
+    "no frames at all": (_no_frames, ["the data files have no frames"]),
 }
 
 

@@ -48,12 +48,35 @@ def test_bad_statistics_file_is_refused_naming_the_field(tmp_path: Path) -> None
     path.write_text(json.dumps(stats))
     with pytest.raises(DatasetError, match=r"observation.state.std must be 4 finite numbers"):
         read_meta(tmp_path / "ds")
+    for field, value, message in (
+        ("mean", [1e39, 0.0, 0.0, 0.0], r"observation.state.mean\[0\] = 1e\+39 is beyond float32"),
+        ("min", [1.0, 0.0, 0.0, 5.0], r"observation.state.min\[3\] = 5 is above .*max\[3\]"),
+    ):
+        bad = json.loads(json.dumps(stats))
+        bad["observation.state"]["std"] = [1.0] * 4
+        bad["observation.state"][field] = value
+        if field == "min":
+            bad["observation.state"]["max"] = [2.0, 1.0, 1.0, 1.0]
+        path.write_text(json.dumps(bad))
+        with pytest.raises(DatasetError, match=message):
+            read_meta(tmp_path / "ds")
     stats["observation.state"]["std"] = "wide"
     path.write_text(json.dumps(stats))
     with pytest.raises(DatasetError, match=r"meta/stats.json: Expected `array`"):
         read_meta(tmp_path / "ds")
     path.unlink()  # a dataset from before statistics: none, and still readable
     assert read_meta(tmp_path / "ds").stats == {}
+
+
+def test_statistics_past_the_heads_float32_are_refused() -> None:
+    """Kept in float32 buffers they would be inf, and every normalised value 0 or NaN."""
+    head = TenantSlot("t", HEAD, OptimizerConfig(), HIDDEN, seed=0).module
+    with pytest.raises(ValueError, match=r"proprio statistics must be within torch.float32"):
+        head.set_proprio_stats([0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1e39])
+    with pytest.raises(ValueError, match=r"action statistics must be within torch.float32"):
+        head.set_action_stats([-1e39, -1.0], [1.0, 1.0])
+    head.set_action_stats([-3e38, -1.0], [3e38, 1.0])  # inside the range: kept, finite
+    assert torch.isfinite(head.action_half_range_A).all()
 
 
 def test_statistics_standardise_proprio_in_loss_and_act_and_travel_with_the_slot() -> None:

@@ -197,6 +197,8 @@ def check_dataset(root: str | Path, *, sample_frames: int = SAMPLE_FRAMES) -> Da
         raise DatasetError(
             f"{INFO_PATH}: total_frames={info.total_frames}, but the data files have {rows} rows"
         )
+    if rows == 0:  # as load_dataset says it: no job could train or evaluate on it
+        raise DatasetError(f"{path}: the data files have no frames")
     samples = np.unique(np.linspace(0, rows - 1, min(sample_frames, rows)).round().astype(int))
     starts = np.array([start for _, _, start in row_groups])
     groups = np.searchsorted(starts, samples, side="right") - 1

@@ -29,6 +29,8 @@ from vla.data.layout import (
     VectorStats,
 )
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
 
 def read_stats(root: Path, info: DatasetInfo) -> dict[str, VectorStats]:
     """``meta/stats.json`` (state and action statistics), checked against ``info``'s vector
@@ -52,8 +54,20 @@ def read_stats(root: Path, info: DatasetInfo) -> dict[str, VectorStats]:
                     f"{STATS_PATH}: {key}.{name} must be {size} finite numbers, got "
                     f"{len(values)} values"
                 )
+            # The head keeps them in float32: past its range one would become inf there,
+            # and every normalised value 0 (or NaN), with no error anywhere.
+            for i, v in enumerate(values):
+                if abs(v) > _FLOAT32_MAX:
+                    raise DatasetError(
+                        f"{STATS_PATH}: {key}.{name}[{i}] = {v:g} is beyond float32's range"
+                    )
         if any(v < 0 for v in entry.std):
             raise DatasetError(f"{STATS_PATH}: {key}.std has a negative value")
+        for i, (low, high) in enumerate(zip(entry.min, entry.max, strict=True)):
+            if low > high:
+                raise DatasetError(
+                    f"{STATS_PATH}: {key}.min[{i}] = {low:g} is above {key}.max[{i}] = {high:g}"
+                )
     return stats
 
 
@@ -77,6 +91,15 @@ def read_info(root: Path) -> DatasetInfo:
                 f"{INFO_PATH}: feature {key!r} must be a vector (one dimension), got shape "
                 f"{tuple(info.features[key].shape)}"
             )
+    camera_shapes = {key: tuple(info.features[key].shape) for key in info.camera_keys}
+    for key, shape in camera_shapes.items():
+        if len(shape) != 3 or shape[2] != 3 or min(shape) < 1:
+            raise DatasetError(
+                f"{INFO_PATH}: camera {key!r} must have shape (height, width, 3), got {shape}"
+            )
+    if len(set(camera_shapes.values())) > 1:
+        # A sample's views are one (V, H, W, 3) array: found here, not at the first batch.
+        raise DatasetError(f"{INFO_PATH}: cameras have different image shapes {camera_shapes}")
     return info
 
 

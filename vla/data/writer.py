@@ -277,9 +277,11 @@ def _check_episode(
         raise DatasetError(f"{where}: cameras {sorted(ep.images)}, expected {cams}")
     for cam in cams:
         frames = ep.images[cam]
-        expected = (length, *first.images[cam].shape[1:])
+        # One size for every camera: a sample's views are one (V, H, W, 3) array.
+        expected = (length, *first.images[cams[0]].shape[1:])
         if frames.dtype != np.uint8 or frames.shape != expected or frames.shape[-1] != 3:
             raise DatasetError(
                 f"{where}: camera {cam!r} frames are {frames.dtype} {frames.shape}, "
-                f"expected uint8 {expected} with 3 channels"
+                f"expected uint8 {expected} with 3 channels (every camera the size of "
+                f"{cams[0]!r})"
             )

@@ -15,6 +15,14 @@ from vla.heads import stacked
 from vla.heads.blocks import ValueHead, _Memory
 
 
+def _check_fits(what: str, dtype: torch.dtype, *values: torch.Tensor) -> None:
+    """Statistics past the head buffers' range would be inf there, and every value normalised
+    with them 0 or NaN, silently."""
+    limit = torch.finfo(dtype).max
+    if any(bool((v.abs() > limit).any()) for v in values):
+        raise ValueError(f"{what} statistics must be within {dtype}'s range (±{limit:.3g})")
+
+
 @dataclass
 class ActOutput:
     """What a head returns for an observation batch.
@@ -105,6 +113,7 @@ class ActionHead(nn.Module):
         std = torch.tensor(list(std_P), dtype=torch.float64)
         if not (torch.isfinite(mean).all() and torch.isfinite(std).all() and (std >= 0).all()):
             raise ValueError("proprio statistics must be finite, with stds >= 0")
+        _check_fits("proprio", self.proprio_mean_P.dtype, mean, std)
         std = torch.where(std < 1e-3, torch.ones_like(std), std)
         with torch.no_grad():
             self.proprio_mean_P.copy_(mean)
@@ -122,6 +131,7 @@ class ActionHead(nn.Module):
         high = torch.tensor(list(max_A), dtype=torch.float64)
         if not (torch.isfinite(low).all() and torch.isfinite(high).all() and (high >= low).all()):
             raise ValueError("action statistics must be finite, with max >= min")
+        _check_fits("action", self.action_centre_A.dtype, low, high)
         half = (high - low) / 2
         with torch.no_grad():
             self.action_centre_A.copy_((high + low) / 2)
