@@ -276,6 +276,12 @@ class PipelineSpec(_Strict):
         for i, stage in enumerate(self.stages):
             if stage.tenant != self.tenant:
                 raise ValueError(f"stages.{i}.tenant: {stage.tenant!r} is not {self.tenant!r}")
+            if stage.backbone != self.stages[0].backbone:
+                # Each stage starts from the policy of the one before: one backbone for all.
+                raise ValueError(
+                    f"stages.{i}.backbone: {stage.backbone!r} is not stage 0's "
+                    f"{self.stages[0].backbone!r}"
+                )
         if isinstance(self.stages[0], EvalJobSpec):
             raise ValueError("stages.0: a pipeline starts with a training stage")
         return self

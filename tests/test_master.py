@@ -446,6 +446,47 @@ async def test_an_eval_on_a_dataset_checks_the_policys_head_and_the_held_out_spl
         await compile_eval("ev", one, policy(2), datasets)
 
 
+async def test_a_policy_is_evaluated_and_trained_on_only_on_the_backbone_that_trained_it(
+    own_js: JetStreamContext, tmp_path: Path
+) -> None:
+    """Found by an audit: an eval on another backbone was accepted. Of the same width, it
+    ran and published wrong metrics; of another, every act request failed, retried as the
+    service's fault. Now the submit is refused naming the field; so is init_from."""
+    tenant = uid("acme")
+    await _reach_dataset(own_js, tenant, tmp_path / "reach", episodes=4)
+    jobs = await own_js.key_value(subjects.KV_JOBS)
+    policies = await own_js.key_value(subjects.KV_POLICIES)
+    master = Master(
+        own_js, jobs, policies, datasets=Datasets(own_js, DatasetCache(tmp_path / "cache"))
+    )
+    head = {"kind": "oft", "action_dim": 2, "proprio_dim": 4}
+    trained = {"kind": "session", "tenant": tenant, "backbone": "tiny", "head": head}
+    now = time.time()
+    spec_json = json.dumps(trained).encode()
+    await put_job(
+        jobs, JobRecord(tenant, "trained", "session", "running", spec_json, now, now), last=0
+    )
+    slot = OpenSlot(tenant, "trained", HeadConfig("oft", 2, proprio_dim=4), OptimizerConfig(), 0, 9)
+    await put_policy(
+        policies, PolicyRecord(tenant, "trained", 3, 3, "obj", "sha", 1, slot, now), last=0
+    )
+    evaluation = {"kind": "eval", "tenant": tenant, "policy_job": "trained", "dataset": "reach"}
+    session = {**trained, "init_from": "trained"}
+    for spec in (evaluation, session):
+        assert await master.compile("same", parse_job_spec({**spec, "backbone": "tiny"}))
+        field = "policy_job" if spec["kind"] == "eval" else "init_from"
+        with pytest.raises(
+            PoisonError,
+            match=rf"^backbone: 'tiny-224', but {field} 'trained' was trained on 'tiny' ",
+        ):
+            await master.compile("other", parse_job_spec({**spec, "backbone": "tiny-224"}))
+    # A pipeline's stages start from each other's policies: one backbone for all of them.
+    sft = {"kind": "sft", "tenant": tenant, "dataset": "reach", "steps": 2, "head": head}
+    stages = [sft, {**evaluation, "backbone": "tiny-224"}]
+    with pytest.raises(ValueError, match=r"stages\.1\.backbone: 'tiny-224' is not stage 0's"):
+        parse_job_spec({"kind": "pipeline", "tenant": tenant, "stages": stages})
+
+
 def _rl_pipeline(tenant: str, stages: int) -> bytes:
     stage = json.loads(_rl_spec(tenant))
     return json.dumps({"kind": "pipeline", "tenant": tenant, "stages": [stage] * stages}).encode()

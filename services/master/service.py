@@ -109,6 +109,7 @@ class Master:
             backbones,
             envs if envs is not None else EnvDescriptions(js._nc),
             datasets if datasets is not None else Datasets(js),
+            jobs,
         )
         #: Queued jobs and the loop that starts them (its lock orders admissions).
         self.admissions = Admissions(self)
