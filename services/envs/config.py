@@ -14,6 +14,7 @@ from pydantic import Field
 
 from bus.config import DatasetsConfig
 from schemas.limits import InputLimits
+from services.envs.pool import DEFAULT_MAX_IDLE
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,12 @@ class EnvsConfig(DatasetsConfig):
         "(running ones get in-progress acks every third of it).",
     )
     backbones: str = Field("tiny", description="Backbone ids whose inferencers to ask (a,b).")
+    max_idle_sessions: int = Field(
+        DEFAULT_MAX_IDLE,
+        ge=0,
+        description="Simulator sessions kept idle for reuse across tasks; past it the least "
+        "recently used kinds (env, image size, episode limit, env kwargs) are closed.",
+    )
     limit: InputLimits = Field(
         default_factory=InputLimits, description="Input bounds (--limit-*, JOYNEXUS_LIMIT_*)."
     )

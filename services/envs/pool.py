@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -78,14 +78,28 @@ class EnvMeter:
         return gauges
 
 
+#: Idle simulator sessions an env worker keeps by default (its ``--max-idle-sessions``).
+DEFAULT_MAX_IDLE = 64
+
+
 class AdapterPool:
     """Simulator sessions are expensive to create (ManiSkill: seconds); keep and reuse them
-    across tasks, keyed by (env id, image size, episode limit)."""
+    across tasks, keyed by (env id, image size, episode limit, env kwargs).
 
-    def __init__(self) -> None:
-        self.idle: dict[tuple[object, ...], list[EnvAdapter]] = defaultdict(list)
-        #: Sessions built so far, by env id (none is ever dropped before close).
+    At most ``max_idle`` are kept idle: past it the least recently used kinds' sessions are
+    closed. Every tenant's choice of those values is a kind of its own, so kept without a
+    bound a few short jobs (e.g. one episode limit each) filled the worker's memory."""
+
+    def __init__(self, max_idle: int = DEFAULT_MAX_IDLE) -> None:
+        if max_idle < 0:
+            raise ValueError(f"max_idle must be >= 0, got {max_idle}")
+        self.max_idle = max_idle
+        #: Idle sessions by kind, the least recently used kind first.
+        self.idle: OrderedDict[tuple[object, ...], list[EnvAdapter]] = OrderedDict()
+        #: Sessions built so far, by env id.
         self.built: dict[str, int] = defaultdict(int)
+        #: Idle sessions closed to stay within ``max_idle``.
+        self.evicted = 0
         #: Sessions being built right now (seconds each: the worker is busy, not stalled).
         self.building = 0
         #: Told (and awaited) as a build starts: the service publishes a heartbeat saying so,
@@ -99,6 +113,32 @@ class AdapterPool:
     ) -> tuple[object, ...]:
         return (env_id, image_size, max_steps, tuple(sorted((env_kwargs or {}).items())))
 
+    def _free(self, kind: tuple[object, ...]) -> list[EnvAdapter]:
+        """The idle sessions of ``kind``, which becomes the most recently used."""
+        free = self.idle.setdefault(kind, [])
+        self.idle.move_to_end(kind)
+        return free
+
+    async def _trim(self) -> None:
+        """Close idle sessions past ``max_idle``: the least recently used kinds' first, the
+        oldest of a kind first (in a thread: a simulator's close can wait for its lock)."""
+        excess = sum(len(free) for free in self.idle.values()) - self.max_idle
+        if excess <= 0:
+            return
+        evicted: list[EnvAdapter] = []
+        for kind in list(self.idle):
+            free = self.idle[kind]
+            take = min(excess - len(evicted), len(free))
+            evicted += free[:take]
+            del free[:take]
+            if not free:
+                del self.idle[kind]
+            if len(evicted) >= excess:
+                break
+        if evicted:
+            self.evicted += len(evicted)
+            await asyncio.to_thread(_close_all, evicted)
+
     async def prewarm(
         self,
         env_id: str,
@@ -109,11 +149,12 @@ class AdapterPool:
     ) -> tuple[int, int]:
         """Build sessions (in a thread, one at a time) until ``n`` of this kind are idle;
         returns (idle now, built)."""
-        free = self.idle[self.key(env_id, image_size, max_steps, env_kwargs)]
+        free = self._free(self.key(env_id, image_size, max_steps, env_kwargs))
         built = 0
-        while len(free) < n:
+        while len(free) < min(n, self.max_idle):
             free.append(await self._build(env_id, image_size, max_steps, env_kwargs or {}))
             built += 1
+        await self._trim()
         return len(free), built
 
     async def _build(
@@ -162,21 +203,31 @@ class AdapterPool:
         """``n`` sessions of this kind for one task: idle ones, and new ones built (see
         :meth:`_build`)."""
         kwargs = dict(env_kwargs or {})
-        free = self.idle[self.key(env_id, image_size, max_steps, kwargs)]
+        kind = self.key(env_id, image_size, max_steps, kwargs)
+        free = self._free(kind)
         taken = [free.pop() for _ in range(min(n, len(free)))]
         try:
             while len(taken) < n:
                 taken.append(await self._build(env_id, image_size, max_steps, kwargs))
             yield taken
         finally:
-            free.extend(taken)
+            self._free(kind).extend(taken)  # its list may have been trimmed away meanwhile
+            await self._trim()
 
     def gauges(self) -> dict[str, float]:
-        """Sessions built per env id, as ``env.<id>.sessions``."""
-        return {f"env.{env_id}.sessions": float(n) for env_id, n in self.built.items()}
+        """Sessions built per env id, as ``env.<id>.sessions``; idle and evicted ones."""
+        gauges = {f"env.{env_id}.sessions": float(n) for env_id, n in self.built.items()}
+        gauges["sessions_idle"] = float(sum(len(free) for free in self.idle.values()))
+        gauges["sessions_evicted"] = float(self.evicted)
+        return gauges
 
     def close(self) -> None:
         for adapters in self.idle.values():
             for adapter in adapters:
                 adapter.close()
         self.idle.clear()
+
+
+def _close_all(adapters: list[EnvAdapter]) -> None:
+    for adapter in adapters:
+        adapter.close()

@@ -60,7 +60,7 @@ from services.envs.describe import Describer
 from services.envs.flow import Flow
 from services.envs.jobstate import committed_batches, iteration_done, job_ended, unconsumed
 from services.envs.limits import check_dataset, check_task, prewarm_refusal
-from services.envs.pool import AdapterPool, EnvMeter
+from services.envs.pool import DEFAULT_MAX_IDLE, AdapterPool, EnvMeter
 from services.envs.rollouts import collect, evaluate_env
 from vla.data import Dataset, DatasetError, load_dataset, read_meta
 
@@ -82,6 +82,7 @@ class EnvWorker:
         stop: asyncio.Event | None = None,
         limits: InputLimits | None = None,
         dataset_cache: DatasetCache | None = None,
+        max_idle_sessions: int = DEFAULT_MAX_IDLE,
     ) -> None:
         self.js = js
         #: Where tenants' pushed datasets are materialised (verified against their digests).
@@ -91,7 +92,7 @@ class EnvWorker:
         self.stop = stop or asyncio.Event()
         #: Loaded datasets by (tenant, dataset id, path or manifest digest).
         self.datasets = LoadedDatasets()
-        self.pool = AdapterPool()
+        self.pool = AdapterPool(max_idle_sessions)
         self.policies = policies
         #: Simulator and act-request measurements (heartbeat gauges).
         self.meter = EnvMeter()
@@ -454,6 +455,7 @@ async def run(config: EnvsConfig) -> None:
             rt.stop,
             config.limit,
             config.dataset_cache_settings(),
+            config.max_idle_sessions,
         )
         rt.gauges = worker.gauges
         usage = UsageReporter(
