@@ -41,8 +41,9 @@ async def request_description(
     connection asks under its ``tenant`` token (its answer may go only to its own inbox).
 
     Raises:
-        EnvDescribeError: no worker answered within ``timeout`` (retryable), or the worker
-            could not build the env (not retryable; an unknown id names the supported ones).
+        EnvDescribeError: no worker answered within ``timeout``, or it was busy building
+            the tenant's other descriptions (retryable); or the worker could not build the env
+            (not retryable; an unknown id names the supported ones).
     """
     request = DescribeEnv(env_id, dict(env_kwargs or {}), image_size)
     try:
@@ -62,5 +63,7 @@ async def request_description(
     except DecodeError as exc:
         raise EnvDescribeError(f"malformed describe reply: {exc}", retryable=False) from exc
     if reply.description is None:
-        raise EnvDescribeError(reply.error or f"env {env_id}: no description", retryable=False)
+        raise EnvDescribeError(
+            reply.error or f"env {env_id}: no description", retryable=reply.retryable
+        )
     return reply.description

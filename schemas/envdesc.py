@@ -73,6 +73,8 @@ class DescribeReply(msgspec.Struct, frozen=True):
 
     description: EnvDescription | None = None
     error: str = ""
+    #: The same request may be answered later (the worker was busy building others).
+    retryable: bool = False
 
 
 DESCRIBE_REQUEST_DECODER = msgspec.msgpack.Decoder(DescribeEnv)

@@ -4,6 +4,7 @@ real sims)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 
+import services.envs.describe as describe_module
 from bench.cli import main as joynexus
 from bus.auth import any_inbox, query_reply_allowed
 from bus.codec import decode, encode
@@ -27,14 +29,14 @@ from bus.errors import PoisonError, RetryableError
 from bus.server import EmbeddedServer
 from clients.sdk import Client
 from schemas import subjects
-from schemas.envdesc import DescribeEnv
+from schemas.envdesc import DescribeEnv, DescribeReply
 from schemas.jobs import JobSubmit
 from schemas.train import TRAIN_DECODER, OpenSlot
 from services.envs.adapters import ProprioMismatchError, proprio_for_head
-from services.envs.describe import Describer, describe_env, format_description
+from services.envs.describe import Describer, cache_key, describe_env, format_description
 from services.master.envfit import EnvDescriptions
 from services.master.service import Master
-from tests.helpers import uid
+from tests.helpers import eventually, uid
 
 REACH = "JoyNexus/Reach2D-v0"
 
@@ -339,3 +341,40 @@ def test_any_inbox_accepts_inboxes_only() -> None:
         "_INBOX_SVCX.abc",
     ):
         assert not any_inbox(reply), reply
+
+
+async def test_one_tenants_flood_of_builds_is_answered_busy_and_holds_no_one_else_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by an audit: every describe request started a build on the threads that step
+    tenants' simulators, without bound (40 requests of one tenant held another's 1 ms
+    simulator call for 16 s). Now builds run one at a time in a thread of their own, a
+    tenant has two in hand at most (a third is answered busy, retryable), and the cache
+    keeps the last MAX_CACHED descriptions asked for."""
+    monkeypatch.setattr(describe_module, "MAX_CACHED", 3)
+    d = Describer()
+    release = asyncio.Event()
+    d.on_build = release.wait  # builds wait here: "in hand"
+
+    def ask(size: int, tenant: str | None) -> asyncio.Task[DescribeReply]:
+        return asyncio.ensure_future(d.reply(encode(DescribeEnv(REACH, {}, size)), tenant))
+
+    try:
+        held = [ask(16, "alice"), ask(17, "alice")]
+        await eventually(lambda: d.building == 2 or None, what="alice's two builds")
+        busy = await ask(18, "alice")
+        assert busy.description is None and busy.retryable
+        assert "2 descriptions for tenant alice are being built already" in busy.error
+        # The same description as one in hand joins it; others' requests are not held.
+        others = [ask(16, "alice"), ask(18, "bob"), ask(19, None)]
+        await eventually(lambda: d.building == 4 or None, what="bob's and the service's")
+        release.set()
+        replies = await asyncio.wait_for(asyncio.gather(*held, *others), 60)
+        assert all(r.description is not None and not r.error for r in replies)
+        again = await ask(20, "alice")  # its builds ended: it may build again
+        assert again.description is not None
+        assert list(d.cache) == [
+            cache_key(REACH, {}, size) for size in (18, 19, 20)
+        ]  # the least recently asked for went
+    finally:
+        await d.close()

@@ -13,7 +13,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -49,6 +52,15 @@ EnvKwargs = dict[str, float | int | str | bool]
 MAX_ENV_ID_CHARS = 200
 #: Most constructor arguments a describe request may pass.
 MAX_ENV_KWARGS = 32
+#: Descriptions kept (the least recently asked for dropped past it).
+MAX_CACHED = 256
+#: Builds one tenant's requests may have waiting or under way at once; more are answered
+#: "busy" (retryable), so one tenant's flood cannot queue the others' (and the master's).
+MAX_BUILDS_PER_TENANT = 2
+
+
+class DescribeBusy(Exception):
+    """The tenant has :data:`MAX_BUILDS_PER_TENANT` builds in hand already."""
 
 
 def describe_adapter(adapter: EnvAdapter, env_kwargs: EnvKwargs | None = None) -> EnvDescription:
@@ -151,14 +163,20 @@ def format_description(d: EnvDescription) -> str:
 class Describer:
     """Answers describe requests for an env worker: one build per distinct request, cached.
 
-    Builds run in a thread, one per key at a time (concurrent requests for the same key wait
-    for the same build); a failed build is not cached, so a fixed env is seen at once.
+    Builds run one at a time in a thread of their own, one per key (concurrent requests for
+    the same key wait for the same build): the threads that step tenants' simulators are
+    never taken by describes. A failed build is not cached, so a fixed env is seen at once.
+    A tenant has at most :data:`MAX_BUILDS_PER_TENANT` builds in hand; the last
+    :data:`MAX_CACHED` descriptions asked for are kept.
     """
 
     def __init__(self, limits: InputLimits | None = None) -> None:
         self.limits = limits or InputLimits()
-        self.cache: dict[str, EnvDescription] = {}
+        self.cache: OrderedDict[str, EnvDescription] = OrderedDict()
         self._building: dict[str, asyncio.Future[EnvDescription]] = {}
+        #: Builds each tenant's requests started and are waiting for.
+        self._tenant_builds: dict[str, int] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="describe")
         self._replies: set[asyncio.Task[None]] = set()
         self._subs: list[Subscription] = []
         #: Awaited as a build starts (the worker's heartbeat says it is building: see
@@ -170,28 +188,48 @@ class Describer:
         """Descriptions being built right now."""
         return len(self._building)
 
-    async def describe(self, request: DescribeEnv) -> EnvDescription:
+    async def describe(self, request: DescribeEnv, tenant: str | None = None) -> EnvDescription:
+        """``request``'s description: cached, or built (``tenant``: whose request starts the
+        build, held to :data:`MAX_BUILDS_PER_TENANT`; None: a service's, never held)."""
         key = cache_key(request.env_id, request.env_kwargs, request.image_size)
         if key in self.cache:
+            self.cache.move_to_end(key)
             return self.cache[key]
         build = self._building.get(key)
         if build is None:
+            if tenant is not None:
+                if self._tenant_builds.get(tenant, 0) >= MAX_BUILDS_PER_TENANT:
+                    raise DescribeBusy(
+                        f"{MAX_BUILDS_PER_TENANT} descriptions for tenant {tenant} are being "
+                        "built already: ask again when one is answered"
+                    )
+                self._tenant_builds[tenant] = self._tenant_builds.get(tenant, 0) + 1
             build = asyncio.ensure_future(self._build(request))
             self._building[key] = build
-            build.add_done_callback(lambda _: self._building.pop(key, None))
+            build.add_done_callback(lambda _: self._built(key, tenant))
         description = await asyncio.shield(build)
         self.cache[key] = description
+        self.cache.move_to_end(key)
+        while len(self.cache) > MAX_CACHED:
+            self.cache.popitem(last=False)
         return description
+
+    def _built(self, key: str, tenant: str | None) -> None:
+        self._building.pop(key, None)
+        if tenant is not None:
+            left = self._tenant_builds.pop(tenant, 1) - 1
+            if left > 0:
+                self._tenant_builds[tenant] = left
 
     async def _build(self, request: DescribeEnv) -> EnvDescription:
         if self.on_build is not None:
             await self.on_build()
-        return await asyncio.to_thread(
-            describe_env, request.env_id, request.env_kwargs, request.image_size
-        )
+        build = partial(describe_env, request.env_id, request.env_kwargs, request.image_size)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, build)
 
-    async def reply(self, request_data: bytes) -> DescribeReply:
-        """The reply to one encoded request; every failure becomes an ``error`` reply."""
+    async def reply(self, request_data: bytes, tenant: str | None = None) -> DescribeReply:
+        """The reply to one encoded request (``tenant``: the requester's, from its subject);
+        every failure becomes an ``error`` reply."""
         try:
             request = decode(DESCRIBE_REQUEST_DECODER, request_data)
         except DecodeError as exc:
@@ -200,7 +238,9 @@ class Describer:
         if refused:
             return DescribeReply(error=f"env {request.env_id[:200]}: {refused}")
         try:
-            return DescribeReply(description=await self.describe(request))
+            return DescribeReply(description=await self.describe(request, tenant))
+        except DescribeBusy as exc:
+            return DescribeReply(error=f"env {request.env_id[:200]}: {exc}", retryable=True)
         except (EnvUnavailableError, ValueError, TypeError) as exc:
             return DescribeReply(error=f"env {request.env_id}: {exc}")
         except Exception as exc:  # noqa: BLE001 - any env's constructor may raise anything
@@ -232,7 +272,8 @@ class Describer:
             # publish the description there (a stream's subject, another tenant's inbox).
             log.info("describe request with reply %r (not its inbox) dropped", msg.reply[:80])
             return
-        reply = await self.reply(msg.data)
+        tenant = None if msg.subject == subjects.ENV_DESCRIBE else msg.subject.rsplit(".", 1)[1]
+        reply = await self.reply(msg.data, tenant)
         try:
             await msg.respond(encode(reply))
         except NatsError as exc:  # the connection closed meanwhile: the requester times out
@@ -258,6 +299,7 @@ class Describer:
         subs, self._subs = self._subs, []
         for sub in subs:
             await sub.unsubscribe()
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 __all__ = [
