@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client as NATS
@@ -33,6 +34,7 @@ from schemas.jobs import JobCancel, JobRecord, JobSubmit
 from schemas.limits import InputLimits
 from schemas.model import HeadConfig, OptimizerConfig
 from schemas.specs import EvalJobSpec, parse_job_spec
+from schemas.tenants import TenantLimits, TenantRecord
 from schemas.train import TRAIN_DECODER, CloseSlot, OpenSlot, PolicyRecord
 from services.envs.datasets import record
 from services.envs.describe import Describer
@@ -218,6 +220,37 @@ async def test_submit_for_another_tenant_is_rejected_to_its_sender_only(
 def _session_spec(tenant: str, **extra: Any) -> bytes:
     head = {"kind": "oft", "action_dim": 2, "proprio_dim": 0}
     return json.dumps({"kind": "session", "tenant": tenant, "head": head, **extra}).encode()
+
+
+async def test_a_queued_job_its_lowered_limits_rule_out_fails_instead_of_blocking_the_queue(
+    own_nc: NATS, own_js: JetStreamContext
+) -> None:
+    """Found by an audit: a queued job that its tenant's lowered limits ruled out waited for
+    ever, and every younger job of the tenant behind it (jobs start oldest first)."""
+    tenant = uid("acme")
+    tenants = await own_js.key_value(subjects.KV_TENANTS)
+    limits = TenantLimits(max_concurrent_jobs=1, max_job_priority=2)
+    await tenants.put(tenant, encode(TenantRecord(tenant, "U" + "A" * 55, time.time(), limits)))
+    master = await _master(own_js)
+
+    async def submit(job: str, **extra: Any) -> None:
+        data = encode(JobSubmit(tenant, job, _session_spec(tenant, **extra), 0.0))
+        await master.handle(Msg(own_nc, subject=subjects.job(tenant, "submit"), data=data))
+
+    await submit("a1")
+    await submit("a2", priority=2)
+    assert await _status(master, tenant, "a2") == "queued"
+    lowered = msgspec.structs.replace(limits, max_job_priority=1)
+    await tenants.put(tenant, encode(TenantRecord(tenant, "U" + "A" * 55, time.time(), lowered)))
+    await master.cancel(JobCancel(tenant, "a1", "make room"))
+    await master.admissions.admit_queued(tenant)
+    found = await master.record(tenant, "a2")
+    assert found is not None and found[0].status == "failed"
+    assert "max_job_priority 1" in found[0].reason and "limits changed while it waited" in (
+        found[0].reason
+    )
+    await submit("a3")  # nothing waits in front of it
+    assert await _status(master, tenant, "a3") == "running"
 
 
 async def test_a_submit_that_gives_up_after_recording_its_job_fails_the_job(

@@ -26,6 +26,7 @@ from schemas.jobs import TERMINAL_STATUSES, JobRecord
 from schemas.metrics import TenantQueue
 from schemas.specs import parse_job_spec
 from schemas.tenants import TenantLimits
+from services.master.limits import check_fits
 
 if TYPE_CHECKING:
     from services.master.service import Master
@@ -127,6 +128,12 @@ class Admissions:
         master = self.master
         spec = parse_job_spec(job.spec_json)
         if limits is not None:
+            try:
+                check_fits(spec, limits)
+            except PoisonError as exc:
+                # Its tenant's limits were lowered while it waited: it would wait for ever,
+                # and every younger job of the tenant behind it.
+                raise PoisonError(f"{exc} (the tenant's limits changed while it waited)") from exc
             wait = await master.gate.wait_reason(job.tenant, job.job_id, spec, limits)
             if wait:
                 if wait != job.reason:
