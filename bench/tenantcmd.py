@@ -19,6 +19,7 @@ def _tenant(args: argparse.Namespace) -> int:
     """``joynexus tenant add|list|rotate|revoke|set|sync``: change the home's registry, then
     apply it to the running stack (reload + tenants KV + bucket) if one runs there."""
     from nats.errors import Error as NatsError
+    from nats.js.errors import APIError
 
     from bus import tenantadmin
     from bus.auth import load_registry
@@ -64,6 +65,13 @@ def _tenant(args: argparse.Namespace) -> int:
     except (tenantadmin.TenantAdminError, ValueError) as exc:
         print(f"joynexus tenant {op}: {exc}", file=sys.stderr)
         return 2
+    except APIError as exc:  # the bus answered: it refused what was asked (a bucket's size)
+        print(
+            f"joynexus tenant {op}: saved in {home}, but the bus at {url} refused it "
+            f"({exc.description or exc}); change it with `joynexus tenant set` and sync again",
+            file=sys.stderr,
+        )
+        return 1
     except (NatsError, OSError, TimeoutError) as exc:
         if url is None:  # the home itself (its files), before any bus was asked
             print(f"joynexus tenant {op}: {exc}", file=sys.stderr)

@@ -194,9 +194,14 @@ def set_server_limits(home: Path, **values: int | None) -> ServerLimits:
     return registry.limits
 
 
+#: The largest value of any limit: the bus carries them (and JetStream a bucket's size) as
+#: 64-bit signed integers; a larger one was saved, then broke every sync and `joynexus up`.
+MAX_LIMIT = 2**63 - 1
+
+
 def check_limits(limits: TenantLimits) -> TenantLimits:
-    """Raise :class:`TenantAdminError` naming a limit that is not positive or a priority
-    class that does not exist."""
+    """Raise :class:`TenantAdminError` naming a limit that is not within 1..``MAX_LIMIT``
+    or a priority class that does not exist."""
     for flag, name in LIMIT_FLAGS.items():
         value = getattr(limits, name)
         if name == "priority":
@@ -204,8 +209,10 @@ def check_limits(limits: TenantLimits) -> TenantLimits:
                 raise TenantAdminError(
                     f"--priority must be one of {', '.join(PRIORITY_WEIGHTS)}, got {value!r}"
                 )
-        elif value < 1:
-            raise TenantAdminError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+        elif not 1 <= value <= MAX_LIMIT:
+            raise TenantAdminError(
+                f"--{flag.replace('_', '-')} must be within 1..{MAX_LIMIT}, got {value}"
+            )
     return limits
 
 

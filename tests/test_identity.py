@@ -92,8 +92,14 @@ def test_tenant_admin_refuses_what_it_cannot_do(tmp_path: Path) -> None:
         tenantadmin.add_tenant(tmp_path, "alice")
     with pytest.raises(tenantadmin.TenantAdminError, match="unknown tenant 'bob'"):
         tenantadmin.rotate_tenant(tmp_path, "bob")
-    with pytest.raises(tenantadmin.TenantAdminError, match="--max-jobs must be >= 1"):
+    with pytest.raises(tenantadmin.TenantAdminError, match=r"--max-jobs must be within 1\.\."):
         tenantadmin.set_limits(tmp_path, "alice", max_jobs=0)
+    # Found by an audit: a limit past 64 bits was saved, then broke every sync and `up`.
+    with pytest.raises(
+        tenantadmin.TenantAdminError,
+        match=r"--max-storage must be within 1\.\.9223372036854775807, got 1000000",
+    ):
+        tenantadmin.set_limits(tmp_path, "alice", max_storage=10**24)
     tenantadmin.revoke_tenant(tmp_path, "alice")
     with pytest.raises(tenantadmin.TenantAdminError, match="revoked"):
         tenantadmin.rotate_tenant(tmp_path, "alice")
@@ -135,7 +141,7 @@ def test_tenant_commands_on_a_stopped_home(tmp_path: Path) -> None:
     assert entry.limits.max_concurrent_jobs == 2  # unchanged
     assert " high " in run("list").stdout
     refused = run("set", "acme", "--max-inflight-samples", "0")
-    assert refused.returncode == 2 and "--max-inflight-samples must be >= 1" in refused.stderr
+    assert refused.returncode == 2 and "--max-inflight-samples must be within 1.." in refused.stderr
     assert run("set", "acme", "--priority", "urgent").returncode == 2  # not a class
     assert run("rotate", "acme").returncode == 0
     assert load_creds(tmp_path / "creds" / "acme.creds").public_key != key
@@ -187,6 +193,14 @@ def test_tenant_add_writes_to_a_bus_before_its_services_start_or_says_it_was_not
     unreached = run("add", "bob", "--url", dead)
     assert unreached.returncode == 1
     assert f"saved in {home}, but the bus at {dead} was not reached" in unreached.stderr
+    # A bus that answers and refuses (a bucket larger than its storage) says so, not that
+    # it was not reached.
+    refused = run("set", "acme", "--max-storage", str(2**62), "--url", fresh_server.url)
+    assert refused.returncode == 1
+    assert f"saved in {home}, but the bus at {fresh_server.url} refused it (" in refused.stderr
+    assert "insufficient storage" in refused.stderr
+    fixed = run("set", "acme", "--max-storage", str(1 << 30), "--url", fresh_server.url)
+    assert fixed.returncode == 0, fixed.stderr
     assert "joynexus tenant sync --url URL" in unreached.stderr
     synced = run("sync", "--url", fresh_server.url)
     assert synced.returncode == 0, synced.stderr
