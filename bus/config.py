@@ -15,13 +15,21 @@ cost table together with the backbone role at parse time.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from bus.datacache import DEFAULT_MAX_BYTES, DatasetCache, default_cache_root
 
@@ -71,6 +79,23 @@ class BusConfig(BaseModel):
         description="Append this process's finished spans to this JSON-lines file "
         "(`joynexus trace` reads it; OTLP and console come from the OTEL_* variables).",
     )
+
+    # Checked here, so that a mistake is the one-line "invalid configuration" naming the flag
+    # rather than a traceback from deep in the start-up.
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        levels = logging.getLevelNamesMapping()
+        if value.upper() not in levels:
+            raise ValueError(f"{value!r} is not one of {', '.join(levels)}")
+        return value.upper()
+
+    @field_validator("creds", "tls_ca")
+    @classmethod
+    def _a_file(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).is_file():
+            raise ValueError(f"{value!r} is not a file")
+        return value
 
 
 class DatasetsConfig(BusConfig):

@@ -189,6 +189,20 @@ def test_bad_config_exits_naming_the_field(nats_server: EmbeddedServer) -> None:
     assert out.returncode == 2
     assert "--heartbeat-interval-s: Input should be greater than 0" in out.stderr
     assert "JOYNEXUS_MAX_DELIVER: Input should be a valid integer" in out.stderr
+    # Found by an audit: these ended in a traceback from deep in the start-up.
+    missing = "/nonexistent/ca.pem"
+    out = subprocess.run(
+        [sys.executable, "-m", "services.master", "--log-level", "FOO", "--tls-ca", missing],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "JOYNEXUS_CREDS": "/nonexistent/x.creds"},
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "--log-level: Value error, 'FOO' is not one of CRITICAL" in out.stderr
+    assert f"--tls-ca: Value error, '{missing}' is not a file" in out.stderr
+    assert "JOYNEXUS_CREDS: Value error, '/nonexistent/x.creds' is not a file" in out.stderr
 
 
 def test_joynexus_up_check_reports_five_healthy_roles(tmp_path: Path) -> None:
