@@ -56,17 +56,21 @@ def _up(args: argparse.Namespace) -> int:
                 cluster=args.cluster,
             )
         )
-    return int(
-        launcher.run_stack(
-            home_of(args),
-            backbones=backbones,
-            auth=auth,
-            backbone_service=split,
-            cluster=args.cluster,
-            trace_file=args.trace_file,
-            metrics_port=args.metrics_port,
+    try:
+        return int(
+            launcher.run_stack(
+                home_of(args),
+                backbones=backbones,
+                auth=auth,
+                backbone_service=split,
+                cluster=args.cluster,
+                trace_file=args.trace_file,
+                metrics_port=args.metrics_port,
+            )
         )
-    )
+    except launcher.StackConfigError as exc:
+        print(f"joynexus up: {exc}", file=sys.stderr)
+        return 2
 
 
 async def _served(args: argparse.Namespace) -> int:

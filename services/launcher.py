@@ -90,6 +90,14 @@ class Child:
     metrics_port: int = 0
 
 
+#: The highest TCP port.
+MAX_PORT = 65535
+
+
+class StackConfigError(ValueError):
+    """A ``joynexus up`` setting that cannot work, found before anything starts."""
+
+
 @dataclass
 class LocalStack:
     """Embedded NATS + role processes under ``home``."""
@@ -126,6 +134,17 @@ class LocalStack:
     def __post_init__(self) -> None:
         if self.backbone_service and "backbone" not in self.roles:
             self.roles = {**self.roles, "backbone": 1}
+        if self.metrics_port:
+            processes = sum(n * len(self.groups(role)) for role, n in self.roles.items())
+            last = self.metrics_port + processes - 1
+            if self.metrics_port < 1 or last > MAX_PORT:
+                # Checked before anything starts: a role given a port past it exits at
+                # start, and its supervisor would restart it for ever.
+                raise StackConfigError(
+                    f"--metrics-port {self.metrics_port}: the {processes} role processes "
+                    f"take ports {self.metrics_port}..{last}, which must be within "
+                    f"1..{MAX_PORT} (0: no metrics)"
+                )
 
     @property
     def expected_roles(self) -> list[str]:
@@ -439,13 +458,13 @@ def run_stack(
     stack = LocalStack(
         home,
         roles=roles or {r: 1 for r in ROLES},
+        backbones=backbones or [ServedBackbone("tiny", "tiny")],
         auth=auth,
         backbone_service=backbone_service,
         cluster=cluster,
         trace_file=trace_file,
         metrics_port=metrics_port,
     )
-    stack.backbones = backbones or stack.backbones
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:

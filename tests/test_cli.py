@@ -236,6 +236,23 @@ def test_submit_without_a_stack_says_how_to_start_one(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("port", "ports"), [("65533", "65533..65537"), ("-2", "-2..2"), ("65531", "65531..65536")]
+)
+def test_metrics_ports_past_the_range_are_refused_before_anything_starts(
+    tmp_path: Path, port: str, ports: str
+) -> None:
+    """Found by an audit: the roles took PORT, PORT + 1, ...; one past 65535 exited at
+    start and was restarted for ever, while `up` said the stack was up."""
+    args = ["--home", str(tmp_path / "home"), "up", "--metrics-port", port]
+    if port == "65531":
+        args.append("--backbone-service")  # a sixth role process
+    out = run(*args, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"--metrics-port {port}: " in out.stderr and f"take ports {ports}" in out.stderr
+    assert not (tmp_path / "home" / "logs").exists()  # nothing was started
+
+
+@pytest.mark.parametrize(
     ("text", "got"), [("", "an empty file"), ("- kind: sft\n", "a list"), ("sft\n", "a str")]
 )
 def test_a_spec_file_that_is_no_mapping_is_refused_before_anything_is_sent(
