@@ -48,7 +48,7 @@ from nats.js.errors import BadRequestError, FetchTimeoutError, NotFoundError
 from bus import tracing
 from bus.codec import DecodeError
 from bus.crashes import CrashLedger, CrashLoopError
-from bus.durable import HAND_BACK_ALLOWANCE, ConsumerSpec, DeadHook, Durable, config_filters
+from bus.durable import HAND_BACK_ALLOWANCE, ConsumerSpec, DeadHook, Durable, config_differs
 from bus.errors import HandlerError, Interrupted
 from bus.fate import Fate, Handler, Hold, dead_letter, error_reason, retry_decision
 
@@ -101,11 +101,14 @@ class Consumer:
 
     # -- binding and fetching ----------------------------------------------------------------
     async def bind(self, spec: ConsumerSpec, on_dead: DeadHook | None = None) -> Durable:
-        """Bind ``spec``'s durable, creating it on first use. One left by an older layout with
-        other subject filters is updated to ``spec``'s (the server keeps its position)."""
+        """Bind ``spec``'s durable, creating it on first use. One left by an older layout or
+        an earlier start with other subject filters or delivery settings (ack wait, max
+        deliver, max ack pending) is updated to ``spec``'s (the server keeps its position)."""
         try:
             info = await self.js.consumer_info(spec.stream, spec.durable)
-            if config_filters(info.config) != set(spec.filters):
+            differs = config_differs(info.config, spec.config())
+            if differs:
+                log.info("consumer %s: updating %s", spec.durable, ", ".join(differs))
                 await self.js.add_consumer(spec.stream, spec.config())  # create-or-update
         except NotFoundError:
             try:

@@ -72,6 +72,23 @@ def config_filters(config: ConsumerConfig) -> set[str]:
     return {*(config.filter_subjects or ()), *one}
 
 
+def config_differs(found: ConsumerConfig, wanted: ConsumerConfig) -> list[str]:
+    """What of ``wanted`` (filters and delivery settings) the existing consumer's ``found``
+    config does not have: those are updated at bind, or a role started with another
+    ``--ack-wait-s`` would keep the old one (its in-progress acks then too rare: running
+    tasks delivered twice) and another ``--max-deliver`` would do nothing."""
+    differs = []
+    if config_filters(found) != config_filters(wanted):
+        differs.append("filters")
+    # The server keeps durations in nanoseconds, nats.py gives them back in seconds.
+    if abs((found.ack_wait or 0.0) - (wanted.ack_wait or 0.0)) > 1e-6:
+        differs.append("ack_wait")
+    for name in ("max_deliver", "max_ack_pending"):
+        if getattr(found, name) != getattr(wanted, name):
+            differs.append(name)
+    return differs
+
+
 @dataclass
 class Durable:
     """A bound durable: its spec, pull subscription and the hook told of its dead letters."""

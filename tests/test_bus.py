@@ -386,6 +386,39 @@ async def test_a_durable_with_several_filters_gets_only_those_and_an_old_one_is_
     await js.delete_consumer(subjects.STREAM_EVENTS, durable)
 
 
+async def test_a_durable_bound_with_other_delivery_settings_is_updated_to_them(
+    js: JetStreamContext,
+) -> None:
+    """Found by an audit: a role restarted with another --ack-wait-s kept the consumer's old
+    one (its in-progress acks, paced by the new one, then came too late: running tasks were
+    delivered to a second worker), and another --max-deliver did nothing."""
+    tenant, job = uid("ev"), uid("job")
+    durable = uid("evc")
+    filter_subject = subjects.events_of_job(tenant, job)
+    first = ConsumerSpec(subjects.STREAM_EVENTS, durable, filter_subject, ack_wait_s=2.0)
+    consumer = Consumer(js, asyncio.Event())
+    await consumer.bind(first)
+    await js.publish(subjects.event(tenant, job, "policy"), b"kept")
+    changed = ConsumerSpec(
+        subjects.STREAM_EVENTS,
+        durable,
+        filter_subject,
+        ack_wait_s=9.0,
+        max_deliver=2,
+        max_ack_pending=7,
+    )
+    again = Consumer(js, asyncio.Event())
+    bound = await again.bind(changed)
+    info = await js.consumer_info(subjects.STREAM_EVENTS, durable)
+    assert info.config.ack_wait == 9.0
+    assert info.config.max_deliver == 2 + HAND_BACK_ALLOWANCE
+    assert info.config.max_ack_pending == 7
+    got = await again.fetch(bound, 10, 2.0)
+    assert [m.data for m in got] == [b"kept"]  # its position is kept
+    await asyncio.gather(*(m.ack() for m in got))
+    await js.delete_consumer(subjects.STREAM_EVENTS, durable)
+
+
 async def test_kv_follower_stops_on_the_event_and_leaves_no_subscription(
     nc: NATS, js: JetStreamContext
 ) -> None:
