@@ -90,7 +90,10 @@ def add_stack_options(p: argparse.ArgumentParser, *, top: bool = False, bus: boo
     )
     if bus:
         p.add_argument(
-            "--url", default=default, help="bus URL (env JOYNEXUS_URL; default: the local stack's)"
+            "--url",
+            default=default,
+            help="bus URL (env JOYNEXUS_URL, with JOYNEXUS_USER / JOYNEXUS_PASSWORD for a "
+            "plain-auth bus; default: the local stack's)",
         )
         p.add_argument("--creds", default=default, help="NATS .creds file (env JOYNEXUS_CREDS)")
 
