@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -290,6 +291,9 @@ class _LoopWatch:
                 os._exit(EXIT_RESTART)
 
 
+#: How often a role says that its bus does not answer while it keeps trying.
+CONNECT_ERROR_EVERY_S = 10.0
+
 #: Connections that arrived after a stop, being closed (kept referenced until done).
 _late_closes: set[asyncio.Future[None]] = set()
 
@@ -298,6 +302,16 @@ async def _connect_or_stop(config: BusConfig, role: str, stop: asyncio.Event) ->
     """Connect, unless told to stop first (None). The connect attempt is not cancelled: a
     late connection is closed as soon as it arrives."""
     tls = ssl.create_default_context(cafile=config.tls_ca) if config.tls_ca else None
+    last_said = -math.inf
+
+    async def say_why(exc: Exception) -> None:
+        # Connects and reconnects are retried for ever (a role waits for its broker): say
+        # why now and then, or a wrong --url looks like a role that hangs in silence.
+        nonlocal last_said
+        if time.monotonic() - last_said >= CONNECT_ERROR_EVERY_S:
+            last_said = time.monotonic()
+            log.warning("%s: the bus at %s does not answer (%s); retrying", role, config.url, exc)
+
     attempt = asyncio.ensure_future(
         connect(
             config.url,
@@ -306,6 +320,7 @@ async def _connect_or_stop(config: BusConfig, role: str, stop: asyncio.Event) ->
             user=config.user,
             password=config.password,
             tls=tls,
+            error_cb=say_why,
         )
     )
     while not attempt.done() and not stop.is_set():

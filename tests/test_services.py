@@ -20,7 +20,7 @@ from bus.connect import connect
 from bus.datasets import register_path
 from bus.declare import declare
 from bus.kv import kv_values
-from bus.server import EmbeddedServer
+from bus.server import EmbeddedServer, free_port
 from clients.sdk import Client, JobFailed
 from schemas import headers, subjects
 from schemas.health import (
@@ -203,6 +203,20 @@ def test_bad_config_exits_naming_the_field(nats_server: EmbeddedServer) -> None:
     assert "--log-level: Value error, 'FOO' is not one of CRITICAL" in out.stderr
     assert f"--tls-ca: Value error, '{missing}' is not a file" in out.stderr
     assert "JOYNEXUS_CREDS: Value error, '/nonexistent/x.creds' is not a file" in out.stderr
+
+
+async def test_a_role_whose_bus_does_not_answer_says_so_while_it_waits(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """Found by an audit: a wrong --url looked like a role hanging in silence (the connect
+    is retried for ever, as it must be for a broker that restarts)."""
+    url = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+    log = tmp_path / "health.log"
+    proc = procs.add(start_service("health", url, log))
+    said = f"health: the bus at {url} does not answer ("
+    await eventually(lambda: said in log.read_text() or None, timeout=30, what="the warning")
+    proc.terminate()
+    assert proc.wait(30) == 0 and "stopped before connecting" in log.read_text()
 
 
 def test_joynexus_up_check_reports_five_healthy_roles(tmp_path: Path) -> None:
