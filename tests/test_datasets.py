@@ -6,6 +6,8 @@ import io
 import json
 import shutil
 import struct
+import subprocess
+import sys
 import time
 import zlib
 from collections.abc import Callable
@@ -20,6 +22,7 @@ from PIL import Image
 from services.envs.datasets import iter_batches, record
 from services.envs.sims import REACH2D_ID, make_env
 from services.envs.sims.reach import scripted_expert
+from tests.helpers import ROOT
 from vla.data import (
     DatasetError,
     EpisodeRecord,
@@ -563,6 +566,51 @@ CHECKED: dict[str, tuple[Callable[[Path], None], list[str]]] = {
     ),
     "no frames at all": (_no_frames, ["the data files have no frames"]),
 }
+
+
+def _one_row_group_of(root: Path, frames: int) -> None:
+    """The dataset ``root`` (one episode) made ``frames`` long: its first frame repeated in
+    one row group, every image the same dictionary-encoded PNG (a few bytes a frame)."""
+    table = pq.read_table(root / DATA)
+    rows = pa.array(np.zeros(frames, np.int64))
+    pq.write_table(table.take(rows), root / DATA, row_group_size=frames, compression="zstd")
+    episodes = pq.read_table(root / "meta/episodes.parquet")
+    episodes = _replace(episodes, "length", pa.array([frames]))
+    episodes = _replace(episodes, "dataset_to_index", pa.array([frames]))
+    pq.write_table(episodes, root / "meta/episodes.parquet")
+    _edit_info(total_frames=frames)(root)
+
+
+def test_the_submit_check_reads_a_huge_row_group_in_bounded_memory(tmp_path: Path) -> None:
+    """Found by an audit: a pushed dataset of a few hundred KB whose one row group holds
+    millions of frames of one dictionary-encoded image took the master gigabytes to check
+    (the whole row group was read to decode four sampled frames)."""
+    root = tmp_path / "bomb"
+    record(REACH2D_ID, 1, root, seed=0, env_kwargs={"image_size": 8})
+    frames = 1_000_000
+    _one_row_group_of(root, frames)
+    assert sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) < 1_000_000
+    # The child's peak memory is reset (clear_refs 5) once its imports are done: the peak
+    # after the check, less the memory in use before it, is what the check took.
+    script = (
+        "import sys; from vla.data import check_dataset; "
+        "kib = lambda key: int(next(line.split()[1] for line in open('/proc/self/status') "
+        "if line.startswith(key))); "
+        "open('/proc/self/clear_refs', 'w').write('5'); before = kib('VmRSS:'); "
+        "meta = check_dataset(sys.argv[1]); "
+        "print(meta.num_frames, (kib('VmHWM:') - before) // 1024)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(root)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    checked, grew_mib = map(int, out.stdout.split())
+    assert checked == frames
+    assert grew_mib < 100, f"checking it took {grew_mib} MiB more"
 
 
 @pytest.mark.parametrize("corruption", list(CHECKED))

@@ -99,7 +99,8 @@ from services.master.removal import Removal
 from services.master.sessions import Sessions
 from services.master.tenantjobs import TenantJobs
 from services.master.transfer import Transfer
-from vla.data import DatasetError, check_dataset
+from vla.data import DatasetError, check_dataset, read_meta
+from vla.data.limits import dataset_violation
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +152,8 @@ class Queries:
         self.jobs = jobs
         self.policies = policies
         self.cache = cache
+        #: The operator's bounds a pushed dataset is held to before its frames are read.
+        self.limits = limits or InputLimits()
         self.gate = TenantGate(js)
         self.tenant_jobs = TenantJobs(js)
         self.transfer = Transfer(js, self.gate)
@@ -282,6 +285,12 @@ class Queries:
             self.js, tenant, dataset, self.cache
         )
         try:
+            # Its limits first (metadata only), as a submit does: reading frames of a
+            # dataset past them could take the master's memory.
+            meta = await asyncio.to_thread(read_meta, directory)
+            violation = await asyncio.to_thread(dataset_violation, dataset, meta, self.limits)
+            if violation:
+                return CtlError("invalid", violation)
             await asyncio.to_thread(check_dataset, directory)
         except DatasetError as exc:
             return CtlError("invalid", f"dataset {dataset!r}: {exc}")

@@ -42,6 +42,8 @@ from vla.data.reader import (
 
 #: Frames :func:`check_dataset` decodes per camera by default.
 SAMPLE_FRAMES = 4
+#: Rows read at a time while looking for the sampled frames of a row group.
+_CHECK_BATCH_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -223,7 +225,24 @@ def _check_frames(
 ) -> None:
     """Decode the frames at ``offsets`` of one row group, every camera."""
     columns = ["episode_index", "frame_index", *meta.camera_keys]
-    table = parquet.read_row_group(group, columns=columns).take(offsets)
+    # Read in batches, keeping only the sampled rows: a whole row group (millions of rows of
+    # one dictionary-encoded image, a few hundred KB on disk) took gigabytes of memory.
+    wanted = sorted(set(offsets))
+    kept: list[pa.Table] = []
+    start = 0
+    for batch in parquet.iter_batches(
+        batch_size=_CHECK_BATCH_ROWS, row_groups=[group], columns=columns
+    ):
+        end = start + batch.num_rows
+        inside = [o - start for o in wanted if start <= o < end]
+        if inside:
+            kept.append(pa.Table.from_batches([batch]).take(inside))
+        start = end
+        if start > wanted[-1]:
+            break
+    table = pa.concat_tables(kept) if kept else None
+    if table is None or table.num_rows != len(wanted):
+        raise DatasetError(f"row group {group} has fewer rows than its metadata says")
     for i in range(table.num_rows):
         where = f"episode {table['episode_index'][i]}, frame {table['frame_index'][i]}"
         for key in meta.camera_keys:
