@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -182,3 +183,46 @@ async def test_a_trainers_cache_serves_repeats_and_the_operator_reads_and_clears
     assert "(cleared)" in joynexus("clear", "--url", fresh_server.url)
     memory, bucket = joynexus("stats", "--url", fresh_server.url).splitlines()[-2:]
     assert memory.split()[2] == "0" and bucket.split()[3] == "0"
+
+
+def test_clearing_while_the_compute_thread_fills_the_cache_never_breaks_a_put() -> None:
+    """Found by an audit: ``joynexus cache clear`` (on the event loop) in the middle of a
+    put's eviction (in the compute thread) raised in the training step, and could leave the
+    byte count above what the entries hold, after which every put raised."""
+    key = CompatKey("tiny", 32, 1, 16)
+    prefix, mask = torch.zeros(16, 8), torch.ones(16, dtype=torch.bool)
+    entry_bytes = prefix.nbytes + mask.nbytes
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: widens any window
+    try:
+        for trial in range(10):
+            cache = FeatureCache(4 * entry_bytes)
+            stop = threading.Event()
+            errors: list[BaseException] = []
+
+            def fill(
+                cache: FeatureCache = cache,
+                trial: int = trial,
+                stop: threading.Event = stop,
+                errors: list[BaseException] = errors,
+            ) -> None:
+                for i in range(1_000_000):
+                    if stop.is_set():
+                        return
+                    try:
+                        cache.put(("tiny", -1, key, f"{trial}-{i}"), prefix, mask)
+                    except BaseException as exc:  # noqa: BLE001 - what the test looks for
+                        errors.append(exc)
+                        return
+
+            filler = threading.Thread(target=fill)
+            filler.start()
+            for _ in range(5000):
+                cache.clear()
+            stop.set()
+            filler.join(30)
+            assert not errors, errors[0]
+            held = sum(e.nbytes for e in cache._entries.values())
+            assert cache.bytes == held <= cache.budget_bytes
+    finally:
+        sys.setswitchinterval(interval)

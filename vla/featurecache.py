@@ -20,6 +20,7 @@ tests show bit for bit), so a job's losses and parameters equal its run without 
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,12 +64,17 @@ class _Entry:
 
 
 class FeatureCache:
-    """Per-sample features under a byte budget, least recently used evicted first."""
+    """Per-sample features under a byte budget, least recently used evicted first.
+
+    Thread-safe: the trainer's compute thread reads and fills it while its event loop
+    answers ``joynexus cache clear`` and stats (unlocked, a clear in the middle of a put's
+    eviction raised in the step, and could leave the byte count above the entries)."""
 
     def __init__(self, budget_bytes: int) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}")
         self.budget_bytes = budget_bytes
+        self._lock = threading.Lock()
         self._entries: OrderedDict[CacheKey, _Entry] = OrderedDict()
         self.bytes = 0
         self.hits = 0
@@ -84,42 +90,47 @@ class FeatureCache:
         return self.hits / looked if looked else 0.0
 
     def get(self, key: CacheKey) -> _Entry | None:
-        entry = self._entries.get(key)
-        if entry is None:
-            self.misses += 1
-            return None
-        self._entries.move_to_end(key)
-        self.hits += 1
-        return entry
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return entry
 
     def peek(self, key: CacheKey) -> _Entry | None:
         """The entry, counting nothing (no hit, no miss, no recency)."""
-        return self._entries.get(key)
+        with self._lock:
+            return self._entries.get(key)
 
     def put(self, key: CacheKey, prefix_T_D: torch.Tensor, mask_T: torch.Tensor) -> None:
         entry = _Entry(prefix_T_D.detach().clone(), mask_T.detach().clone())
-        if entry.nbytes > self.budget_bytes or key in self._entries:
-            return
-        self._entries[key] = entry
-        self.bytes += entry.nbytes
-        while self.bytes > self.budget_bytes:
-            _, old = self._entries.popitem(last=False)
-            self.bytes -= old.nbytes
-            self.evictions += 1
+        with self._lock:
+            if entry.nbytes > self.budget_bytes or key in self._entries:
+                return
+            self._entries[key] = entry
+            self.bytes += entry.nbytes
+            while self.bytes > self.budget_bytes and self._entries:
+                _, old = self._entries.popitem(last=False)
+                self.bytes -= old.nbytes
+                self.evictions += 1
 
     def clear(self) -> None:
-        self._entries.clear()
-        self.bytes = 0
+        with self._lock:
+            self._entries.clear()
+            self.bytes = 0
 
     def stats(self) -> dict[str, float]:
-        return {
-            "feature_cache_entries": float(len(self._entries)),
-            "feature_cache_bytes": float(self.bytes),
-            "feature_cache_hits": float(self.hits),
-            "feature_cache_misses": float(self.misses),
-            "feature_cache_hit_rate": self.hit_rate,
-            "feature_cache_evictions": float(self.evictions),
-        }
+        with self._lock:
+            return {
+                "feature_cache_entries": float(len(self._entries)),
+                "feature_cache_bytes": float(self.bytes),
+                "feature_cache_hits": float(self.hits),
+                "feature_cache_misses": float(self.misses),
+                "feature_cache_hit_rate": self.hit_rate,
+                "feature_cache_evictions": float(self.evictions),
+            }
 
 
 class FeatureStore(Protocol):
