@@ -4,11 +4,12 @@ ended (:class:`JobResult`, or :class:`JobFailed` when it did not succeed)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from bus.codec import decode
+from bus.codec import DecodeError, decode
 from clients.follow import EventFollower
 from schemas.events import (
     EVENT_DECODER,
@@ -23,6 +24,8 @@ from schemas.jobs import TERMINAL_STATUSES
 
 if TYPE_CHECKING:
     from clients.sdk import Client
+
+log = logging.getLogger(__name__)
 
 
 class JobFailed(RuntimeError):
@@ -67,7 +70,13 @@ class Job:
         try:
             while True:
                 stored = await follower.next(idle_timeout or 3600.0)
-                event = decode(EVENT_DECODER, stored.data)
+                try:
+                    event = decode(EVENT_DECODER, stored.data)
+                except DecodeError as exc:
+                    # A kind of event this client does not know (a newer service's): the
+                    # job goes on, and so does following it.
+                    log.info("event %d of %s skipped: %s", stored.seq, self.job_id, exc)
+                    continue
                 yield event
                 if isinstance(event, Rejected) or (
                     isinstance(event, StateChanged) and event.status in TERMINAL_STATUSES

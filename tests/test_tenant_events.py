@@ -11,6 +11,7 @@ import typing
 from collections.abc import Sequence
 from pathlib import Path
 
+import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -24,9 +25,10 @@ from bus.publish import publish_event
 from bus.records import put_job
 from bus.server import EmbeddedServer
 from clients.follow import EventFollower
+from clients.jobs import Job
 from clients.sdk import Client, RequestError
 from schemas import subjects
-from schemas.events import EVENT_DECODER, Progress, Rejected
+from schemas.events import EVENT_DECODER, Progress, Rejected, StateChanged
 from schemas.jobs import JOB_COMMAND_DECODER, JobCancel, JobRecord, JobSubmit
 from schemas.tenantctl import (
     TENANT_REPLY_DECODER,
@@ -295,3 +297,20 @@ async def test_the_follower_keeps_its_timeout_when_no_master_answers(
             await follower.next(1.0)
         assert time.monotonic() - started < 4.0  # not the 10 s of one request
         await follower.close()
+
+
+async def test_a_wait_skips_an_event_of_a_kind_it_does_not_know(
+    stack: tuple[NATS, Client],
+) -> None:
+    """Found by an audit: an event of a newer kind ended a tenant's ``Job.wait()`` with a
+    raw DecodeError, though the job went on (the low-level client skipped such events)."""
+    nc, client = stack
+    tenant, job = uid("acme"), uid("j")
+    js = nc.jetstream()
+    await publish_event(js, StateChanged(tenant, job, "running", time.time()), "running")
+    newer = msgspec.msgpack.encode({"type": "newkind", "tenant": tenant, "job_id": job})
+    await js.publish(subjects.event(tenant, job, "newkind"), newer)
+    await publish_event(js, Progress(tenant, job, 3, 0, {"loss": 0.5}, time.time()))
+    await publish_event(js, StateChanged(tenant, job, "succeeded", time.time()), "succeeded")
+    result = await asyncio.wait_for(Job(client, tenant, job).wait(), 30)
+    assert result.status == "succeeded" and result.metrics == {"loss": 0.5}
