@@ -46,8 +46,9 @@ class Counting:
         return self.backbone.encode(inputs)
 
 
-async def opened(nc: NATS, bid: str, budget: int) -> BucketFeatureStore:
-    store = BucketFeatureStore(nc.jetstream(), asyncio.get_running_loop(), bid, budget)
+async def opened(nc: NATS, bid: str, budget: int, weights: str = "") -> BucketFeatureStore:
+    loop = asyncio.get_running_loop()
+    store = BucketFeatureStore(nc.jetstream(), loop, bid, budget, weights=weights)
     await store.open()
     return store
 
@@ -83,6 +84,34 @@ async def test_a_restarted_trainer_takes_stored_features_bit_for_bit(
         data = inputs if other.feature_layer == 0 else samples(backbone, 0, budget=24)
         await asyncio.to_thread(other.encode, data)
     assert counting.rows == 2 * SIZE and second.hits == SIZE
+
+
+async def test_features_of_other_weights_under_the_same_id_are_never_served(
+    nc: NATS, backbone: Backbone
+) -> None:
+    """Found by an audit: the bucket outlives the processes, and its keys named the backbone
+    id only, so a checkpoint rewritten in place (same id, new weights) trained on the old
+    weights' features, silently. Objects are now named for the weights' digest too."""
+    rewritten = Backbone.load("tiny")
+    assert rewritten.weights_digest() == backbone.weights_digest()  # the same weights
+    with torch.no_grad():
+        next(rewritten.model.parameters()).add_(0.5)
+    assert rewritten.weights_digest() != backbone.weights_digest()
+    bid, layer, inputs = uid("bb"), backbone.feature_layer, samples(backbone, 5)
+    old = await opened(nc, bid, 64 << 20, backbone.weights_digest())
+    writer = CachedEncoder(backbone, FeatureCache(64 << 20), bid, layer, old)
+    await asyncio.to_thread(writer.encode, inputs)
+    await old.drain()
+    new = await opened(nc, bid, 64 << 20, rewritten.weights_digest())
+    counting = Counting(rewritten)
+    reader = CachedEncoder(counting, FeatureCache(64 << 20), bid, layer, new)
+    served = await asyncio.to_thread(reader.encode, inputs)
+    assert counting.rows == SIZE and new.hits == 0  # computed with the new weights
+    assert torch.equal(served.prefix_B_T_D, rewritten.encode(inputs).prefix_B_T_D)
+    same = await opened(nc, bid, 64 << 20, backbone.weights_digest())
+    again = CachedEncoder(Counting(backbone), FeatureCache(64 << 20), bid, layer, same)
+    await asyncio.to_thread(again.encode, inputs)
+    assert same.hits == SIZE  # the old weights' own features are still theirs
 
 
 async def test_the_bucket_keeps_to_its_budget_least_recently_used_first(

@@ -14,6 +14,7 @@ they (and the final norm) cost neither memory nor compute, for any architecture.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,6 +207,20 @@ class Backbone:
     def holds_weights(self) -> bool:
         """False after :meth:`release_weights`: the backbone only normalises, never encodes."""
         return not self._released
+
+    def weights_digest(self) -> str:
+        """A digest of the weights features are computed with (each tensor's name, dtype,
+        shape and bytes): what tells the features of a checkpoint rewritten in place, under
+        the same backbone id, from the old weights'. Reads every weight once (seconds for a
+        large model: computed only where a store keeps features across processes)."""
+        if self._released:
+            raise RuntimeError("the weights were released: take their digest before")
+        digest = hashlib.sha256()
+        for name, tensor in sorted(self.model.state_dict().items()):
+            flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+            digest.update(f"{name}|{flat.dtype}|{tuple(tensor.shape)}|".encode())
+            digest.update(flat.view(torch.uint8).numpy())
+        return digest.hexdigest()[:32]
 
     def release_weights(self) -> None:
         """Free the model's weights and keep what normalising samples needs (processor,

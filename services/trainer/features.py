@@ -47,6 +47,12 @@ class FeatureSources:
 async def feature_sources(rt: Runtime, config: TrainerConfig, backbone: Backbone) -> FeatureSources:
     """Build the encoders ``config`` asks for (the store's bucket is opened here)."""
     sources = FeatureSources(backbone, backbone)
+    # Taken while the weights are here (a head-only trainer releases them below).
+    weights = (
+        await rt.slow(backbone.weights_digest)
+        if config.feature_cache_mb > 0 and config.feature_store_mb > 0
+        else ""
+    )
     if config.backbone_service:  # the config refuses a cost table with it
         backbone.release_weights()
         sources.remote = FeatureClient(
@@ -70,6 +76,7 @@ async def feature_sources(rt: Runtime, config: TrainerConfig, backbone: Backbone
                 asyncio.get_running_loop(),
                 backbone.backbone_id,
                 int(config.feature_store_mb * 2**20),
+                weights=weights,
             )
             await sources.store.open()
         sources.encoder = CachedEncoder(

@@ -55,11 +55,13 @@ log = logging.getLogger(__name__)
 RELIST_S = 30.0
 
 
-def object_name(key: CacheKey) -> str:
-    """The object a key's features are stored as: the digest of the whole key."""
+def object_name(key: CacheKey, weights: str = "") -> str:
+    """The object a key's features are stored as: the digest of the whole key and of the
+    backbone's ``weights`` (:meth:`vla.backbone.Backbone.weights_digest`): a bucket outlives
+    the processes, and a checkpoint rewritten in place keeps its id."""
     backbone_id, layer, compat, digest = key
     parts = (backbone_id, layer, compat.backbone_id, compat.image_size, compat.num_views)
-    text = "|".join(str(p) for p in (*parts, compat.token_budget, digest))
+    text = "|".join(str(p) for p in (*parts, compat.token_budget, digest, weights))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -74,12 +76,16 @@ class BucketFeatureStore:
         budget_bytes: int,
         timeout_s: float = 10.0,
         max_pending_bytes: int = 64 << 20,
+        weights: str = "",
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}")
         self.js = js
         self.loop = loop
         self.backbone_id = backbone_id
+        #: The digest of the weights features are stored for (part of every object's name:
+        #: another weights' features are misses, and age out of the budget).
+        self.weights = weights
         self.budget_bytes = budget_bytes
         self.timeout_s = timeout_s
         self.bucket = subjects.feature_cache_bucket(backbone_id)
@@ -167,7 +173,7 @@ class BucketFeatureStore:
         return out
 
     async def _get(self, key: CacheKey) -> tuple[torch.Tensor, torch.Tensor] | None:
-        name = object_name(key)
+        name = object_name(key, self.weights)
         if name not in self.index or self.store is None:
             return None
         buffer = io.BytesIO()
@@ -215,7 +221,7 @@ class BucketFeatureStore:
         assert self.store is not None
         async with self._lock:
             for key, prefix_T_D, mask_T in items:
-                name = object_name(key)
+                name = object_name(key, self.weights)
                 if name in self.index:
                     self.index.move_to_end(name)
                     continue
