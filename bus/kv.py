@@ -17,6 +17,7 @@ import binascii
 import hashlib
 import io
 import json
+import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import BinaryIO, TypeVar
@@ -35,6 +36,8 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
+
+log = logging.getLogger(__name__)
 
 #: Message gets in flight at once while listing an object store's metadata.
 LIST_CONCURRENCY = 16
@@ -123,7 +126,13 @@ async def list_objects(store: ObjectStore, prefix: str = "") -> list[ObjectInfo]
             msg = await js.get_msg(stream, subject=subject)
         except NotFoundError:  # purged since the listing
             return None
-        return ObjectInfo.from_response(json.loads(msg.data or b"{}"))
+        try:
+            return ObjectInfo.from_response(json.loads(msg.data or b"{}"))
+        except (ValueError, TypeError, KeyError) as exc:
+            # Damaged metadata names no usable object: one such entry must not make the
+            # whole bucket unlistable (every reader of it failing, for good).
+            log.warning("object metadata %s is unreadable (%s); skipped", subject, exc)
+            return None
 
     infos = await _bounded(read, wanted, LIST_CONCURRENCY)
     return [

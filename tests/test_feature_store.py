@@ -6,17 +6,20 @@ preprocessing; the bucket keeps to its budget, least recently used evicted first
 from __future__ import annotations
 
 import asyncio
+import base64
 
 import numpy as np
 import pytest
 import torch
 from nats.aio.client import Client as NATS
 
-from services.trainer.featurestore import BucketFeatureStore
+from schemas.cachectl import CacheQuery
+from services.trainer.features import cache_stats
+from services.trainer.featurestore import BucketFeatureStore, object_name
 from tests.helpers import uid
 from vla.backbone import Backbone
 from vla.feature import ModelInputs, VLAFeature
-from vla.featurecache import CachedEncoder, FeatureCache
+from vla.featurecache import CachedEncoder, FeatureCache, sample_digests
 from vla.normalize import Normaliser
 
 SIZE = 4
@@ -112,6 +115,33 @@ async def test_features_of_other_weights_under_the_same_id_are_never_served(
     again = CachedEncoder(Counting(backbone), FeatureCache(64 << 20), bid, layer, same)
     await asyncio.to_thread(again.encode, inputs)
     assert same.hits == SIZE  # the old weights' own features are still theirs
+
+
+async def test_a_damaged_metadata_entry_is_a_miss_and_leaves_the_bucket_usable(
+    nc: NATS, backbone: Backbone
+) -> None:
+    """Found by an audit: one object whose metadata was not an object's made every batch a
+    full miss, then failed every training step after the next listing, `cache clear`, and a
+    restarted trainer's start."""
+    bid, layer, inputs = uid("bb"), backbone.feature_layer, samples(backbone, 6)
+    store = await opened(nc, bid, 64 << 20)
+    writer = CachedEncoder(backbone, FeatureCache(64 << 20), bid, layer, store)
+    await asyncio.to_thread(writer.encode, inputs)
+    await store.drain()
+    keys = [(bid, layer, inputs.key, d) for d in sample_digests(inputs)]
+    damaged = object_name(keys[0])
+    token = base64.urlsafe_b64encode(damaged.encode()).decode()
+    await nc.jetstream().publish(f"$O.{store.bucket}.M.{token}", b'{"name": 5}')
+    reader = CachedEncoder(Counting(backbone), FeatureCache(64 << 20), bid, layer, store)
+    await asyncio.to_thread(reader.encode, inputs)
+    assert store.hits == SIZE - 1 and damaged not in store.index  # the others still serve
+    store.listed_at = 0.0  # the next fetch lists the bucket again
+    later = CachedEncoder(Counting(backbone), FeatureCache(64 << 20), bid, layer, store)
+    await asyncio.to_thread(later.encode, inputs)
+    restarted = await opened(nc, bid, 64 << 20)  # lists the bucket
+    assert len(restarted.index) >= SIZE - 1
+    stats = await cache_stats("i", bid, FeatureCache(1 << 20), store, CacheQuery(op="clear"))
+    assert stats.enabled and store.stats()["feature_store_entries"] == 0
 
 
 async def test_the_bucket_keeps_to_its_budget_least_recently_used_first(

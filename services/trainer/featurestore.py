@@ -34,6 +34,7 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import ObjectStoreConfig
 from nats.js.errors import (
+    BadObjectMetaError,
     BucketNotFoundError,
     DigestMismatchError,
     NotFoundError,
@@ -121,6 +122,9 @@ class BucketFeatureStore:
             log.warning("feature store: %d gets gave up: %s", len(keys), exc)
             future.cancel()
             return [None] * len(keys)
+        except Exception:  # a cache: whatever fails is a miss, not a failed step
+            log.exception("feature store: %d gets failed; computed instead", len(keys))
+            return [None] * len(keys)
 
     def put_many(self, items: Sequence[tuple[CacheKey, torch.Tensor, torch.Tensor]]) -> None:
         """Store these features in the background (a write that fails is only logged)."""
@@ -187,7 +191,15 @@ class BucketFeatureStore:
         except (ObjectNotFoundError, NotFoundError, ChunksMissingError):
             self._forget(name)  # evicted by another trainer
             return None
-        except (DecodeError, FeatureRecordError, ValueError, DigestMismatchError) as exc:
+        except (
+            DecodeError,
+            FeatureRecordError,
+            ValueError,
+            TypeError,
+            KeyError,
+            DigestMismatchError,
+            BadObjectMetaError,
+        ) as exc:  # damaged data or metadata: unusable, never served
             log.warning("feature store: object %s is unusable (%s); dropping it", name, exc)
             self._forget(name)
             with contextlib.suppress(NatsError, NotFoundError, ObjectNotFoundError):
