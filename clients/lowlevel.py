@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,8 @@ class ServiceClient:
     def __init__(self, client: Client, tenant: str) -> None:
         self.client = client
         self.tenant = tenant
+        #: Sessions opened through this client, closed with it.
+        self._sessions: weakref.WeakSet[TrainingClient] = weakref.WeakSet()
 
     @classmethod
     async def connect(
@@ -114,7 +117,13 @@ class ServiceClient:
         client = await Client.connect(url, creds=creds, home=home, tenant=tenant, **kw)
         return cls(client, tenant)
 
-    async def close(self) -> None:
+    async def close(self, timeout: float = 10.0) -> None:
+        """Close the sessions still open (their pending calls fail with
+        :class:`SessionClosed`; their slots are freed at once, not when their leases run
+        out), then the connection."""
+        sessions = [s for s in self._sessions if not s.closing]
+        if sessions:
+            await asyncio.gather(*(s.close("its service client closed", timeout) for s in sessions))
         await self.client.close()
 
     async def create_training_client(
@@ -164,6 +173,7 @@ class ServiceClient:
         )
         training = TrainingClient(self, job.job_id, spec)
         await training._open(timeout)
+        self._sessions.add(training)
         return training
 
     def create_sampling_client(self, policy: str, version: int = 0) -> SamplingClient:
@@ -193,6 +203,8 @@ class TrainingClient:
         self._last_sent = 0.0
         #: Set when the session's terminal state (or rejection) arrives.
         self._ended = asyncio.Event()
+        #: :meth:`close` was called (its service client's close leaves it alone then).
+        self.closing = False
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def _open(self, timeout: float) -> None:
@@ -216,10 +228,11 @@ class TrainingClient:
         """End the session (its saved states and versions remain) and wait, at most
         ``timeout``, until the master has closed it; pending calls fail with
         :class:`SessionClosed`."""
+        self.closing = True
         if not self._ended.is_set():
             try:
                 await self.client.cancel(self.tenant, self.session_id, reason)
-            except RequestError as exc:
+            except (RequestError, NatsError) as exc:  # the lease ends it then
                 log.warning("session %s: close not queued (%s)", self.session_id, exc)
             if self._follower is not None and not self._follower.done():
                 with contextlib.suppress(TimeoutError):
@@ -427,6 +440,8 @@ class TrainingClient:
                     self._fail_all(SessionClosed(str(exc), call=-1, retryable=False))
                     return
             except NatsError as exc:  # the connection is away: try again next time
+                if self.client.nc.is_closed:
+                    return  # closed for good (the follower ends the session's calls)
                 log.warning("session %s: lease not renewed (%s)", self.session_id, exc)
 
     async def _follow(self) -> None:
@@ -450,6 +465,11 @@ class TrainingClient:
                     await asyncio.sleep(1.0)
                     continue
                 except NatsError as exc:
+                    if self.client.nc.is_closed:  # closed for good: no answer can come
+                        reason = f"session {self.session_id}: its connection closed"
+                        self._fail_all(SessionClosed(reason, call=-1, retryable=False))
+                        self._ended.set()
+                        return
                     log.warning("session %s: events unreadable (%s)", self.session_id, exc)
                     await asyncio.sleep(1.0)
                     continue

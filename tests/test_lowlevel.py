@@ -174,6 +174,32 @@ def start_roles(
     }
 
 
+@pytest.mark.timeout(120)
+async def test_closing_the_service_client_or_its_connection_ends_pending_calls(
+    fresh_server: EmbeddedServer, bus: JetStreamContext, procs: Procs, tmp_path: Path
+) -> None:
+    """Found by an audit: a ServiceClient closed with a session open left the session's
+    pending calls unresolved for ever (its follower took the closed connection for a passing
+    outage), and the session's own close then raised. No trainer runs here: calls wait."""
+    start_roles(fresh_server.url, tmp_path, procs, "master")
+    tenant = uid("ll")
+    service = await ServiceClient.connect(fresh_server.url, tenant=tenant)
+    training = await service.create_training_client(head=HEAD, token_budget=TOKEN_BUDGET)
+    pending = training.forward_backward(make_batch(1))
+    await service.close(timeout=30)  # closes the session, then the connection
+    with pytest.raises(SessionClosed, match="its service client closed"):
+        await asyncio.wait_for(pending, 30)
+    await asyncio.wait_for(training.close(), 10)  # again: nothing left to do
+    # The connection closed under an open session (no close of its own): its calls end too.
+    other = await ServiceClient.connect(fresh_server.url, tenant=tenant)
+    session = await other.create_training_client(head=HEAD, token_budget=TOKEN_BUDGET)
+    waiting = session.forward_backward(make_batch(2))
+    await other.client.close()
+    with pytest.raises(SessionClosed, match="its connection closed"):
+        await asyncio.wait_for(waiting, 30)
+    await asyncio.wait_for(session.close(), 10)
+
+
 @pytest.mark.timeout(240)
 async def test_pipelined_calls_apply_in_order_as_in_process_with_errors_states_and_sampling(
     fresh_server: EmbeddedServer, bus: JetStreamContext, procs: Procs, tmp_path: Path
