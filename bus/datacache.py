@@ -44,6 +44,9 @@ MIN_IDLE_S = 3600.0
 PARTIAL_MAX_AGE_S = 86400.0
 #: What the cache may hold on disk by default.
 DEFAULT_MAX_BYTES = 64 * 2**30
+#: Copies of one dataset id kept (the newest, and the one before for a job still loading
+#: it): each push of other contents is a copy of its own, which the idle rule alone kept.
+KEEP_VERSIONS = 2
 
 _PARTIAL = ".partial-"
 _REMOVING = ".removing-"
@@ -108,6 +111,28 @@ class DatasetCache:
                 moved = _rename(entry)
                 os.rename(complete, entry)
             _delete(moved)
+
+    def prune_versions(self, entry: Path, keep: int = KEEP_VERSIONS) -> list[Path]:
+        """Remove the copies of ``entry``'s dataset id but the ``keep`` most recently used
+        (``entry``, just materialised, among them), however recently used: a tenant pushing
+        other contents under one id again and again (alternating two file sets costs its
+        storage nothing) made one full copy per push, kept by :attr:`min_idle_s` for an
+        hour whatever the budget. Returns the removed paths. Blocking: run it in a thread."""
+        with self._locked(exclusive=True):
+            copies: list[tuple[float, Path]] = []
+            for manifest in entry.parent.glob(f"*/{MANIFEST}"):
+                if manifest.parent.name.startswith("."):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    copies.append((manifest.stat().st_mtime, manifest.parent))
+            copies.sort(reverse=True)  # the most recently used first
+            doomed = [path for _, path in copies[keep:] if path != entry]
+            moved = [_rename(p) for p in doomed]
+        for gone in moved:
+            _delete(gone)
+        if doomed:
+            log.info("dataset cache: removed %d older copies of %s", len(doomed), entry.parent)
+        return doomed
 
     def evict(self, *, room: int = 0, now: float | None = None) -> list[Path]:
         """Remove download directories left by stopped processes, then the least recently

@@ -301,6 +301,10 @@ async def materialise(
         await asyncio.to_thread(cache.replace, target, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        await asyncio.to_thread(cache.prune_versions, target)
+    except OSError as exc:
+        log.warning("dataset cache %s: pruning older copies failed: %s", cache.root, exc)
     return target, manifest, digest
 
 

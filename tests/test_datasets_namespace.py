@@ -362,6 +362,29 @@ async def test_the_dataset_cache_keeps_to_its_budget_removing_the_least_recently
     assert fresh.is_dir() and new.is_dir() and again.is_dir()
 
 
+def test_only_the_two_most_recently_used_copies_of_a_dataset_id_are_kept(tmp_path: Path) -> None:
+    """Found by an audit: a tenant pushing two file sets in turn under one id (its storage
+    charged nothing more) made the master one full copy per push, each kept for an hour by
+    the idle rule, whatever the cache's budget. Now a new copy leaves at most one other of
+    its id, however recently used; other ids and tenants are not touched."""
+    cache = DatasetCache(tmp_path / "host", max_bytes=0, min_idle_s=600)
+
+    def copy_of(tenant: str, dataset: str, digest: str, ago: float) -> Path:
+        entry = cache.entry(tenant, dataset, digest * 32)
+        entry.mkdir(parents=True)
+        (entry / MANIFEST).write_bytes(b"{}")
+        used_ago(entry, ago)
+        return entry
+
+    copies = [copy_of("acme", "reach", f"{i:02d}", ago) for i, ago in enumerate((40, 30, 5, 20))]
+    others = [copy_of("acme", "other", "aa", 50), copy_of("bob", "reach", "bb", 50)]
+    newest = copy_of("acme", "reach", "ff", 0)
+    assert sorted(cache.prune_versions(newest)) == sorted([copies[0], copies[1], copies[3]])
+    assert newest.is_dir() and copies[2].is_dir()  # the one used 5 s ago stays beside it
+    assert all(o.is_dir() for o in others)
+    assert cache.prune_versions(newest) == []
+
+
 def test_an_eviction_under_way_holds_back_a_use_of_the_cache_until_it_is_done(
     tmp_path: Path,
 ) -> None:
