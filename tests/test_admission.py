@@ -87,6 +87,27 @@ def test_a_request_larger_than_the_batch_goes_alone_once_its_job_is_owed_it() ->
     assert credit["big/1"] < 1
 
 
+def test_requests_all_larger_than_a_batch_are_shared_by_weight_not_arrival() -> None:
+    """Found by an audit: when every job's next request was larger than a batch, the oldest
+    went, whatever the weights: a flood of 256-observation requests kept a weight-8 job's
+    17-observation one waiting 16 forwards. Now each goes alone when its job's credit,
+    earned at its weight, covers it: in observations, shares follow the weights."""
+    queue = [Waiting("flood/1", 256, 1) for _ in range(16)] + [Waiting("vip/1", 17, 8)]
+    credit: dict[str, float] = {}
+    first = fair_take(queue, 16, credit)
+    assert [queue[i].job for i in first] == ["vip/1"]  # 3 rounds of 8 cover it; 256 need 256
+    served: Counter[str] = Counter()
+    for _ in range(3000):
+        chosen = fair_take(queue, 16, credit)
+        assert len(chosen) == 1
+        served[queue[chosen[0]].job] += queue[chosen[0]].observations
+        # both keep sending: the flood keeps 16 requests waiting, the vip 1
+        queue = [w for i, w in enumerate(queue) if i != chosen[0]]
+        queue += [Waiting("flood/1", 256, 1)] * (16 - sum(w.job == "flood/1" for w in queue))
+        queue += [Waiting("vip/1", 17, 8)] * (1 - sum(w.job == "vip/1" for w in queue))
+    assert served["vip/1"] / served["flood/1"] == pytest.approx(8, rel=0.1), served
+
+
 # -- what a job holds and is served -------------------------------------------------------------
 def _rl(**kw: object) -> dict[str, object]:
     spec: dict[str, object] = {

@@ -13,6 +13,7 @@ class times its own priority), and a job flooding the queue cannot crowd out the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,6 +48,24 @@ def fair_take(waiting: Sequence[Waiting], target: int, credit: dict[str, float])
         if waiting[i].observations > target and credit.get(job, 0.0) >= waiting[i].observations:
             credit[job] -= waiting[i].observations
             return [i]
+    if all(waiting[queue[0]].observations > target for queue in queues.values()):
+        # Every job's next request is larger than a batch: each goes alone, when the credit
+        # its job earns at its weight covers it (the rounds until the first is covered run at
+        # once). Served in arrival order instead, a flood of large requests kept a weightier
+        # job's waiting for as many forwards as the flood had sent before it.
+        def rounds(job: str) -> int:
+            head = waiting[queues[job][0]]
+            owed = head.observations - credit.get(job, 0.0)
+            return max(0, math.ceil(owed / max(1, head.weight)))
+
+        earned = min(rounds(job) for job in queues)
+        for job, queue in queues.items():
+            credit[job] = credit.get(job, 0.0) + earned * max(1, waiting[queue[0]].weight)
+        covered = [j for j in queues if credit[j] >= waiting[queues[j][0]].observations]
+        job = max(covered, key=lambda j: credit[j] - waiting[queues[j][0]].observations)
+        i = queues[job][0]
+        credit[job] -= waiting[i].observations
+        return [i]
     chosen: list[int] = []
     total = 0
     while True:
@@ -65,7 +84,6 @@ def fair_take(waiting: Sequence[Waiting], target: int, credit: dict[str, float])
                 credit[job] -= waiting[i].observations
                 total += waiting[i].observations
                 chosen.append(i)
-    if not chosen:  # a single request larger than the batch: it goes alone
-        chosen = [0]
-        credit[waiting[0].job] = 0.0
+    # Some job's next request fits a batch, and rounds run until credit covers one.
+    assert chosen, "a request that fits a batch is always covered in the end"
     return sorted(chosen)
