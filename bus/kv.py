@@ -105,39 +105,59 @@ async def kv_history(kv: KeyValue, key: str) -> list[KeyValue.Entry]:
         seq = (msg.seq or seq) + 1
 
 
-async def list_objects(store: ObjectStore, prefix: str = "") -> list[ObjectInfo]:
-    """The live (not deleted) objects of ``store`` whose name starts with ``prefix``, in no
-    particular order; empty for an empty or missing bucket. Only the objects under
-    ``prefix`` are read (a name is in its metadata subject)."""
+@dataclass(frozen=True)
+class ObjectListing:
+    """An object store's metadata entries, as read: what :func:`object_listing` gives."""
+
+    #: Every readable entry under the prefix, deleted objects' included.
+    infos: list[ObjectInfo]
+    #: Metadata subjects the stream held under the prefix when it was listed.
+    subjects: int
+    #: Entries whose metadata is not an object's (damaged): left out of ``infos``.
+    unreadable: int
+
+
+async def object_listing(store: ObjectStore, prefix: str = "") -> ObjectListing:
+    """Every metadata entry of ``store`` whose name starts with ``prefix`` (empty for an
+    empty or missing bucket). Only the entries under ``prefix`` are read (a name is in its
+    metadata subject); one that is not an object's metadata is counted, not raised: it must
+    not make the whole bucket unlistable (every reader of it failing, for good)."""
     js, stream = store._js, store._stream
     meta_prefix = f"$O.{store._name}.M."
     try:
         info = await js.stream_info(stream, subjects_filter=f"{meta_prefix}>")
     except NotFoundError:
-        return []
+        return ObjectListing([], 0, 0)
     wanted = [
         subject
         for subject in info.state.subjects or {}
         if _object_name(subject[len(meta_prefix) :]).startswith(prefix)
     ]
 
-    async def read(subject: str) -> ObjectInfo | None:
+    async def read(subject: str) -> tuple[ObjectInfo | None, bool]:
         try:
             msg = await js.get_msg(stream, subject=subject)
         except NotFoundError:  # purged since the listing
-            return None
+            return None, False
         try:
-            return ObjectInfo.from_response(json.loads(msg.data or b"{}"))
-        except (ValueError, TypeError, KeyError) as exc:
-            # Damaged metadata names no usable object: one such entry must not make the
-            # whole bucket unlistable (every reader of it failing, for good).
+            data = json.loads(msg.data or b"{}")
+            if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+                raise ValueError("not an object's metadata")
+            return ObjectInfo.from_response(data), False
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
             log.warning("object metadata %s is unreadable (%s); skipped", subject, exc)
-            return None
+            return None, True
 
-    infos = await _bounded(read, wanted, LIST_CONCURRENCY)
-    return [
-        i for i in infos if i is not None and not i.deleted and (i.name or "").startswith(prefix)
-    ]
+    read_back = await _bounded(read, wanted, LIST_CONCURRENCY)
+    infos = [i for i, _ in read_back if i is not None and (i.name or "").startswith(prefix)]
+    return ObjectListing(infos, len(wanted), sum(bad for _, bad in read_back))
+
+
+async def list_objects(store: ObjectStore, prefix: str = "") -> list[ObjectInfo]:
+    """The live (not deleted) objects of ``store`` whose name starts with ``prefix``, in no
+    particular order (see :func:`object_listing`)."""
+    listing = await object_listing(store, prefix)
+    return [i for i in listing.infos if not i.deleted]
 
 
 async def read_object_into(store: ObjectStore, name: str, out: BinaryIO) -> ObjectInfo:

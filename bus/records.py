@@ -21,6 +21,7 @@ revision = await put_policy(kv, new_record, last=revision)
 
 from __future__ import annotations
 
+import logging
 from typing import TypeVar
 
 import msgspec
@@ -28,12 +29,14 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from bus.codec import decode, encode
+from bus.codec import DecodeError, decode, encode
 from bus.errors import RetryableError
 from bus.kv import kv_history, kv_values
 from schemas import subjects
 from schemas.jobs import JOB_RECORD_DECODER, JobRecord, job_key
 from schemas.train import POLICY_RECORD_DECODER, PolicyRecord
+
+log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=msgspec.Struct)
 
@@ -150,5 +153,12 @@ async def list_jobs(js: JetStreamContext, tenant: str | None = None) -> list[Job
     bucket's stream state, so polling it leaves no consumers behind (:mod:`bus.kv`)."""
     prefix = f"{tenant}." if tenant is not None else ""
     values = await kv_values(js, subjects.KV_JOBS, prefix)
-    records = [decode(JOB_RECORD_DECODER, v) for v in values.values()]
+    records = []
+    for key, value in values.items():
+        try:
+            records.append(decode(JOB_RECORD_DECODER, value))
+        except DecodeError as exc:
+            # One record that does not decode (damaged, or a newer schema's) is its job's
+            # problem: failing the list stopped the master at every start, for every tenant.
+            log.warning("jobs record %s does not decode (%s); left out", key, exc)
     return sorted(records, key=lambda r: r.created_at)

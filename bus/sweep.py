@@ -29,6 +29,8 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from bus.kv import object_listing
+
 log = logging.getLogger(__name__)
 
 #: An orphan is purged once it has kept its last chunk at least this long (by the sweeper's
@@ -134,19 +136,19 @@ async def live_nuids(js: JetStreamContext, bucket: str) -> set[str] | None:
     )
     expected = len(meta.state.subjects or {})
     store = await js.object_store(bucket)
-    try:
-        objects = await asyncio.wait_for(store.list(), LIST_TIMEOUT_S)
-    except NotFoundError:  # nats.py: no entries at all
-        objects = []
-    if len(objects) != expected:
+    # Entry by entry (nats.py's own list stopped at a damaged entry and timed out, and with
+    # it every sweep of the bucket): a damaged entry names no readable object, so the chunks
+    # only it could name are garbage like any orphan's.
+    listing = await asyncio.wait_for(object_listing(store), LIST_TIMEOUT_S)
+    if len(listing.infos) + listing.unreadable != expected:
         log.info(
             "object store %s: %d objects listed, %d in the stream; not swept now",
             bucket,
-            len(objects),
+            len(listing.infos) + listing.unreadable,
             expected,
         )
         return None
-    return {o.nuid for o in objects if o.nuid and not o.deleted}
+    return {o.nuid for o in listing.infos if o.nuid and not o.deleted}
 
 
 async def object_buckets(js: JetStreamContext) -> list[str]:

@@ -161,3 +161,15 @@ async def test_list_jobs_returns_one_tenants_live_records_oldest_first(
     everyone = {(r.tenant, r.job_id) for r in await list_jobs(js)}
     assert {(tenant, "early"), (tenant, "late"), (other, "x")} <= everyone
     assert (tenant, "gone") not in everyone
+
+
+async def test_a_jobs_record_that_does_not_decode_is_left_out_of_the_list(
+    js: JetStreamContext,
+) -> None:
+    """Found by an audit: one damaged (or newer-schema) record made list_jobs raise, which
+    stopped the master at every start, for every tenant. It is its own job's problem."""
+    kv = await js.key_value(subjects.KV_JOBS)
+    tenant = uid("tenant")
+    await put_job(kv, job(tenant, "fine", at=time.time()), last=0)
+    await kv.put(job_key(tenant, "damaged"), b"\xff\xfe garbage")
+    assert [r.job_id for r in await list_jobs(js, tenant)] == ["fine"]
