@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client as NATS
@@ -25,15 +26,18 @@ from bus.datacache import DatasetCache
 from bus.datasets import register_path
 from bus.declare import declare
 from bus.errors import PoisonError, RetryableError
+from bus.inference import observation
 from bus.publish import publish_event
 from bus.records import put_job, put_policy
 from bus.server import EmbeddedServer
 from schemas import headers, subjects
 from schemas.events import EVENT_DECODER, Accepted, PolicyPublished, Rejected, StateChanged
+from schemas.infer import ActReply
 from schemas.jobs import JobCancel, JobRecord, JobSubmit
 from schemas.limits import InputLimits
 from schemas.model import HeadConfig, OptimizerConfig
 from schemas.specs import EvalJobSpec, parse_job_spec
+from schemas.tenantctl import Sampled, SamplePolicy
 from schemas.tenants import TenantLimits, TenantRecord
 from schemas.train import TRAIN_DECODER, CloseSlot, OpenSlot, PolicyRecord
 from services.envs.datasets import record
@@ -42,6 +46,8 @@ from services.envs.sims import REACH2D_ID
 from services.master.admission import UNEXPECTED_TRIES
 from services.master.plans import Datasets, compile_eval
 from services.master.service import Master
+from services.master.sessions import Sessions
+from services.master.tenantjobs import TenantJobs
 from tests.conftest import Procs
 from tests.helpers import start_service, uid
 
@@ -744,3 +750,33 @@ async def test_an_unrecorded_sessions_lease_runs_out_without_a_cancel(
     assert sessions.leases == {}
     info = await own_js.stream_info(subjects.STREAM_JOBS)
     assert info.state.messages == 0, "no cancel queued"
+
+
+async def test_sampling_is_weighed_by_the_tenants_class_and_the_jobs_priority(
+    own_js: JetStreamContext,
+) -> None:
+    """Found by an audit: sampling through the master went to the inferencer at weight 1,
+    while the job's rollouts carried its tenant's priority class times its own priority."""
+    tenant = uid("acme")
+    tenants = await own_js.key_value(subjects.KV_TENANTS)
+    limits = TenantLimits(priority="high")  # weight 4
+    await tenants.put(tenant, encode(TenantRecord(tenant, "U" + "A" * 55, time.time(), limits)))
+    jobs = await own_js.key_value(subjects.KV_JOBS)
+    now = time.time()
+    spec = _session_spec(tenant, priority=2)
+    await put_job(jobs, JobRecord(tenant, "s-1", "session", "running", spec, now, now), last=0)
+    sessions = Sessions(own_js, jobs, TenantJobs(own_js))
+    relayed: dict[str, Any] = {}
+
+    class Inferencer:
+        async def act(self, tenant: str, job_id: str, observations: Any, **kw: Any) -> ActReply:
+            relayed.update(kw)
+            return ActReply("r", 1)
+
+    async def inferencer(backbone: str) -> Inferencer:
+        return Inferencer()
+
+    sessions._policy_client = inferencer  # type: ignore[method-assign,assignment]
+    obs = observation([np.zeros((8, 8, 3), np.uint8)], "reach", np.zeros(2, np.float32))
+    reply = await sessions.act(SamplePolicy(tenant, "s-1", [obs], seed=3))
+    assert isinstance(reply, Sampled) and relayed["priority"] == 8

@@ -26,6 +26,7 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from bus.errors import PoisonError
 from bus.inference import InferenceError, InferenceTimeout, PolicyClient
 from bus.publish import msg_id, publish
 from bus.records import get_job, list_jobs
@@ -46,6 +47,7 @@ from schemas.tenantctl import (
     SubmitJob,
     TenantReply,
 )
+from services.master.limits import TenantGate
 from services.master.tenantjobs import TenantJobs
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,8 @@ class Sessions:
         self.limits = limits or InputLimits()
         self.jobs = jobs
         self.tenant_jobs = tenant_jobs
+        #: Tenants' records: their priority class weighs their sampling as their rollouts.
+        self.gate = TenantGate(js)
         #: (tenant, session) → (monotonic time of its last call or renewal, lease_s).
         self.leases: dict[tuple[str, str], tuple[float, float]] = {}
         self._policy_clients: dict[str, PolicyClient] = {}
@@ -150,11 +154,19 @@ class Sessions:
         if record is None:
             return CtlError("not_found", f"no job {job_id!r} of tenant {request.tenant}")
         try:
-            backbone = getattr(parse_job_spec(record.spec_json), "backbone", None)
+            spec = parse_job_spec(record.spec_json)
         except JobSpecError as exc:  # a record written by an older master, say
             return CtlError("invalid", f"job {job_id!r}: {exc}")
+        backbone = getattr(spec, "backbone", None)
         if not isinstance(backbone, str):
             return CtlError("invalid", f"job {job_id!r} is a {record.kind}: it has no policy")
+        try:
+            tenant = await self.gate.record(request.tenant)
+        except PoisonError as exc:  # revoked meanwhile, or its record unreadable
+            return CtlError("invalid", f"act: {exc}")
+        # Weighed in the inferencer's batches as the job's rollouts are: its tenant's
+        # priority class times its own priority (sampling went at weight 1).
+        weight = (tenant.limits.weight if tenant is not None else 1) * getattr(spec, "priority", 1)
         client = await self._policy_client(backbone)
         try:
             reply = await client.act(
@@ -165,6 +177,7 @@ class Sessions:
                 deterministic=request.deterministic,
                 seed=request.seed,
                 timeout=request.timeout_s,
+                priority=weight,
             )
         except InferenceTimeout as exc:
             return CtlError("unavailable", f"act: no inferencer answered: {exc}", True)
