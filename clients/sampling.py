@@ -49,7 +49,11 @@ class SamplingClient:
         deterministic: bool = False,
         seed: int = -1,
     ) -> SampleOutput:
-        """One action chunk per observation (``seed`` >= 0: reproducible samples)."""
+        """One action chunk per observation. ``seed`` >= 0: the head's noise is drawn from
+        a generator seeded by it, so a request gives the same actions again, bit for bit
+        when it is batched alike; its backbone forward may be grouped with other requests,
+        and on CPUs whose kernels are not batch-invariant that moves the actions by float
+        rounding (~1e-7)."""
         client = self.service.client
         tenant = self.service.tenant
         request = SamplePolicy(

@@ -8,8 +8,9 @@ forward past the backbone's measured knee is slower per sample than smaller ones
 then act per policy: requests of one policy version that draw from the slot's own generator
 (``seed`` -1) and agree on ``deterministic`` share one head call; a request with ``seed >= 0``
 gets a head call with a generator seeded by it, so its actions depend on nothing but its seed,
-policy and observations. One request's failure (bad input) is that request's result; it never
-fails the batch.
+policy and observations (up to float rounding where the CPU's kernels are not batch-invariant:
+its backbone forward is grouped with whatever shares its batch). One request's failure (bad
+input) is that request's result; it never fails the batch.
 """
 
 from __future__ import annotations
