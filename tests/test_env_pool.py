@@ -77,3 +77,29 @@ async def test_a_task_larger_than_the_bound_runs_and_keeps_only_the_bound(
     assert none.idle == {} and len(closed) == 5
     with pytest.raises(ValueError, match="max_idle must be >= 0"):
         AdapterPool(max_idle=-1)
+
+
+async def test_a_prewarm_whose_kind_is_trimmed_while_it_builds_loses_no_session(
+    closed: list[EnvAdapter],
+) -> None:
+    """Another task's trim can drop the kind a prewarm is filling while it waits for a build:
+    the sessions it builds after that still go into the pool (none held by nobody)."""
+    pool = AdapterPool(max_idle=2)
+    builds = 0
+
+    async def other_task_meanwhile() -> None:
+        nonlocal builds
+        builds += 1
+        if builds == 2:  # the prewarm's second build: another kind comes and goes
+            pool.on_build = None
+            async with pool.sessions(REACH2D_ID, 16, 5, 2):
+                pass
+
+    pool.on_build = other_task_meanwhile
+    idle_now, built = await pool.prewarm(REACH2D_ID, 16, 9, 2)
+    # Its first session was trimmed away with its kind (the other kind's two were newer),
+    # so it built three; then the other kind's two went.
+    every = pool.built[REACH2D_ID]
+    assert every == 5 and built == 3
+    assert idle(pool) == {9: 2} and idle_now == 2
+    assert len(closed) == 3  # each session built is idle or closed, none held by nobody

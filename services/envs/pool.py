@@ -149,13 +149,15 @@ class AdapterPool:
     ) -> tuple[int, int]:
         """Build sessions (in a thread, one at a time) until ``n`` of this kind are idle;
         returns (idle now, built)."""
-        free = self._free(self.key(env_id, image_size, max_steps, env_kwargs))
+        kind = self.key(env_id, image_size, max_steps, env_kwargs)
         built = 0
-        while len(free) < min(n, self.max_idle):
-            free.append(await self._build(env_id, image_size, max_steps, env_kwargs or {}))
+        while len(self._free(kind)) < min(n, self.max_idle):
+            adapter = await self._build(env_id, image_size, max_steps, env_kwargs or {})
+            # Looked up again after the build: another task's trim may have dropped the list.
+            self._free(kind).append(adapter)
             built += 1
         await self._trim()
-        return len(free), built
+        return len(self.idle.get(kind, ())), built
 
     async def _build(
         self, env_id: str, image_size: int, max_steps: int, env_kwargs: dict[str, Any]
